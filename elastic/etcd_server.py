@@ -160,7 +160,9 @@ class EtcdServer:
                 return
             time.sleep(0.1)
         self.kill()
-        raise EtcdServerError(f"etcd at {self.url} not healthy after {timeout:.0f}s (log {log_path})")
+        raise EtcdServerError(
+            f"etcd at {self.url} not healthy after {timeout:.0f}s (log {log_path})"
+        )
 
     def _healthy(self) -> bool:
         if self.tls:

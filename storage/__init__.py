@@ -1,1 +1,46 @@
-"""storage"""
+"""storage: the one door to bytes.
+
+`open_store(url)` turns `/path`, `file://`, `s3://bucket/prefix` or `memory://` into a
+`Store`: atomic puts, ranged gets, listing, deletes, retried on transient errors,
+typed errors otherwise, and the tensorstore kvstore spec of the same location.
+Nothing else in Relight talks to a filesystem or S3 directly.
+"""
+
+from storage.base import Store, StoreStats
+from storage.errors import (
+    InjectedFaultError,
+    InvalidKeyError,
+    InvalidStorageURLError,
+    ObjectNotFoundError,
+    ObjectTruncatedError,
+    StorageError,
+    StoragePermissionError,
+    TransientStorageError,
+)
+from storage.faulty import FaultLog, FaultPlan, FaultyStore, corrupt_object
+from storage.open import open_store
+from storage.retry import RetryPolicy
+from storage.settings import S3Settings
+from storage.url import StorageLocation, parse_url
+
+__all__ = [
+    "FaultLog",
+    "FaultPlan",
+    "FaultyStore",
+    "InjectedFaultError",
+    "InvalidKeyError",
+    "InvalidStorageURLError",
+    "ObjectNotFoundError",
+    "ObjectTruncatedError",
+    "RetryPolicy",
+    "S3Settings",
+    "StorageError",
+    "StorageLocation",
+    "StoragePermissionError",
+    "Store",
+    "StoreStats",
+    "TransientStorageError",
+    "corrupt_object",
+    "open_store",
+    "parse_url",
+]

@@ -1,0 +1,205 @@
+"""The `Store` interface: what every part of Relight may do with bytes.
+
+A store is rooted at a URL. Keys are relative to that root and can never leave it
+(`check_key`). Every operation is retried on transient errors and raises a typed
+`StorageError` otherwise. `kvstore_spec()` gives tensorstore the same location, so
+arrays written through tensorstore and small objects written here land together;
+tensorstore I/O does not pass through the methods below, so callers that read or
+write arrays report those bytes with `stats.record_*`.
+"""
+
+from __future__ import annotations
+
+import random
+import threading
+from abc import ABC, abstractmethod
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from typing import Any, TypeVar
+
+from storage.errors import ObjectTruncatedError
+from storage.retry import RetryPolicy, call_with_retry
+from storage.url import StorageLocation, check_key
+
+T = TypeVar("T")
+
+__all__ = ["Store", "StoreStats"]
+
+
+@dataclass
+class StoreStats:
+    """Counters shared by a store and every child of it. Thread-safe."""
+
+    bytes_read: int = 0
+    bytes_written: int = 0
+    reads: int = 0
+    writes: int = 0
+    lists: int = 0
+    deletes: int = 0
+    retries: int = 0
+    _lock: threading.Lock = field(default_factory=threading.Lock, repr=False, compare=False)
+
+    def record_read(self, nbytes: int, ops: int = 1) -> None:
+        with self._lock:
+            self.bytes_read += nbytes
+            self.reads += ops
+
+    def record_write(self, nbytes: int, ops: int = 1) -> None:
+        with self._lock:
+            self.bytes_written += nbytes
+            self.writes += ops
+
+    def record(self, counter: str, n: int = 1) -> None:
+        with self._lock:
+            setattr(self, counter, getattr(self, counter) + n)
+
+    def snapshot(self) -> dict[str, int]:
+        with self._lock:
+            return {
+                k: getattr(self, k)
+                for k in ("bytes_read", "bytes_written", "reads", "writes", "lists", "deletes",
+                          "retries")
+            }
+
+
+class Store(ABC):
+    """Objects under one root URL. Subclasses implement the `_`-prefixed primitives
+    on absolute backend paths; this class adds key checking, retries and counters."""
+
+    def __init__(
+        self,
+        location: StorageLocation,
+        retry: RetryPolicy | None = None,
+        stats: StoreStats | None = None,
+    ) -> None:
+        self.location = location
+        self.retry = retry or RetryPolicy()
+        self.stats = stats or StoreStats()
+        self._rng = random.Random()
+
+    # -- public surface -------------------------------------------------------------
+
+    @property
+    def url(self) -> str:
+        """The root URL, safe to log."""
+        return self.location.url
+
+    def url_of(self, key: str) -> str:
+        return f"{self.url.rstrip('/')}/{key}"
+
+    def put(self, key: str, data: bytes | bytearray | memoryview) -> None:
+        """Publish `data` at `key` atomically: readers see the old object or the whole
+        new one, never a part (temp + rename on a filesystem; one PUT on S3)."""
+        path = self._path(key)
+        payload = bytes(data) if not isinstance(data, bytes) else data
+        self._retry(lambda: self._put(path, payload), key)
+        self.stats.record_write(len(payload))
+
+    def get(self, key: str, start: int | None = None, end: int | None = None) -> bytes:
+        """The object's bytes, or the range [start, end). A range past the end of the
+        object raises `ObjectTruncatedError` (a truncated chunk must never look whole)."""
+        path = self._path(key)
+        data = self._retry(lambda: self._get(path, start, end), key)
+        if end is not None and len(data) != end - (start or 0):
+            raise ObjectTruncatedError(
+                f"{self.url_of(key)}: asked for bytes [{start or 0}, {end}), got {len(data)}",
+                url=self.url_of(key),
+            )
+        self.stats.record_read(len(data))
+        return data
+
+    def size(self, key: str) -> int:
+        path = self._path(key)
+        return self._retry(lambda: self._size(path), key)
+
+    def exists(self, key: str) -> bool:
+        path = self._path(key)
+        return self._retry(lambda: self._exists(path), key)
+
+    def list(self, prefix: str = "") -> list[str]:
+        """Every key under `prefix` (recursively), relative to the root, sorted."""
+        base = self._path(prefix) if prefix.strip("/") else self._root_path()
+        found = self._retry(lambda: self._list(base), prefix or ".")
+        self.stats.record("lists")
+        root = self._root_prefix()
+        keys = [p[len(root):] for p in found if p.startswith(root)]
+        return sorted(k for k in keys if k and not _is_temp(k))
+
+    def delete(self, key: str) -> None:
+        """Remove one object; a missing object is not an error."""
+        path = self._path(key)
+        self._retry(lambda: self._delete(path), key)
+        self.stats.record("deletes")
+
+    def delete_prefix(self, prefix: str) -> int:
+        """Remove every object under `prefix`; returns how many."""
+        check_key(prefix.strip("/"), self.url)
+        keys = self.list(prefix.strip("/") + "/")
+        for key in keys:
+            self.delete(key)
+        return len(keys)
+
+    def child(self, sub: str) -> Store:
+        """A store rooted at `sub` below this one, sharing settings and counters."""
+        return self._with_location(self.location.child(sub))
+
+    @abstractmethod
+    def kvstore_spec(self, sub: str = "") -> dict[str, Any]:
+        """The tensorstore kvstore spec of `root/sub/` (no secrets in it)."""
+
+    def ts_context(self) -> Any:
+        """The tensorstore Context to open arrays with (shared resources, limits)."""
+        return None
+
+    def __repr__(self) -> str:
+        return f"{type(self).__name__}({self.url!r})"
+
+    # -- helpers for subclasses -------------------------------------------------------
+
+    def _path(self, key: str) -> str:
+        key = check_key(key.strip("/"), self.url)
+        root = self._root_path().rstrip("/")
+        return f"{root}/{key}" if root or self.location.scheme == "file" else key
+
+    def _root_prefix(self) -> str:
+        root = self._root_path().rstrip("/")
+        return f"{root}/" if root or self.location.scheme == "file" else ""
+
+    def _retry(self, fn: Callable[[], T], key: str) -> T:
+        def count_retry() -> None:
+            self.stats.record("retries")
+
+        return call_with_retry(fn, self.url_of(key), self.retry, self._rng, on_retry=count_retry)
+
+    # -- primitives ---------------------------------------------------------------------
+
+    @abstractmethod
+    def _root_path(self) -> str: ...
+
+    @abstractmethod
+    def _with_location(self, location: StorageLocation) -> Store: ...
+
+    @abstractmethod
+    def _put(self, path: str, data: bytes) -> None: ...
+
+    @abstractmethod
+    def _get(self, path: str, start: int | None, end: int | None) -> bytes: ...
+
+    @abstractmethod
+    def _size(self, path: str) -> int: ...
+
+    @abstractmethod
+    def _exists(self, path: str) -> bool: ...
+
+    @abstractmethod
+    def _list(self, path: str) -> list[str]: ...
+
+    @abstractmethod
+    def _delete(self, path: str) -> None: ...
+
+
+TEMP_MARKER = ".relight-tmp-"
+
+
+def _is_temp(key: str) -> bool:
+    return TEMP_MARKER in key.rsplit("/", 1)[-1]

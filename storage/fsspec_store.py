@@ -1,0 +1,162 @@
+"""Stores on a filesystem and on S3, through fsspec (s3fs for S3)."""
+
+from __future__ import annotations
+
+import os
+import uuid
+from typing import Any
+
+import fsspec
+
+from storage.base import TEMP_MARKER, Store, StoreStats
+from storage.retry import RetryPolicy
+from storage.settings import S3Settings
+from storage.url import StorageLocation
+
+__all__ = ["LocalStore", "S3Store"]
+
+
+class _FsspecStore(Store):
+    """Shared primitives over an fsspec filesystem; subclasses say how a put is atomic."""
+
+    fs: fsspec.AbstractFileSystem
+
+    def _get(self, path: str, start: int | None, end: int | None) -> bytes:
+        return self.fs.cat_file(path, start=start, end=end)
+
+    def _size(self, path: str) -> int:
+        return int(self.fs.info(path)["size"])
+
+    def _exists(self, path: str) -> bool:
+        return bool(self.fs.exists(path))
+
+    def _list(self, path: str) -> list[str]:
+        try:
+            return list(self.fs.find(path))
+        except FileNotFoundError:
+            return []
+
+    def _delete(self, path: str) -> None:
+        try:
+            self.fs.rm_file(path)
+        except FileNotFoundError:
+            pass
+
+
+class LocalStore(_FsspecStore):
+    """A directory on a local or network filesystem."""
+
+    def __init__(
+        self,
+        location: StorageLocation,
+        retry: RetryPolicy | None = None,
+        stats: StoreStats | None = None,
+        fsync: bool = True,
+    ) -> None:
+        super().__init__(location, retry, stats)
+        self.fs = fsspec.filesystem("file")
+        self.fsync = fsync
+        """fsync file and directory on put, so a published object survives a power cut."""
+
+    def _root_path(self) -> str:
+        return self.location.root
+
+    def _with_location(self, location: StorageLocation) -> Store:
+        return LocalStore(location, self.retry, self.stats, self.fsync)
+
+    def _put(self, path: str, data: bytes) -> None:
+        directory = os.path.dirname(path)
+        os.makedirs(directory, exist_ok=True)
+        tmp = os.path.join(directory, f"{TEMP_MARKER}{uuid.uuid4().hex}")
+        try:
+            with open(tmp, "wb") as handle:
+                handle.write(data)
+                if self.fsync:
+                    handle.flush()
+                    os.fsync(handle.fileno())
+            os.replace(tmp, path)
+        except BaseException:
+            try:
+                os.unlink(tmp)
+            except FileNotFoundError:
+                pass
+            raise
+        if self.fsync:
+            fd = os.open(directory, os.O_RDONLY)
+            try:
+                os.fsync(fd)
+            finally:
+                os.close(fd)
+
+    def _list(self, path: str) -> list[str]:
+        if not os.path.isdir(path):
+            return [path] if os.path.isfile(path) else []
+        found = []
+        for dirpath, _dirs, files in os.walk(path):
+            found.extend(os.path.join(dirpath, name) for name in files)
+        return found
+
+    def _delete(self, path: str) -> None:
+        try:
+            os.unlink(path)
+        except FileNotFoundError:
+            return
+        # Keep the tree tidy: remove directories the delete emptied, up to the root.
+        directory = os.path.dirname(path)
+        root = self.location.root.rstrip("/")
+        while directory.startswith(root + "/"):
+            try:
+                os.rmdir(directory)
+            except OSError:
+                break
+            directory = os.path.dirname(directory)
+
+    def kvstore_spec(self, sub: str = "") -> dict[str, Any]:
+        path = self.location.child(sub).root if sub else self.location.root
+        return {"driver": "file", "path": path.rstrip("/") + "/"}
+
+
+class S3Store(_FsspecStore):
+    """A prefix in an S3 bucket (AWS or any S3-compatible server)."""
+
+    def __init__(
+        self,
+        location: StorageLocation,
+        settings: S3Settings,
+        retry: RetryPolicy | None = None,
+        stats: StoreStats | None = None,
+        fs: Any = None,
+    ) -> None:
+        super().__init__(location, retry, stats)
+        self.settings = settings
+        self.fs = fs if fs is not None else settings.filesystem()
+
+    def _root_path(self) -> str:
+        return f"{self.location.bucket}/{self.location.root}".rstrip("/")
+
+    def _with_location(self, location: StorageLocation) -> Store:
+        return S3Store(location, self.settings, self.retry, self.stats, self.fs)
+
+    def _put(self, path: str, data: bytes) -> None:
+        # One PUT is atomic on S3: readers see the old object or the new one.
+        self.fs.pipe_file(path, data)
+
+    def _list(self, path: str) -> list[str]:
+        # s3fs caches listings; a checkpoint reader must see objects other ranks just wrote.
+        self.fs.invalidate_cache(path)
+        return super()._list(path)
+
+    def _exists(self, path: str) -> bool:
+        self.fs.invalidate_cache(path)
+        return super()._exists(path)
+
+    def _size(self, path: str) -> int:
+        self.fs.invalidate_cache(path)
+        return super()._size(path)
+
+    def kvstore_spec(self, sub: str = "") -> dict[str, Any]:
+        root = self.location.child(sub).root if sub else self.location.root
+        return self.settings.kvstore_spec(self.location.bucket, root)
+
+    def ts_context(self) -> Any:
+        return self.settings.ts_context()
