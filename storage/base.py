@@ -118,7 +118,7 @@ class Store(ABC):
 
     def list(self, prefix: str = "") -> list[str]:
         """Every key under `prefix` (recursively), relative to the root, sorted."""
-        base = self._path(prefix) if prefix.strip("/") else self._root_path()
+        base = self._path(prefix) if prefix else self._root_path()
         found = self._retry(lambda: self._list(base), prefix or ".")
         self.stats.record("lists")
         root = self._root_prefix()
@@ -133,8 +133,7 @@ class Store(ABC):
 
     def delete_prefix(self, prefix: str) -> int:
         """Remove every object under `prefix`; returns how many."""
-        check_key(prefix.strip("/"), self.url)
-        keys = self.list(prefix.strip("/") + "/")
+        keys = self.list(prefix.rstrip("/") + "/")
         for key in keys:
             self.delete(key)
         return len(keys)
@@ -157,7 +156,8 @@ class Store(ABC):
     # -- helpers for subclasses -------------------------------------------------------
 
     def _path(self, key: str) -> str:
-        key = check_key(key.strip("/"), self.url)
+        # A trailing slash is allowed (a prefix); anything else that is odd is refused.
+        key = check_key(key[:-1] if key.endswith("/") else key, self.url)
         root = self._root_path().rstrip("/")
         return f"{root}/{key}" if root or self.location.scheme == "file" else key
 
