@@ -1,0 +1,324 @@
+"""Run configuration: nested dataclasses, loaded from TOML, overridden from the command line.
+
+A config is built once at start, validated in ``__post_init__`` (so a bad value fails before
+any process group exists), and serialised to JSON with :func:`config_to_dict` so the resolved
+config can be saved with every checkpoint.
+
+Overrides use ``--section.key=value`` (or ``--key=value`` when ``key`` names exactly one field
+across all sections). Values are parsed as TOML scalars, so ``--train.steps=20``,
+``--parallel.pp_schedule=gpipe`` and ``--checkpoint.url="memory://x"`` all work.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import tomllib
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+__all__ = [
+    "CheckpointConfig",
+    "Config",
+    "ConfigError",
+    "DataConfig",
+    "ModelConfig",
+    "OptimConfig",
+    "ParallelConfig",
+    "TrainConfig",
+    "apply_overrides",
+    "config_from_dict",
+    "config_to_dict",
+    "load_config",
+]
+
+
+class ConfigError(ValueError):
+    """A config value is invalid; the message names the field and what to change."""
+
+
+def _require(cond: bool, msg: str) -> None:
+    if not cond:
+        raise ConfigError(msg)
+
+
+@dataclass(kw_only=True, slots=True)
+class ModelConfig:
+    vocab_size: int = 64
+    """Number of token ids; must match the data vocabulary."""
+    dim: int = 64
+    """Model (residual stream) width."""
+    n_layers: int = 4
+    """Number of transformer blocks; pipeline stages split these."""
+    n_heads: int = 4
+    """Attention heads; must divide ``dim`` and be divisible by ``parallel.tp``."""
+    mlp_hidden: int = 128
+    """Hidden width of the dense MLP and of each expert (SwiGLU)."""
+    max_seq_len: int = 64
+    """Longest sequence the rotary embedding is precomputed for."""
+    norm_eps: float = 1e-5
+    """RMSNorm epsilon."""
+    num_experts: int = 0
+    """Experts per MoE layer; 0 means a dense model."""
+    moe_every: int = 2
+    """With experts, every ``moe_every``-th block (1-based: blocks moe_every-1, 2*moe_every-1..)
+    uses an MoE MLP; 1 makes every block MoE."""
+    top_k: int = 2
+    """Experts each token is routed to."""
+    aux_loss_coef: float = 0.01
+    """Weight of the load-balance loss (Switch-style: E * sum_e f_e * P_e)."""
+    init_std: float = 0.02
+    """Std of the normal init for weights (output projections scaled by 1/sqrt(2*n_layers))."""
+
+    def __post_init__(self) -> None:
+        for name in ("vocab_size", "dim", "n_layers", "n_heads", "mlp_hidden", "max_seq_len"):
+            _require(getattr(self, name) > 0, f"model.{name} must be > 0, got {getattr(self, name)}")
+        _require(
+            self.dim % self.n_heads == 0,
+            f"model.dim={self.dim} is not divisible by model.n_heads={self.n_heads}",
+        )
+        _require((self.dim // self.n_heads) % 2 == 0, "model.dim/n_heads must be even (rotary)")
+        _require(self.num_experts >= 0, f"model.num_experts must be >= 0, got {self.num_experts}")
+        if self.num_experts:
+            _require(
+                1 <= self.top_k <= self.num_experts,
+                f"model.top_k={self.top_k} must be in [1, num_experts={self.num_experts}]",
+            )
+            _require(self.moe_every >= 1, f"model.moe_every must be >= 1, got {self.moe_every}")
+
+    def is_moe_layer(self, layer: int) -> bool:
+        return self.num_experts > 0 and (layer + 1) % self.moe_every == 0
+
+
+@dataclass(kw_only=True, slots=True)
+class ParallelConfig:
+    dp_replicate: int = 1
+    """Replicated data-parallel degree (gradient all-reduce across replicas)."""
+    dp_shard: int = -1
+    """Sharded data-parallel (FSDP) degree; -1 fills what the world size leaves."""
+    tp: int = 1
+    """Tensor-parallel degree."""
+    pp: int = 1
+    """Pipeline-parallel degree (stages, one per rank)."""
+    ep: int = 1
+    """Expert-parallel degree; borrowed from the data-parallel ranks (must divide dp_shard,
+    or dp_replicate when dp_shard is 1)."""
+    pp_schedule: str = "1f1b"
+    """Pipeline schedule: ``gpipe`` or ``1f1b``."""
+    sequence_parallel: bool = False
+    """Shard norms and residual activations over the sequence dim inside the TP group."""
+
+    def __post_init__(self) -> None:
+        for name in ("dp_replicate", "tp", "pp", "ep"):
+            _require(getattr(self, name) >= 1, f"parallel.{name} must be >= 1")
+        _require(
+            self.dp_shard == -1 or self.dp_shard >= 1,
+            f"parallel.dp_shard must be -1 (auto) or >= 1, got {self.dp_shard}",
+        )
+        _require(
+            self.pp_schedule in ("gpipe", "1f1b"),
+            f"parallel.pp_schedule must be 'gpipe' or '1f1b', got {self.pp_schedule!r}",
+        )
+
+
+@dataclass(kw_only=True, slots=True)
+class OptimConfig:
+    lr: float = 3e-3
+    """Peak learning rate (AdamW)."""
+    min_lr_ratio: float = 0.1
+    """Cosine decays to ``lr * min_lr_ratio`` at ``train.steps``."""
+    warmup_steps: int = 5
+    """Linear warmup steps."""
+    weight_decay: float = 0.1
+    beta1: float = 0.9
+    beta2: float = 0.95
+    eps: float = 1e-8
+    grad_clip: float = 1.0
+    """Max global gradient L2 norm; 0 disables clipping."""
+
+    def __post_init__(self) -> None:
+        _require(self.lr > 0, f"optim.lr must be > 0, got {self.lr}")
+        _require(0 <= self.min_lr_ratio <= 1, "optim.min_lr_ratio must be in [0, 1]")
+        _require(self.warmup_steps >= 0, "optim.warmup_steps must be >= 0")
+        _require(self.grad_clip >= 0, "optim.grad_clip must be >= 0")
+
+
+@dataclass(kw_only=True, slots=True)
+class DataConfig:
+    seed: int = 1234
+    """Seed of the synthetic corpus (the Markov chain and every sample)."""
+    seq_len: int = 32
+    """Tokens per training sample (inputs; targets are shifted by one)."""
+    global_batch_size: int = 16
+    """Samples per optimizer step, constant whatever the DP size."""
+    micro_batch_size: int = 4
+    """Samples per forward/backward (and per pipeline micro-batch)."""
+    branching: int = 4
+    """Successors each token can have in the Markov chain (lower = more learnable)."""
+
+    def __post_init__(self) -> None:
+        _require(self.seq_len > 1, "data.seq_len must be > 1")
+        _require(self.micro_batch_size >= 1, "data.micro_batch_size must be >= 1")
+        _require(
+            self.global_batch_size % self.micro_batch_size == 0,
+            f"data.global_batch_size={self.global_batch_size} is not a multiple of "
+            f"data.micro_batch_size={self.micro_batch_size}",
+        )
+        _require(self.branching >= 1, "data.branching must be >= 1")
+
+
+@dataclass(kw_only=True, slots=True)
+class TrainConfig:
+    steps: int = 50
+    """Optimizer steps to run (the target step)."""
+    seed: int = 0
+    """Seed of the model init and of the per-step RNG."""
+    device: str = "auto"
+    """``auto`` (cuda if available, else cpu), ``cpu`` or ``cuda``."""
+    mixed_precision: str = "fp32"
+    """``fp32`` or ``bf16`` (bf16 params/compute, fp32 reductions and master weights)."""
+    activation_checkpointing: bool = False
+    """Recompute each block's activations in backward."""
+    log_every: int = 1
+    """Progress-line interval on rank 0 (metrics JSONL gets every step)."""
+    metrics_path: str = ""
+    """JSONL metrics file written by rank 0; empty disables it."""
+    watchdog_timeout_s: float = 300.0
+    """Exit non-zero when no step completes within this many seconds; 0 disables."""
+    collective_timeout_s: float = 120.0
+    """Timeout of every collective (process-group init timeout)."""
+    peak_tflops: float = 0.0
+    """Peak device TFLOP/s for MFU; 0 looks it up for known GPUs (MFU is null otherwise)."""
+
+    def __post_init__(self) -> None:
+        _require(self.steps >= 0, "train.steps must be >= 0")
+        _require(self.device in ("auto", "cpu", "cuda"), "train.device must be auto|cpu|cuda")
+        _require(self.mixed_precision in ("fp32", "bf16"), "train.mixed_precision: fp32|bf16")
+        _require(self.log_every >= 1, "train.log_every must be >= 1")
+        _require(self.watchdog_timeout_s >= 0, "train.watchdog_timeout_s must be >= 0")
+        _require(self.collective_timeout_s > 0, "train.collective_timeout_s must be > 0")
+
+
+@dataclass(kw_only=True, slots=True)
+class CheckpointConfig:
+    url: str = ""
+    """Checkpoint root URL (``/path``, ``file://``, ``s3://``, ``memory://``); empty disables."""
+    every: int = 10
+    """Save every N steps (and at the last step)."""
+    keep_last: int = 3
+    """Committed checkpoints to keep."""
+    async_save: bool = True
+    """Persist in the background; training blocks only for staging."""
+    resume: bool = True
+    """Restore from the newest committed checkpoint under ``url`` at start."""
+
+    def __post_init__(self) -> None:
+        _require(self.every >= 1, "checkpoint.every must be >= 1")
+        _require(self.keep_last >= 1, "checkpoint.keep_last must be >= 1")
+
+
+@dataclass(kw_only=True, slots=True)
+class Config:
+    model: ModelConfig = field(default_factory=ModelConfig)
+    parallel: ParallelConfig = field(default_factory=ParallelConfig)
+    optim: OptimConfig = field(default_factory=OptimConfig)
+    data: DataConfig = field(default_factory=DataConfig)
+    train: TrainConfig = field(default_factory=TrainConfig)
+    checkpoint: CheckpointConfig = field(default_factory=CheckpointConfig)
+
+    def __post_init__(self) -> None:
+        _require(
+            self.data.seq_len <= self.model.max_seq_len,
+            f"data.seq_len={self.data.seq_len} exceeds model.max_seq_len={self.model.max_seq_len}",
+        )
+        _require(
+            self.model.n_heads % self.parallel.tp == 0,
+            f"model.n_heads={self.model.n_heads} is not divisible by parallel.tp="
+            f"{self.parallel.tp}; pick tp dividing the head count",
+        )
+
+
+def _section_types() -> dict[str, type]:
+    return {
+        "model": ModelConfig,
+        "parallel": ParallelConfig,
+        "optim": OptimConfig,
+        "data": DataConfig,
+        "train": TrainConfig,
+        "checkpoint": CheckpointConfig,
+    }
+
+
+def config_to_dict(cfg: Config) -> dict[str, dict[str, Any]]:
+    """The resolved config as plain JSON-able dicts (one per section)."""
+    return {
+        f.name: {g.name: getattr(getattr(cfg, f.name), g.name) for g in dataclasses.fields(
+            getattr(cfg, f.name))}
+        for f in dataclasses.fields(cfg)
+    }
+
+
+def config_from_dict(raw: dict[str, Any]) -> Config:
+    """Build and validate a Config from nested dicts; unknown sections/keys raise ConfigError."""
+    types = _section_types()
+    sections: dict[str, Any] = {}
+    for name, values in raw.items():
+        if name not in types:
+            raise ConfigError(f"unknown config section [{name}]; known: {sorted(types)}")
+        if not isinstance(values, dict):
+            raise ConfigError(f"config section [{name}] must be a table")
+        known = {f.name: f for f in dataclasses.fields(types[name])}
+        for key, value in values.items():
+            if key not in known:
+                raise ConfigError(f"unknown config key {name}.{key}; known: {sorted(known)}")
+            _check_type(f"{name}.{key}", known[key], value)
+        sections[name] = types[name](**values)
+    return Config(**sections)
+
+
+def _check_type(path: str, f: dataclasses.Field, value: Any) -> None:
+    want = {"int": int, "float": (int, float), "str": str, "bool": bool}[str(f.type)]
+    ok = isinstance(value, want) and not (str(f.type) in ("int", "float") and isinstance(
+        value, bool))
+    if not ok:
+        raise ConfigError(f"{path} must be {f.type}, got {value!r}")
+
+
+def _parse_value(text: str) -> Any:
+    try:
+        return tomllib.loads(f"v = {text}")["v"]
+    except tomllib.TOMLDecodeError:
+        return text  # a bare string such as --parallel.pp_schedule=gpipe
+
+
+def apply_overrides(raw: dict[str, Any], overrides: list[str]) -> dict[str, Any]:
+    """Apply ``--section.key=value`` / ``--key=value`` strings to nested config dicts."""
+    out = json.loads(json.dumps(raw))
+    types = _section_types()
+    for item in overrides:
+        if not item.startswith("--") or "=" not in item:
+            raise ConfigError(f"override {item!r} must look like --section.key=value")
+        path, text = item[2:].split("=", 1)
+        if "." in path:
+            section, key = path.split(".", 1)
+        else:
+            owners = [s for s, t in types.items() if path in {f.name for f in
+                                                               dataclasses.fields(t)}]
+            if len(owners) != 1:
+                raise ConfigError(
+                    f"override --{path} is ambiguous or unknown (sections having it: {owners}); "
+                    f"use --section.{path}=..."
+                )
+            section, key = owners[0], path
+        out.setdefault(section, {})[key] = _parse_value(text)
+    return out
+
+
+def load_config(path: str | Path | None, overrides: list[str] | None = None) -> Config:
+    """Read a TOML file (or defaults when ``path`` is None), apply overrides, validate."""
+    raw: dict[str, Any] = {}
+    if path is not None:
+        with open(path, "rb") as fh:
+            raw = tomllib.load(fh)
+    return config_from_dict(apply_overrides(raw, overrides or []))

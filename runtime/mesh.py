@@ -1,0 +1,170 @@
+"""The one place that turns a world size and a config into a DeviceMesh.
+
+Planning (:func:`plan_layout`, pure, testable without processes) is apart from doing
+(:func:`build_mesh`, creates process groups).
+
+Layout rules:
+
+* ``tp``, ``pp``, ``ep`` and ``dp_replicate`` come from the config; ``dp_shard`` too when it
+  is not -1, otherwise it fills what is left: ``world = pp * dp_replicate * dp_shard * tp``.
+* Expert parallelism borrows data-parallel ranks, as in torchtitan: the ``ep`` ranks each
+  read different data, and every expert is held by ``dp / ep`` of them. ``ep`` must divide
+  ``dp_shard`` (or ``dp_replicate`` when ``dp_shard`` is 1).
+
+The root mesh has fine-grained dims ``pp, rep_out, rep_ep, shard_out, shard_ep, tp`` (a size-1
+dim costs nothing). Flattened dims give the names the parallelisms use: ``dp_replicate``,
+``dp_shard``, ``dp`` (data rank), ``ep``, and ``edp_replicate``/``edp_shard`` (the ranks that
+hold the same experts and average their gradients).
+"""
+
+from __future__ import annotations
+
+import logging
+from dataclasses import dataclass
+
+import torch.distributed as dist
+from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
+
+from runtime.config import Config
+
+__all__ = ["Layout", "LayoutError", "ParallelMesh", "build_mesh", "plan_layout"]
+
+log = logging.getLogger(__name__)
+
+
+class LayoutError(ValueError):
+    """The world size and the parallel config cannot form a mesh; the message says why."""
+
+
+@dataclass(frozen=True, slots=True)
+class Layout:
+    world: int
+    pp: int
+    dp_replicate: int
+    dp_shard: int
+    tp: int
+    ep: int
+    rep_ep: int
+    """Part of ``ep`` borrowed from ``dp_replicate`` (1 or ep)."""
+    shard_ep: int
+    """Part of ``ep`` borrowed from ``dp_shard`` (1 or ep)."""
+
+    @property
+    def dp(self) -> int:
+        return self.dp_replicate * self.dp_shard
+
+    def describe(self) -> str:
+        parts = [f"{n}{v}" for n, v in (("pp", self.pp), ("dp_rep", self.dp_replicate),
+                 ("dp_shard", self.dp_shard), ("tp", self.tp), ("ep", self.ep)) if v > 1]
+        return "x".join(parts) or "single"
+
+
+def plan_layout(world: int, cfg: Config) -> Layout:
+    """Check the config against ``world`` and return the layout (raises LayoutError)."""
+    p, m = cfg.parallel, cfg.model
+    fixed = p.pp * p.dp_replicate * p.tp
+    if world % fixed:
+        raise LayoutError(
+            f"world size {world} is not divisible by pp*dp_replicate*tp = "
+            f"{p.pp}*{p.dp_replicate}*{p.tp} = {fixed}; change the parallel degrees or the "
+            f"number of ranks"
+        )
+    dp_shard = world // fixed if p.dp_shard == -1 else p.dp_shard
+    if fixed * dp_shard != world:
+        raise LayoutError(
+            f"pp*dp_replicate*dp_shard*tp = {p.pp}*{p.dp_replicate}*{dp_shard}*{p.tp} = "
+            f"{fixed * dp_shard} does not equal the world size {world}; set "
+            f"parallel.dp_shard=-1 to fill it"
+        )
+    if p.pp > m.n_layers:
+        raise LayoutError(
+            f"pp={p.pp} pipeline stages but only n_layers={m.n_layers} layers; each stage "
+            f"needs at least one layer"
+        )
+    if p.ep > 1:
+        if m.num_experts == 0:
+            raise LayoutError(f"ep={p.ep} but the model has no experts (model.num_experts=0)")
+        if p.ep > m.num_experts:
+            raise LayoutError(
+                f"ep={p.ep} expert-parallel ranks but only num_experts={m.num_experts} experts"
+            )
+        if m.num_experts % p.ep:
+            raise LayoutError(
+                f"num_experts={m.num_experts} is not divisible by ep={p.ep}"
+            )
+        if p.tp > 1:
+            raise LayoutError(
+                f"ep={p.ep} with tp={p.tp} is not supported (experts are not tensor-parallel); "
+                f"use tp=1 with expert parallelism"
+            )
+    if p.sequence_parallel and m.num_experts > 0 and p.tp > 1:
+        raise LayoutError("sequence_parallel with MoE layers is not supported; disable one")
+    if p.ep > 1 and dp_shard % p.ep == 0:
+        rep_ep, shard_ep = 1, p.ep
+    elif p.ep > 1 and dp_shard == 1 and p.dp_replicate % p.ep == 0:
+        rep_ep, shard_ep = p.ep, 1
+    elif p.ep > 1:
+        raise LayoutError(
+            f"ep={p.ep} must divide dp_shard={dp_shard} (or dp_replicate={p.dp_replicate} "
+            f"when dp_shard is 1): expert parallelism borrows data-parallel ranks"
+        )
+    else:
+        rep_ep, shard_ep = 1, 1
+    local_batch = cfg.data.global_batch_size // cfg.data.micro_batch_size
+    dp = p.dp_replicate * dp_shard
+    if local_batch % dp:
+        raise LayoutError(
+            f"global_batch_size/micro_batch_size = {cfg.data.global_batch_size}/"
+            f"{cfg.data.micro_batch_size} = {local_batch} micro-batches do not split over "
+            f"dp={dp} data-parallel ranks; make it a multiple of {dp}"
+        )
+    if cfg.data.seq_len % p.tp and p.sequence_parallel:
+        raise LayoutError(
+            f"sequence_parallel needs data.seq_len={cfg.data.seq_len} divisible by tp={p.tp}"
+        )
+    return Layout(world=world, pp=p.pp, dp_replicate=p.dp_replicate, dp_shard=dp_shard,
+                  tp=p.tp, ep=p.ep, rep_ep=rep_ep, shard_ep=shard_ep)
+
+
+@dataclass(slots=True)
+class ParallelMesh:
+    layout: Layout
+    root: DeviceMesh
+    device_type: str
+
+    def __getitem__(self, name: str | tuple[str, ...]) -> DeviceMesh:
+        return self.root[name]
+
+    def coord(self, name: str) -> int:
+        return self.root[name].get_local_rank()
+
+    @property
+    def dp_rank(self) -> int:
+        return self.coord("dp")
+
+    @property
+    def pp_rank(self) -> int:
+        return self.coord("pp")
+
+
+_FINE = ("pp", "rep_out", "rep_ep", "shard_out", "shard_ep", "tp")
+
+
+def build_mesh(layout: Layout, device_type: str) -> ParallelMesh:
+    """Create the mesh and its flattened dims on every rank (a collective)."""
+    if dist.get_world_size() != layout.world:
+        raise LayoutError(
+            f"layout planned for world {layout.world} but the process group has "
+            f"{dist.get_world_size()} ranks"
+        )
+    sizes = (layout.pp, layout.dp_replicate // layout.rep_ep, layout.rep_ep,
+             layout.dp_shard // layout.shard_ep, layout.shard_ep, layout.tp)
+    root = init_device_mesh(device_type, sizes, mesh_dim_names=_FINE)
+    root["rep_out", "rep_ep"]._flatten("dp_replicate")
+    root["shard_out", "shard_ep"]._flatten("dp_shard")
+    root["rep_out", "rep_ep", "shard_out", "shard_ep"]._flatten("dp")
+    root["rep_ep", "shard_ep"]._flatten("ep")
+    root["rep_out"]._flatten("edp_replicate")
+    root["shard_out"]._flatten("edp_shard")
+    log.debug("mesh %s over %d ranks: %s", layout.describe(), layout.world, root)
+    return ParallelMesh(layout=layout, root=root, device_type=device_type)

@@ -1,0 +1,349 @@
+"""The training loop: ``python -m runtime.train --config configs/tiny.toml [--key=value ...]``.
+
+Runs as a single process or under torchrun (one process per rank). Order of a run:
+
+1. init the process group (gloo on CPU, NCCL on CUDA; a 1-rank group when run alone),
+2. plan the layout and build the mesh, build the full model with its deterministic init,
+   parallelize it, build AdamW,
+3. restore the newest committed checkpoint (when ``checkpoint.url`` is set),
+4. per step: reseed from ``(seed, step)``, forward/backward every local micro-batch (or one
+   pipeline schedule step), clip, optimizer step, metrics, maybe an async checkpoint,
+5. wait for the last checkpoint to commit.
+
+A watchdog thread exits the process with status 75 when no step completes in
+``train.watchdog_timeout_s``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import logging
+import os
+import sys
+import time
+from dataclasses import dataclass, field
+from datetime import timedelta
+from typing import Any
+
+import torch
+import torch.distributed as dist
+import torch.nn.functional as F
+from torch.distributed.fsdp import FSDPModule
+
+from runtime import state as st
+from runtime.config import Config, config_to_dict, load_config
+from runtime.data import BatchPlan, DataLoader, SyntheticCorpus
+from runtime.mesh import ParallelMesh, build_mesh, plan_layout
+from runtime.metrics import MetricsWriter, flops_per_token, memory_mb, peak_flops
+from runtime.model import Transformer, build_model
+from runtime.optim import LRSchedule, build_optimizer, clip_grad_norm_
+from runtime.parallel.pp import build_pipeline
+from runtime.parallelize import parallelize
+from runtime.watchdog import Watchdog
+
+__all__ = ["TrainResult", "Trainer", "main", "run_training"]
+
+log = logging.getLogger(__name__)
+
+
+class _RankStep(logging.LoggerAdapter):
+    """Prefixes every message with ``[rank R step S]``."""
+
+    def process(self, msg: Any, kwargs: Any) -> tuple[Any, Any]:
+        return f"[rank {self.extra['rank']} step {self.extra['step']}] {msg}", kwargs
+
+
+@dataclass(slots=True)
+class TrainResult:
+    losses: list[float] = field(default_factory=list)
+    """Mean loss of each step run by this process (same on every rank)."""
+    final_step: int = 0
+    restored_step: int | None = None
+    layout: str = ""
+    world_size: int = 1
+    checkpoint_failures: int = 0
+
+
+def _device_and_backend(cfg: Config) -> tuple[str, str]:
+    kind = cfg.train.device
+    if kind == "auto":
+        kind = "cuda" if torch.cuda.is_available() else "cpu"
+    return kind, ("nccl" if kind == "cuda" else "gloo")
+
+
+def init_distributed(cfg: Config) -> tuple[torch.device, bool]:
+    """Init the default process group unless one exists; returns (device, whether we own it)."""
+    kind, backend = _device_and_backend(cfg)
+    local_rank = int(os.environ.get("LOCAL_RANK", "0"))
+    device = torch.device(kind, local_rank) if kind == "cuda" else torch.device("cpu")
+    if kind == "cuda":
+        torch.cuda.set_device(device)
+    if dist.is_initialized():
+        return device, False
+    timeout = timedelta(seconds=cfg.train.collective_timeout_s)
+    if "WORLD_SIZE" in os.environ and "MASTER_ADDR" in os.environ:
+        dist.init_process_group(backend, timeout=timeout)
+    else:
+        dist.init_process_group(backend, store=dist.HashStore(), rank=0, world_size=1,
+                                timeout=timeout)
+    return device, True
+
+
+def _all_gather(out: torch.Tensor, inp: torch.Tensor) -> None:
+    # torch 2.13 renamed all_gather_into_tensor to all_gather_single.
+    fn = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
+    fn(out, inp)
+
+
+def _step_seed(seed: int, step: int) -> int:
+    return (seed * 1_000_003 + step * 7919 + 17) % (2**63)
+
+
+class Trainer:
+    """Owns the model, optimizer, data and checkpoint manager of one run on this rank."""
+
+    def __init__(self, cfg: Config) -> None:
+        self.cfg = cfg
+        self.device, self._owns_pg = init_distributed(cfg)
+        self.rank = dist.get_rank()
+        self.world = dist.get_world_size()
+        self.log = _RankStep(log, {"rank": self.rank, "step": 0})
+        self.layout = plan_layout(self.world, cfg)
+        self.pmesh: ParallelMesh = build_mesh(self.layout, self.device.type)
+        self.model: Transformer = build_model(cfg.model, cfg.train.seed).to(self.device)
+        parallelize(self.model, self.pmesh, cfg)
+        self.params = [p for p in self.model.parameters() if p.requires_grad]
+        self.optimizer = build_optimizer(self.params, cfg.optim)
+        self.lr = LRSchedule(cfg.optim.lr, cfg.optim.warmup_steps, cfg.train.steps,
+                             cfg.optim.min_lr_ratio)
+        self.plan = BatchPlan(
+            global_batch=cfg.data.global_batch_size, micro_batch=cfg.data.micro_batch_size,
+            dp=self.layout.dp, dp_rank=self.pmesh.dp_rank,
+        )
+        corpus = SyntheticCorpus(vocab_size=cfg.model.vocab_size, seq_len=cfg.data.seq_len,
+                                 seed=cfg.data.seed, branching=cfg.data.branching)
+        self.data = DataLoader(corpus, self.plan)
+        self.step = 0
+        n_micro = self.plan.local_microbatches
+        self.model.set_aux_scale(1.0 / n_micro)
+        self.schedule = None
+        if self.layout.pp > 1:
+            self.schedule = build_pipeline(
+                self.model, self.pmesh["pp"], device=self.device, n_microbatches=n_micro,
+                loss_fn=lambda out, tgt: self._loss(out, tgt) / n_micro,
+                schedule=cfg.parallel.pp_schedule,
+            )
+        self.pp_group = self.pmesh["pp"].get_group() if self.layout.pp > 1 else None
+        # The rank that reports the loss for its data shard: last stage, first tp rank.
+        self.reports_loss = (self.pmesh.pp_rank == self.layout.pp - 1
+                             and self.pmesh.coord("tp") == 0)
+        self.fsdp = isinstance(self.model, FSDPModule)
+        self.autocast = (cfg.train.mixed_precision == "bf16" and not self.fsdp)
+        self.flops_per_token = flops_per_token(cfg.model, cfg.data.seq_len)
+        self.peak = peak_flops(self.device, cfg.train.peak_tflops)
+        self.ckpt_mgr: Any = None
+        self.restored_step: int | None = None
+
+    # ---- state ---------------------------------------------------------------------------
+
+    def state_dict(self, *, with_optimizer: bool = True) -> dict[str, Any]:
+        return st.build_state_dict(
+            self.model, self.optimizer if with_optimizer else None,
+            st.TrainState(step=self.step, data_position=self.data.position),
+            lr_schedule=self.lr.state_dict(),
+            rng={"kind": "reseed_per_step", "seed": self.cfg.train.seed},
+            config=config_to_dict(self.cfg), layout=self.layout.describe(),
+        )
+
+    def load_state_dict(self, sd: dict[str, Any]) -> None:
+        ts = st.apply_state_dict(self.model, self.optimizer, sd)
+        self.step = ts.step
+        self.data.position = ts.data_position
+
+    def _open_checkpoints(self) -> None:
+        c = self.cfg.checkpoint
+        if not c.url:
+            return
+        import ckpt  # the checkpoint engine; imported lazily so the runtime works without it
+
+        self.ckpt_mgr = ckpt.CheckpointManager(c.url, keep_last=c.keep_last)
+        if not c.resume:
+            return
+        latest = self.ckpt_mgr.latest_step()
+        if latest is None:
+            self.log.info("no committed checkpoint under %s; starting from scratch", c.url)
+            return
+        sd = self.state_dict(with_optimizer=True)
+        t0 = time.perf_counter()
+        restored = self.ckpt_mgr.restore(sd, step=latest)
+        self.load_state_dict(sd)
+        if self.step != restored:
+            raise st.StateError(
+                f"checkpoint step {restored} under {c.url} holds train/step={self.step}"
+            )
+        self.restored_step = restored
+        self.log.extra["step"] = self.step
+        self.log.info("restored step %d from %s (layout %s -> %s) in %.2f s", restored, c.url,
+                      sd.get(st.LAYOUT), self.layout.describe(), time.perf_counter() - t0)
+
+    def _maybe_save(self) -> tuple[float, bool]:
+        c = self.cfg.checkpoint
+        if self.ckpt_mgr is None or (self.step % c.every and self.step != self.cfg.train.steps):
+            return 0.0, True
+        t0 = time.perf_counter()
+        try:
+            self.ckpt_mgr.save(self.step, self.state_dict(), async_save=c.async_save)
+        except Exception:  # a failed save must not stop training; older checkpoints remain
+            self.log.exception("checkpoint save at step %d failed; training continues",
+                               self.step)
+            return time.perf_counter() - t0, False
+        return time.perf_counter() - t0, True
+
+    # ---- one step ------------------------------------------------------------------------
+
+    def _loss(self, logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
+        return F.cross_entropy(logits.flatten(0, 1).float(), targets.flatten())
+
+    def _forward_backward(self, micro: list[tuple[torch.Tensor, torch.Tensor]]) -> torch.Tensor:
+        """Returns this rank's mean micro-batch loss (0 on ranks that do not compute it)."""
+        n = len(micro)
+        if self.schedule is not None:
+            x = torch.cat([m[0] for m in micro]).to(self.device)
+            y = torch.cat([m[1] for m in micro]).to(self.device)
+            first = self.pmesh.pp_rank == 0
+            last = self.pmesh.pp_rank == self.layout.pp - 1
+            losses: list[torch.Tensor] = []
+            args = (x,) if first else ()
+            self.schedule.step(*args, target=y if last else None, losses=losses if last else None)
+            if last:
+                return torch.stack([t.detach().float() for t in losses]).sum()
+            return torch.zeros((), device=self.device)
+        total = torch.zeros((), device=self.device)
+        for i, (x, y) in enumerate(micro):
+            if self.fsdp:
+                self.model.set_requires_gradient_sync(i == n - 1)
+            ctx = (torch.autocast(self.device.type, dtype=torch.bfloat16) if self.autocast
+                   else contextlib.nullcontext())
+            with ctx:
+                logits = self.model(x.to(self.device))
+            loss = self._loss(logits, y.to(self.device))
+            (loss / n).backward()
+            total += loss.detach().float() / n
+        return total
+
+    def train_step(self) -> dict[str, Any]:
+        torch.manual_seed(_step_seed(self.cfg.train.seed, self.step))
+        lr = self.lr(self.step)
+        for group in self.optimizer.param_groups:
+            group["lr"] = lr
+        position = self.data.position
+        micro = self.data.next_step()
+        local_loss = self._forward_backward(micro)
+        grad_norm = clip_grad_norm_(self.params, self.cfg.optim.grad_clip, self.pp_group)
+        self.optimizer.step()
+        self.optimizer.zero_grad(set_to_none=True)
+        self.step += 1
+        # One small all-gather gives the loss and every rank's memory.
+        mem = memory_mb(self.device)
+        row = torch.tensor(
+            [float(local_loss) if self.reports_loss else 0.0, float(self.reports_loss), mem],
+            dtype=torch.float64, device=self.device,
+        )
+        rows = torch.empty(self.world * 3, dtype=torch.float64, device=self.device)
+        _all_gather(rows, row)
+        rows = rows.view(self.world, 3).cpu()
+        loss = float(rows[:, 0].sum() / rows[:, 1].sum())
+        return {"loss": loss, "lr": lr, "grad_norm": grad_norm, "data_position": position,
+                "mem_per_rank_mb": [round(float(v), 1) for v in rows[:, 2]]}
+
+    # ---- the loop ------------------------------------------------------------------------
+
+    def run(self) -> TrainResult:
+        cfg = self.cfg
+        result = TrainResult(layout=self.layout.describe(), world_size=self.world)
+        metrics = MetricsWriter(cfg.train.metrics_path, enabled=self.rank == 0,
+                                log_every=cfg.train.log_every)
+        watchdog = Watchdog(cfg.train.watchdog_timeout_s, rank=self.rank).start()
+        try:
+            self._open_checkpoints()
+            result.restored_step = self.restored_step
+            watchdog.beat(self.step)
+            tokens = cfg.data.global_batch_size * cfg.data.seq_len
+            if self.rank == 0:
+                self.log.info("layout %s on %d ranks, %d steps, %d micro-batches per rank",
+                              self.layout.describe(), self.world, cfg.train.steps,
+                              self.plan.local_microbatches)
+            while self.step < cfg.train.steps:
+                t0 = time.perf_counter()
+                rec = self.train_step()
+                if self.device.type == "cuda":
+                    torch.cuda.synchronize(self.device)
+                step_time = time.perf_counter() - t0
+                stall, ok = self._maybe_save()
+                result.checkpoint_failures += 0 if ok else 1
+                self.log.extra["step"] = self.step
+                watchdog.beat(self.step)
+                tps = tokens / step_time
+                rec.update(
+                    step=self.step, tokens_per_s=tps, step_time_s=step_time,
+                    ckpt_stall_s=stall, mem_max_mb=max(rec["mem_per_rank_mb"]),
+                    mfu=(tps * self.flops_per_token / (self.world * self.peak)
+                         if self.peak else None),
+                    world_size=self.world, layout=self.layout.describe(),
+                    restored_step=self.restored_step,
+                )
+                metrics.write(rec, cfg.train.steps)
+                result.losses.append(rec["loss"])
+            if self.ckpt_mgr is not None:
+                try:
+                    self.ckpt_mgr.wait()
+                except Exception:
+                    self.log.exception("the last checkpoint did not commit")
+                    result.checkpoint_failures += 1
+        finally:
+            watchdog.stop()
+            metrics.close()
+        result.final_step = self.step
+        return result
+
+    def close(self) -> None:
+        if self._owns_pg and dist.is_initialized():
+            dist.destroy_process_group()
+
+
+def run_training(cfg: Config) -> TrainResult:
+    """Train per ``cfg`` on this process's rank (inits and tears down the process group if
+    none exists)."""
+    trainer = Trainer(cfg)
+    try:
+        return trainer.run()
+    finally:
+        trainer.close()
+
+
+def _parse(argv: list[str] | None) -> Config:
+    parser = argparse.ArgumentParser(
+        prog="python -m runtime.train",
+        description="Train the Relight transformer. Extra --section.key=value override config.",
+    )
+    parser.add_argument("--config", help="TOML config file (defaults if omitted)")
+    args, overrides = parser.parse_known_args(argv)
+    return load_config(args.config, overrides)
+
+
+def main(argv: list[str] | None = None) -> int:
+    """CLI entry point; returns the process exit status."""
+    logging.basicConfig(
+        level=os.environ.get("RELIGHT_LOG_LEVEL", "INFO"),
+        format="%(asctime)s %(levelname)s %(name)s: %(message)s",
+    )
+    cfg = _parse(sys.argv[1:] if argv is None else argv)
+    result = run_training(cfg)
+    if result.checkpoint_failures:
+        log.warning("run finished with %d failed checkpoint saves", result.checkpoint_failures)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
