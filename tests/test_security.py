@@ -43,7 +43,7 @@ def findings(source: str, filename: str = "<src>") -> list[str]:
                          if a.name.split(".")[0] in UNSAFE_MODULES]
         elif isinstance(node, ast.ImportFrom):
             if (node.module or "").split(".")[0] in UNSAFE_MODULES:
-                    problems.append(f"{where}: from {node.module} import ...")
+                problems.append(f"{where}: from {node.module} import ...")
         elif isinstance(node, ast.Call):
             name = _dotted(node.func)
             if name in ("eval", "exec", "builtins.eval", "builtins.exec"):
