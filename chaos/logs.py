@@ -1,0 +1,165 @@
+"""The run's own logs, parsed: per-step JSONL metrics into records, records into attempts.
+
+The contract a training script meets (runtime.train does, and so does
+`examples/user_train.py`): rank 0 appends one JSON object per completed optimizer step to
+the metrics file (append mode, so restarts extend it), with at least
+
+- `step`          - completed optimizer steps after this step (1 for the first step);
+- `loss`          - the step's global mean loss (a float; JSON round-trips it exactly);
+- `data_position` - global index of the first sample this step consumed;
+- `restored_step` - the checkpoint step this process restored at start (null: fresh start);
+- `world_size`    - ranks in the group (optional, `layout` too: a layout change relaxes
+  the exact comparisons to tolerances);
+- `time`          - unix time the step finished (optional: the runner stamps the time it
+  saw the line, `seen`, with ~0.2 s resolution);
+- `step_time_s`   - seconds the step took (optional, for goodput).
+
+Lines that are not JSON objects with a `step` (progress noise, a line torn by a SIGKILL)
+are skipped and counted.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+from collections.abc import Iterable, Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+__all__ = ["Attempt", "MetricsParse", "StepRecord", "parse_metrics", "split_attempts"]
+
+
+@dataclass(frozen=True, slots=True)
+class StepRecord:
+    step: int
+    loss: float
+    data_position: int | None = None
+    restored_step: int | None = None
+    world_size: int | None = None
+    layout: str | None = None
+    time: float | None = None
+    step_time_s: float | None = None
+    line: int = 0
+
+    @property
+    def layout_key(self) -> str:
+        return f"{self.world_size}:{self.layout}"
+
+
+@dataclass(frozen=True, slots=True)
+class Attempt:
+    """One worker group's life: a contiguous run of steps after one (re)start."""
+
+    index: int
+    records: tuple[StepRecord, ...]
+
+    @property
+    def restored_step(self) -> int | None:
+        return self.records[0].restored_step
+
+    @property
+    def first(self) -> StepRecord:
+        return self.records[0]
+
+    @property
+    def last(self) -> StepRecord:
+        return self.records[-1]
+
+    @property
+    def start_time(self) -> float | None:
+        return self.records[0].time
+
+
+@dataclass
+class MetricsParse:
+    records: list[StepRecord] = field(default_factory=list)
+    skipped: list[int] = field(default_factory=list)
+    """Line numbers that were not step records."""
+
+
+def _num(v: Any) -> float | None:
+    if isinstance(v, bool) or not isinstance(v, int | float):
+        return None
+    return float(v)
+
+
+def _int(v: Any) -> int | None:
+    if isinstance(v, bool) or not isinstance(v, int):
+        return None
+    return v
+
+
+def parse_metrics(lines: Iterable[str]) -> MetricsParse:
+    """Parse JSONL metrics lines (see the module docstring for the fields)."""
+    out = MetricsParse()
+    for n, line in enumerate(lines, start=1):
+        line = line.strip()
+        if not line:
+            continue
+        try:
+            obj = json.loads(line)
+        except json.JSONDecodeError:
+            out.skipped.append(n)
+            continue
+        if not isinstance(obj, dict):
+            out.skipped.append(n)
+            continue
+        step, loss = _int(obj.get("step")), _num(obj.get("loss"))
+        if step is None or loss is None or obj.get("event", "step") != "step":
+            out.skipped.append(n)
+            continue
+        t = _num(obj.get("time"))
+        if t is None:
+            t = _num(obj.get("seen"))
+        layout = obj.get("layout")
+        out.records.append(
+            StepRecord(
+                step=step,
+                loss=loss,
+                data_position=_int(obj.get("data_position")),
+                restored_step=_int(obj.get("restored_step")),
+                world_size=_int(obj.get("world_size")),
+                layout=layout if isinstance(layout, str) else None,
+                time=t,
+                step_time_s=_num(obj.get("step_time_s")),
+                line=n,
+            )
+        )
+    return out
+
+
+def split_attempts(records: Sequence[StepRecord]) -> list[Attempt]:
+    """Cut the records where a new worker group started: the step does not follow the
+    previous one, or the restored step or the world size changed."""
+    attempts: list[Attempt] = []
+    current: list[StepRecord] = []
+    for rec in records:
+        if current:
+            prev = current[-1]
+            if (
+                rec.step != prev.step + 1
+                or rec.restored_step != prev.restored_step
+                or rec.world_size != prev.world_size
+            ):
+                attempts.append(Attempt(len(attempts), tuple(current)))
+                current = []
+        current.append(rec)
+    if current:
+        attempts.append(Attempt(len(attempts), tuple(current)))
+    return attempts
+
+
+def effective_history(records: Sequence[StepRecord]) -> dict[int, StepRecord]:
+    """For each step, the last record of it: the execution whose update survived."""
+    out: dict[int, StepRecord] = {}
+    for rec in records:
+        out[rec.step] = rec
+    return dict(sorted(out.items()))
+
+
+def rel_diff(a: float, b: float) -> float:
+    if a == b:
+        return 0.0
+    if math.isnan(a) or math.isnan(b):
+        return math.inf
+    return abs(a - b) / max(abs(b), 1e-12)

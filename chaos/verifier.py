@@ -1,0 +1,405 @@
+"""The six invariants, checked from evidence: the run's own logs, the checkpoint store, the
+faults the harness injected, and an uninterrupted reference run.
+
+Everything here is a pure function of a `RunEvidence`; the runner gathers the evidence
+(tails the metrics, polls the store for commits, verifies checkpoints, compares final
+states) and the unit tests build it by hand, including runs that are broken on purpose.
+
+1. target    - the run reached its target step and the job ended by itself in time;
+2. weights   - final weights and optimizer state equal the reference's: bitwise when the
+               final layout is the reference's, else within the stated tolerance;
+3. checkpoints - every committed checkpoint verifies (one the harness damaged must fail
+               verification); every restore loaded a checkpoint that was committed, and not
+               damaged since, when the restore happened;
+4. lost work - per resume, steps lost (highest step done before it - step restored)
+               <= interval + 1, plus one interval per checkpoint-destroying fault since the
+               previous resume (such a fault legitimately sends the resume one save back);
+5. loss curve - every logged step's loss equals the reference's at that step (exactly while
+               the layout never changed; within `loss_rtol` once it has);
+6. data      - every step consumed exactly the samples the reference did at that step (its
+               `data_position`), each resume continues at restored step + 1, and the surviving
+               history is contiguous: no sample consumed twice or skipped.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+from chaos.faults import CHECKPOINT_ATTACKS, FaultKind
+from chaos.logs import StepRecord, effective_history, rel_diff, split_attempts
+
+__all__ = [
+    "CheckpointEvent",
+    "FaultMark",
+    "InvariantResult",
+    "RunEvidence",
+    "Tolerances",
+    "WeightsComparison",
+    "all_ok",
+    "verify",
+]
+
+MAX_DETAILS = 12
+
+
+@dataclass(frozen=True, slots=True)
+class CheckpointEvent:
+    """Something that happened to one checkpoint step in the store, and when."""
+
+    step: int
+    time: float
+    kind: str
+    """`commit` (observed committed) or `damage` (the harness corrupted it on purpose)."""
+
+
+@dataclass(frozen=True, slots=True)
+class FaultMark:
+    index: int
+    kind: FaultKind
+    time: float
+    ok: bool = True
+
+
+@dataclass(frozen=True, slots=True)
+class Tolerances:
+    loss_rtol: float = 1e-3
+    weights_rtol: float = 1e-3
+    weights_atol: float = 1e-5
+
+
+@dataclass
+class WeightsComparison:
+    """Final state of the chaos run against the reference's, tensor by tensor."""
+
+    compared: bool
+    error: str = ""
+    tensors: int = 0
+    bitwise_equal: bool = False
+    max_abs_diff: float = 0.0
+    max_rel_diff: float = 0.0
+    mismatched: list[str] = field(default_factory=list)
+    """Keys missing on one side, or (after a layout change) outside the tolerance."""
+    not_bitwise: list[str] = field(default_factory=list)
+    chaos_step: int | None = None
+    reference_step: int | None = None
+
+
+@dataclass
+class RunEvidence:
+    records: list[StepRecord]
+    target_step: int
+    interval: int
+    finished: bool
+    """The job ended by itself (every agent exited 0) before the deadline."""
+    finish_detail: str = ""
+    reference: list[StepRecord] | None = None
+    checkpoint_events: list[CheckpointEvent] = field(default_factory=list)
+    verified: dict[int, str | None] = field(default_factory=dict)
+    """Committed checkpoints in the store at the end: step -> None (verifies) or the error."""
+    faults: list[FaultMark] = field(default_factory=list)
+    weights: WeightsComparison | None = None
+    compare_weights: bool = True
+    tolerances: Tolerances = field(default_factory=Tolerances)
+
+
+@dataclass
+class InvariantResult:
+    number: int
+    name: str
+    ok: bool
+    summary: str
+    details: list[str] = field(default_factory=list)
+    tolerance: str = ""
+    measured: dict[str, Any] = field(default_factory=dict)
+
+    def to_dict(self) -> dict[str, Any]:
+        return {
+            "number": self.number,
+            "name": self.name,
+            "ok": self.ok,
+            "summary": self.summary,
+            "details": self.details,
+            "tolerance": self.tolerance,
+            "measured": self.measured,
+        }
+
+
+def _result(number: int, name: str, problems: list[str], ok_summary: str, **kw: Any
+            ) -> InvariantResult:
+    if problems:
+        summary = f"{len(problems)} problem(s): {problems[0]}"
+        details = problems[:MAX_DETAILS]
+        if len(problems) > MAX_DETAILS:
+            details.append(f"... and {len(problems) - MAX_DETAILS} more")
+        return InvariantResult(number, name, False, summary, details, **kw)
+    return InvariantResult(number, name, True, ok_summary, **kw)
+
+
+def all_ok(results: Sequence[InvariantResult]) -> bool:
+    return all(r.ok for r in results)
+
+
+# 1 ------------------------------------------------------------------------------------------
+
+def check_target(ev: RunEvidence) -> InvariantResult:
+    problems = []
+    hist = effective_history(ev.records)
+    reached = max(hist, default=0)
+    if reached < ev.target_step:
+        problems.append(f"reached step {reached}, target is {ev.target_step}")
+    if not ev.finished:
+        problems.append(f"the job did not end by itself: {ev.finish_detail or 'unknown'}")
+    return _result(1, "target step reached", problems,
+                   f"reached step {reached} of {ev.target_step}; {ev.finish_detail}",
+                   measured={"reached_step": reached})
+
+
+# 2 ------------------------------------------------------------------------------------------
+
+def _same_final_layout(ev: RunEvidence) -> bool | None:
+    if not ev.records or not ev.reference:
+        return None
+    return ev.records[-1].layout_key == ev.reference[-1].layout_key
+
+
+def check_weights(ev: RunEvidence) -> InvariantResult:
+    tol = ev.tolerances
+    same = _same_final_layout(ev)
+    tolerance = (
+        "bitwise" if same else f"rtol={tol.weights_rtol:g}, atol={tol.weights_atol:g}"
+        " (final layout differs from the reference's)"
+    )
+    if not ev.compare_weights:
+        return InvariantResult(2, "final state equals reference", True,
+                               "not requested by the scenario (verify.compare_weights = false)",
+                               tolerance="n/a")
+    w = ev.weights
+    if w is None or not w.compared:
+        why = w.error if w is not None else "no comparison was made"
+        return InvariantResult(2, "final state equals reference", False,
+                               f"final state not compared: {why}", tolerance=tolerance)
+    problems = [f"{k}: missing on one side or outside tolerance" for k in w.mismatched]
+    if same and not w.bitwise_equal:
+        problems += [f"{k}: not bitwise equal (same layout)" for k in w.not_bitwise]
+        if not w.not_bitwise:
+            problems.append("not bitwise equal (same layout)")
+    if w.chaos_step != w.reference_step:
+        problems.append(f"compared step {w.chaos_step} against reference step "
+                        f"{w.reference_step}")
+    measured = {"tensors": w.tensors, "bitwise_equal": w.bitwise_equal,
+                "max_abs_diff": w.max_abs_diff, "max_rel_diff": w.max_rel_diff,
+                "same_layout": same}
+    how = "bitwise equal" if w.bitwise_equal else (
+        f"max abs diff {w.max_abs_diff:.3g}, max rel diff {w.max_rel_diff:.3g}")
+    return _result(2, "final state equals reference", problems,
+                   f"{w.tensors} tensors at step {w.chaos_step}: {how}",
+                   tolerance=tolerance, measured=measured)
+
+
+# 3 ------------------------------------------------------------------------------------------
+
+def _valid_at(events: Sequence[CheckpointEvent], step: int, t: float) -> tuple[bool, str]:
+    """Was checkpoint `step` committed, and not damaged since, at time `t`?"""
+    state, why = False, f"step {step} was never observed committed before the restore"
+    for e in sorted(events, key=lambda e: e.time):
+        if e.step != step or e.time > t:
+            continue
+        if e.kind == "commit":
+            state, why = True, ""
+        elif e.kind == "damage":
+            state, why = False, f"step {step} was damaged on purpose before the restore"
+    return state, why
+
+
+def check_checkpoints(ev: RunEvidence) -> InvariantResult:
+    problems = []
+    damaged_last: dict[int, float] = {}
+    committed_last: dict[int, float] = {}
+    for e in ev.checkpoint_events:
+        target = damaged_last if e.kind == "damage" else committed_last
+        target[e.step] = max(target.get(e.step, -math.inf), e.time)
+    detected = 0
+    for step, err in sorted(ev.verified.items()):
+        damaged = damaged_last.get(step, -math.inf) > committed_last.get(step, -math.inf)
+        if damaged:
+            if err is None:
+                problems.append(f"checkpoint {step} was damaged on purpose but still verifies")
+            else:
+                detected += 1
+        elif err is not None:
+            problems.append(f"committed checkpoint {step} does not verify: {err}")
+    restores = 0
+    for att in split_attempts(ev.records):
+        r = att.restored_step
+        if r is None:
+            continue
+        restores += 1
+        t = att.start_time
+        if t is None:
+            problems.append(f"attempt {att.index} has no time; cannot check its restore")
+            continue
+        ok, why = _valid_at(ev.checkpoint_events, r, t)
+        if not ok:
+            problems.append(f"attempt {att.index} (from line {att.first.line}) restored "
+                            f"step {r}: {why}")
+    n = len(ev.verified)
+    return _result(3, "committed checkpoints verify, only committed ones load", problems,
+                   f"{n - detected} committed checkpoint(s) verify, {detected} damaged one(s) "
+                   f"detected, {restores} restore(s) all from valid commits",
+                   measured={"verified": n, "damaged_detected": detected, "restores": restores})
+
+
+# 4 ------------------------------------------------------------------------------------------
+
+def check_lost_work(ev: RunEvidence) -> InvariantResult:
+    problems = []
+    lost_per_resume: list[dict[str, Any]] = []
+    attempts = split_attempts(ev.records)
+    high = 0
+    prev_start = -math.inf
+    for att in attempts:
+        if att.index > 0:
+            r = att.restored_step or 0
+            start = att.start_time if att.start_time is not None else math.inf
+            attacks = [f for f in ev.faults if f.ok and f.kind in CHECKPOINT_ATTACKS
+                       and prev_start < f.time <= start]
+            allowed = ev.interval + 1 + ev.interval * len(attacks)
+            lost = high - r
+            lost_per_resume.append({"attempt": att.index, "restored_step": r,
+                                    "highest_step_before": high, "lost_steps": lost,
+                                    "allowed": allowed})
+            if lost > allowed:
+                problems.append(
+                    f"attempt {att.index} resumed from step {r} after step {high} was done: "
+                    f"{lost} steps lost > allowed {allowed} (interval {ev.interval} + 1"
+                    f"{f' + {len(attacks)} checkpoint-destroying fault(s)' if attacks else ''})"
+                )
+            if r > high:
+                problems.append(f"attempt {att.index} restored step {r}, beyond the highest "
+                                f"step ever done ({high})")
+        prev_start = att.start_time if att.start_time is not None else prev_start
+        high = max(high, att.last.step)
+    worst = max((x["lost_steps"] for x in lost_per_resume), default=0)
+    return _result(4, "work lost per fault bounded", problems,
+                   f"{len(lost_per_resume)} resume(s), at most {worst} step(s) lost",
+                   tolerance=f"<= interval ({ev.interval}) + 1 per resume, + one interval per "
+                             "checkpoint-destroying fault",
+                   measured={"resumes": lost_per_resume, "max_lost": worst})
+
+
+# 5 ------------------------------------------------------------------------------------------
+
+def _layout_changed_flags(ev: RunEvidence) -> list[bool]:
+    """For each record: has any attempt up to its own run under a layout other than the
+    reference's? (After that, exact equality can no longer be expected.)"""
+    ref_key = ev.reference[0].layout_key if ev.reference else None
+    changed = False
+    flags = []
+    for rec in ev.records:
+        if rec.layout_key != ref_key:
+            changed = True
+        flags.append(changed)
+    return flags
+
+
+def check_loss_curve(ev: RunEvidence) -> InvariantResult:
+    tol = ev.tolerances.loss_rtol
+    if ev.reference is None:
+        return InvariantResult(5, "loss curve continues the reference", False,
+                               "no reference run: cannot check the loss curve",
+                               tolerance=f"exact / rtol={tol:g}")
+    ref = {r.step: r.loss for r in ev.reference}
+    problems = []
+    worst_exact, worst_tol, n_exact, n_tol = 0.0, 0.0, 0, 0
+    for rec, changed in zip(ev.records, _layout_changed_flags(ev), strict=True):
+        if rec.step not in ref:
+            problems.append(f"line {rec.line}: step {rec.step} not in the reference run")
+            continue
+        d = rel_diff(rec.loss, ref[rec.step])
+        if changed:
+            n_tol += 1
+            worst_tol = max(worst_tol, d)
+            if d > tol:
+                problems.append(f"line {rec.line}: step {rec.step} loss {rec.loss!r} vs "
+                                f"reference {ref[rec.step]!r} (rel {d:.3g} > {tol:g}, "
+                                "after a layout change)")
+        else:
+            n_exact += 1
+            worst_exact = max(worst_exact, d)
+            if rec.loss != ref[rec.step]:
+                problems.append(f"line {rec.line}: step {rec.step} loss {rec.loss!r} != "
+                                f"reference {ref[rec.step]!r} (same layout: must be exact)")
+    return _result(
+        5, "loss curve continues the reference", problems,
+        f"{n_exact} step(s) exactly equal, {n_tol} after a layout change within rtol "
+        f"(max {worst_tol:.3g})",
+        tolerance=f"exact on the reference layout; rtol={tol:g} after a layout change",
+        measured={"exact_steps": n_exact, "tolerance_steps": n_tol,
+                  "max_rel_diff_exact": worst_exact, "max_rel_diff_after_change": worst_tol},
+    )
+
+
+# 6 ------------------------------------------------------------------------------------------
+
+def _batch(records: Sequence[StepRecord]) -> int | None:
+    hist = effective_history(records)
+    for s, rec in hist.items():
+        nxt = hist.get(s + 1)
+        if nxt and rec.data_position is not None and nxt.data_position is not None:
+            return nxt.data_position - rec.data_position
+    return None
+
+
+def check_data(ev: RunEvidence) -> InvariantResult:
+    problems = []
+    ref_pos = {r.step: r.data_position for r in ev.reference} if ev.reference else {}
+    missing = [r.line for r in ev.records if r.data_position is None]
+    if missing:
+        problems.append(f"{len(missing)} record(s) without data_position (first at line "
+                        f"{missing[0]}): the data position cannot be checked")
+    for rec in ev.records:
+        want = ref_pos.get(rec.step)
+        if want is not None and rec.data_position is not None and rec.data_position != want:
+            kind = "skipped" if rec.data_position > want else "re-consumed"
+            problems.append(f"line {rec.line}: step {rec.step} read from sample "
+                            f"{rec.data_position}, reference from {want} ({kind} "
+                            f"{abs(rec.data_position - want)} sample(s))")
+    for att in split_attempts(ev.records)[1:]:
+        r = att.restored_step or 0
+        if att.first.step != r + 1:
+            problems.append(f"attempt {att.index} restored step {r} but its first step is "
+                            f"{att.first.step}, not {r + 1}")
+    hist = effective_history(ev.records)
+    steps = list(hist)
+    if steps and steps != list(range(steps[0], steps[0] + len(steps))):
+        gaps = sorted(set(range(steps[0], steps[-1] + 1)) - set(steps))
+        problems.append(f"steps never completed: {gaps[:10]}")
+    if steps and steps[0] != 1:
+        problems.append(f"history starts at step {steps[0]}, not 1")
+    batch = _batch(ev.reference) if ev.reference else _batch(ev.records)
+    if batch is not None and batch <= 0:
+        problems.append(f"data position does not advance (batch {batch})")
+    elif batch is not None:
+        for s in steps[1:]:
+            a, b = hist[s - 1].data_position, hist[s].data_position
+            if a is not None and b is not None and b - a != batch:
+                problems.append(f"step {s} starts at sample {b}, step {s - 1} at {a}: "
+                                f"expected +{batch}")
+    return _result(6, "no sample consumed twice or skipped", problems,
+                   f"{len(steps)} steps x {batch} samples, contiguous, matching the reference",
+                   measured={"samples_per_step": batch, "steps": len(steps)})
+
+
+def verify(ev: RunEvidence) -> list[InvariantResult]:
+    """All six invariants, in order."""
+    return [
+        check_target(ev),
+        check_weights(ev),
+        check_checkpoints(ev),
+        check_lost_work(ev),
+        check_loss_curve(ev),
+        check_data(ev),
+    ]

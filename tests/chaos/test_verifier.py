@@ -1,0 +1,263 @@
+"""The verifier against synthetic runs: correct resumes pass, and each kind of broken resume
+(older state than claimed, skipped data, an uncommitted or damaged checkpoint loaded, too
+much work lost, target missed, final state off) fails the invariant that guards it."""
+
+from __future__ import annotations
+
+import json
+import math
+from dataclasses import replace
+
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from chaos.faults import FaultKind
+from chaos.logs import parse_metrics, split_attempts
+from chaos.verifier import (
+    CheckpointEvent,
+    FaultMark,
+    RunEvidence,
+    StepRecord,
+    WeightsComparison,
+    verify,
+)
+
+BATCH = 16
+TARGET = 20
+INTERVAL = 5
+
+
+def ref_loss(step: int, ws: int = 4) -> float:
+    # A deterministic, decreasing curve; a different world size perturbs it slightly, as a
+    # different reduction order would.
+    base = 4.0 * math.exp(-step / 10.0) + 0.5
+    return base if ws == 4 else base * (1 + 1e-6 * step)
+
+
+def rec(step: int, t: float, restored: int | None = None, ws: int = 4,
+        loss: float | None = None, pos: int | None = None) -> StepRecord:
+    return StepRecord(
+        step=step,
+        loss=ref_loss(step, ws) if loss is None else loss,
+        data_position=(step - 1) * BATCH if pos is None else pos,
+        restored_step=restored,
+        world_size=ws,
+        layout=f"dp{ws}",
+        time=t,
+        step_time_s=0.5,
+    )
+
+
+def reference() -> list[StepRecord]:
+    return [rec(s, float(s)) for s in range(1, TARGET + 1)]
+
+
+def same_weights() -> WeightsComparison:
+    return WeightsComparison(compared=True, tensors=10, bitwise_equal=True,
+                             chaos_step=TARGET, reference_step=TARGET)
+
+
+def simulate(kills: list[float], ws_after: int = 4, lose: frozenset[int] = frozenset()
+             ) -> RunEvidence:
+    """A correct run: one step per second of work; at each kill time the group dies, 3 s
+    later a new group restores the newest commit (committed 0.3 s after its step)."""
+    records: list[StepRecord] = []
+    events: list[CheckpointEvent] = []
+    t, step, restored, ws = 0.0, 0, None, 4
+    kills = sorted(kills)
+    while step < TARGET:
+        t += 1.0
+        if kills and t > kills[0]:
+            kill = kills.pop(0)
+            committed = [e.step for e in events if e.time <= kill]
+            restored = max(committed) if committed else None
+            step = restored or 0
+            t = kill + 3.0
+            ws = ws_after
+            continue
+        step += 1
+        records.append(rec(step, t, restored, ws))
+        if step % INTERVAL == 0 and step not in lose:
+            events.append(CheckpointEvent(step, t + 0.3, "commit"))
+    return RunEvidence(
+        records=records, target_step=TARGET, interval=INTERVAL, finished=True,
+        finish_detail="all agents exited 0", reference=reference(), checkpoint_events=events,
+        verified={e.step: None for e in events},
+        faults=[FaultMark(i, FaultKind.KILL_WORKER, k) for i, k in enumerate(kills)],
+        weights=same_weights(),
+    )
+
+
+def failing(ev: RunEvidence) -> set[int]:
+    return {r.number for r in verify(ev) if not r.ok}
+
+
+# correct runs -------------------------------------------------------------------------------
+
+def test_uninterrupted_run_passes() -> None:
+    assert failing(simulate([])) == set()
+
+
+def test_resume_after_kill_passes() -> None:
+    ev = simulate([8.5])
+    assert len(split_attempts(ev.records)) == 2
+    assert failing(ev) == set()
+
+
+@settings(max_examples=60, deadline=None)
+@given(st.lists(st.floats(min_value=0.5, max_value=40.0), max_size=4))
+def test_any_correct_kill_sequence_passes(kills: list[float]) -> None:
+    assert failing(simulate(kills)) == set()
+
+
+def test_layout_change_within_tolerance_passes() -> None:
+    ev = simulate([12.5], ws_after=2)
+    ev.weights = WeightsComparison(compared=True, tensors=10, bitwise_equal=False,
+                                   max_abs_diff=1e-7, max_rel_diff=1e-6,
+                                   chaos_step=TARGET, reference_step=TARGET)
+    assert failing(ev) == set()
+
+
+# broken runs --------------------------------------------------------------------------------
+
+def _resumed_records(ev: RunEvidence, fn) -> RunEvidence:
+    atts = split_attempts(ev.records)
+    assert len(atts) >= 2
+    first = set(id(r) for r in atts[0].records)
+    return replace(ev, records=[r if id(r) in first else fn(r) for r in ev.records])
+
+
+def test_restoring_an_older_state_than_claimed_fails() -> None:
+    # Claims step 5 but the weights came from step 0: every later loss is the reference's
+    # five steps earlier.
+    ev = _resumed_records(simulate([8.5]), lambda r: replace(r, loss=ref_loss(r.step - 5)))
+    assert 5 in failing(ev)
+
+
+def test_claimed_restore_step_older_than_loaded_state_fails() -> None:
+    # The log says restored step 5, but the state (and so the data) continued from step 10.
+    ev = _resumed_records(simulate([12.5]), lambda r: replace(r, loss=ref_loss(r.step + 5),
+                                                             data_position=(r.step + 4) * BATCH))
+    assert {5, 6} <= failing(ev)
+
+
+def test_skipped_data_position_fails() -> None:
+    ev = _resumed_records(simulate([8.5]),
+                          lambda r: replace(r, data_position=r.data_position + BATCH))
+    bad = verify(ev)
+    assert [r.number for r in bad if not r.ok] == [6]
+    assert "skipped" in bad[5].summary
+
+
+def test_reconsumed_data_position_fails() -> None:
+    ev = _resumed_records(simulate([8.5]),
+                          lambda r: replace(r, data_position=r.data_position - BATCH))
+    assert failing(ev) == {6}
+
+
+def test_resume_at_wrong_step_fails() -> None:
+    # Restored step 5 but went on at step 7: step 6 was skipped.
+    ev = simulate([8.5])
+    atts = split_attempts(ev.records)
+    dropped = atts[1].records[0]
+    ev = replace(ev, records=[r for r in ev.records if r is not dropped])
+    assert 6 in failing(ev)
+
+
+def test_uncommitted_checkpoint_loaded_fails() -> None:
+    ev = simulate([13.5])
+    ev = replace(ev, checkpoint_events=[e for e in ev.checkpoint_events if e.step != 10])
+    assert 3 in failing(ev)
+
+
+def test_damaged_checkpoint_loaded_fails() -> None:
+    ev = simulate([13.5])
+    ev.checkpoint_events.append(CheckpointEvent(10, 12.0, "damage"))
+    ev.verified[10] = "chunk crc32c mismatch"
+    assert 3 in failing(ev)
+
+
+def test_damaged_checkpoint_that_still_verifies_fails() -> None:
+    ev = simulate([])
+    ev.checkpoint_events.append(CheckpointEvent(15, 30.0, "damage"))
+    assert 3 in failing(ev)
+    ev.verified[15] = "crc mismatch in chunk 0.0"
+    assert failing(ev) == set()
+
+
+def test_committed_checkpoint_that_does_not_verify_fails() -> None:
+    ev = simulate([])
+    ev.verified[10] = "manifest missing"
+    assert failing(ev) == {3}
+
+
+def test_too_much_work_lost_fails() -> None:
+    # Killed at step 14; step 10's checkpoint never committed, so it resumed from step 5:
+    # 9 steps lost with no fault to explain the missing save.
+    ev = simulate([14.5], lose=frozenset({10}))
+    res = verify(ev)
+    assert not res[3].ok and res[3].measured["max_lost"] == 9
+    # The same loss is allowed when a fault destroyed the step-10 checkpoint.
+    ev.faults.append(FaultMark(0, FaultKind.CORRUPT_CHECKPOINT, 11.0))
+    assert verify(ev)[3].ok
+
+
+def test_target_not_reached_fails() -> None:
+    ev = simulate([])
+    ev = replace(ev, records=ev.records[:-3], finished=False, finish_detail="deadline")
+    assert 1 in failing(ev)
+
+
+def test_job_not_finished_fails() -> None:
+    ev = replace(simulate([]), finished=False, finish_detail="agent 1 exited 1")
+    assert failing(ev) == {1}
+
+
+def test_loss_off_after_layout_change_fails() -> None:
+    ev = simulate([12.5], ws_after=2)
+    ev = _resumed_records(ev, lambda r: replace(r, loss=r.loss * 1.01))
+    assert 5 in failing(ev)
+
+
+def test_same_layout_loss_must_be_exact() -> None:
+    ev = _resumed_records(simulate([8.5]), lambda r: replace(r, loss=r.loss * (1 + 1e-12)))
+    assert failing(ev) == {5}
+
+
+def test_weights_not_bitwise_on_same_layout_fails() -> None:
+    ev = simulate([8.5])
+    ev.weights = WeightsComparison(compared=True, tensors=10, bitwise_equal=False,
+                                   max_abs_diff=1e-9, not_bitwise=["model/tok_emb.weight"],
+                                   chaos_step=TARGET, reference_step=TARGET)
+    assert failing(ev) == {2}
+
+
+def test_weights_not_compared_fails() -> None:
+    ev = replace(simulate([]), weights=WeightsComparison(compared=False, error="no ckpt"))
+    assert failing(ev) == {2}
+
+
+def test_no_reference_fails_curve_check() -> None:
+    assert 5 in failing(replace(simulate([]), reference=None))
+
+
+# parsing ------------------------------------------------------------------------------------
+
+def test_parse_metrics_skips_noise_and_torn_lines() -> None:
+    lines = [
+        json.dumps({"step": 1, "loss": 2.5, "data_position": 0, "restored_step": None,
+                    "world_size": 2, "layout": "dp2", "time": 10.0}),
+        "some progress noise",
+        json.dumps({"step": 2, "loss": 2.25, "data_position": 16, "seen": 11.0}),
+        '{"step": 3, "loss": 2.',  # torn by SIGKILL
+        json.dumps({"event": "restore", "restored_step": 0}),
+    ]
+    parsed = parse_metrics(lines)
+    assert [r.step for r in parsed.records] == [1, 2]
+    assert parsed.records[1].time == 11.0
+    assert parsed.skipped == [2, 4, 5]
+
+
+def test_split_attempts_on_restart_to_the_last_logged_step() -> None:
+    recs = [rec(1, 1), rec(2, 2), rec(3, 3, restored=2)]
+    assert [len(a.records) for a in split_attempts(recs)] == [2, 1]
