@@ -1,1 +1,63 @@
-"""ckpt"""
+"""ckpt: Relight's checkpoint engine.
+
+Sharded, asynchronous, atomic checkpoints of PyTorch state dicts (tensors, DTensors on
+any mesh, stateful objects, JSON values) as zarr v3 arrays through tensorstore, on any
+`storage` URL; loads reshard to whatever layout the target state dict has.
+
+    h = ckpt.save(state_dict, url, async_save=True); h.wait()
+    ckpt.load(state_dict, url)
+    ckpt.verify(url).ok
+    mgr = ckpt.CheckpointManager(root_url, keep_last=3)
+"""
+
+from ckpt.engine import LoadInfo, SaveHandle, SaveOptions, load, save
+from ckpt.errors import (
+    AbsurdShapeError,
+    CheckpointError,
+    CheckpointExistsError,
+    CheckpointNotFoundError,
+    CheckpointSaveError,
+    ChecksumMismatchError,
+    CorruptCheckpointError,
+    DtypeMismatchError,
+    MissingChunkError,
+    MissingKeyError,
+    ShapeMismatchError,
+    StateDictMismatchError,
+    UnexpectedKeyError,
+    UnsafePathError,
+    UnsupportedStateError,
+    UnsupportedVersionError,
+)
+from ckpt.manager import CheckpointManager, KeepEvery, KeepLast, RetentionPolicy
+from ckpt.verify import VerifyReport, verify
+
+__all__ = [
+    "AbsurdShapeError",
+    "CheckpointError",
+    "CheckpointExistsError",
+    "CheckpointManager",
+    "CheckpointNotFoundError",
+    "CheckpointSaveError",
+    "ChecksumMismatchError",
+    "CorruptCheckpointError",
+    "DtypeMismatchError",
+    "KeepEvery",
+    "KeepLast",
+    "LoadInfo",
+    "MissingChunkError",
+    "MissingKeyError",
+    "RetentionPolicy",
+    "SaveHandle",
+    "SaveOptions",
+    "ShapeMismatchError",
+    "StateDictMismatchError",
+    "UnexpectedKeyError",
+    "UnsafePathError",
+    "UnsupportedStateError",
+    "UnsupportedVersionError",
+    "VerifyReport",
+    "load",
+    "save",
+    "verify",
+]

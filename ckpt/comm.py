@@ -1,0 +1,93 @@
+"""The few collectives the engine needs, over JSON (never pickle), with timeouts.
+
+All of them run on the calling (foreground) thread: background persist threads never
+touch a process group.
+"""
+
+from __future__ import annotations
+
+import json
+from datetime import timedelta
+from typing import Any
+
+import torch
+import torch.distributed as dist
+
+__all__ = ["Comm"]
+
+
+class Comm:
+    """A view of one process group: rank, size, global ranks, JSON all-gather, p2p."""
+
+    def __init__(self, group: Any = None, timeout_s: float = 300.0) -> None:
+        self.active = dist.is_available() and dist.is_initialized()
+        self.group = group
+        self.timeout = timedelta(seconds=timeout_s)
+        if self.active:
+            self.rank = dist.get_rank()
+            self.size = dist.get_world_size(group)
+            self.ranks = tuple(dist.get_process_group_ranks(group or dist.group.WORLD))
+            backend = dist.get_backend(group)
+            self.device = (torch.device("cuda", torch.cuda.current_device())
+                           if "nccl" in str(backend) else torch.device("cpu"))
+        else:
+            self.rank, self.size, self.ranks = 0, 1, (0,)
+            self.device = torch.device("cpu")
+
+    @property
+    def coordinator(self) -> int:
+        return self.ranks[0]
+
+    @property
+    def is_coordinator(self) -> bool:
+        return self.rank == self.coordinator
+
+    def _wait(self, work: Any) -> None:
+        if work is None:
+            return
+        try:
+            work.wait(self.timeout)
+        except TypeError:  # backends whose wait takes no timeout
+            work.wait()
+
+    def allgather_bytes(self, payload: bytes) -> list[bytes]:
+        if not self.active or self.size == 1:
+            return [payload]
+        n = torch.tensor([len(payload)], dtype=torch.int64, device=self.device)
+        sizes = [torch.zeros(1, dtype=torch.int64, device=self.device) for _ in range(self.size)]
+        self._wait(dist.all_gather(sizes, n, group=self.group, async_op=True))
+        lens = [int(s.item()) for s in sizes]
+        width = max(lens)
+        buf = torch.zeros(width, dtype=torch.uint8, device=self.device)
+        if payload:
+            buf[: len(payload)] = torch.frombuffer(bytearray(payload), dtype=torch.uint8)
+        out = [torch.zeros(width, dtype=torch.uint8, device=self.device) for _ in range(self.size)]
+        self._wait(dist.all_gather(out, buf, group=self.group, async_op=True))
+        return [bytes(o[:n].cpu().numpy().tobytes()) for o, n in zip(out, lens, strict=True)]
+
+    def allgather_json(self, obj: Any) -> list[Any]:
+        blobs = self.allgather_bytes(json.dumps(obj, separators=(",", ":")).encode())
+        return [json.loads(b) for b in blobs]
+
+    def exchange(self, sends: list[tuple[torch.Tensor, int, int]],
+                 recvs: list[tuple[torch.Tensor, int, int]]) -> None:
+        """Point-to-point: (tensor, global peer rank, tag); a send and its receive share a tag."""
+        if not self.active:
+            return
+        works = []
+        for t, peer, tag in sends:
+            works.append(dist.isend(t.to(self.device), dst=peer, group=self.group, tag=tag))
+        bufs = []
+        for t, peer, tag in recvs:
+            b = t if t.device == self.device else torch.empty_like(t, device=self.device)
+            bufs.append((t, b))
+            works.append(dist.irecv(b, src=peer, group=self.group, tag=tag))
+        for w in works:
+            self._wait(w)
+        for t, b in bufs:
+            if b is not t:
+                t.copy_(b)
+
+    def barrier(self) -> None:
+        if self.active and self.size > 1:
+            self.allgather_bytes(b"")

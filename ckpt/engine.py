@@ -1,0 +1,788 @@
+"""Save and load: the doing half (I/O and collectives) over the pure plans.
+
+Call order of a save, on every rank of the group:
+
+1. foreground: flatten the state dict; wait for the previous save of this process;
+   one small all-gather (layout digest, attempt id, "already committed?"); on a new
+   layout a second all-gather of layouts and `plan_save` (cached afterwards);
+   copy this rank's write pieces into reusable staging buffers. This is all an async
+   save blocks on.
+2. background (or inline when synchronous), no collectives: write this rank's
+   arrays through tensorstore, then its index object `index/<attempt>/r<rank>.json`.
+3. coordinator only: poll storage until every rank's index is there (or one reported
+   an error, or the timeout passes), then write `manifest.json`, then `COMMIT`.
+   Other ranks poll for `COMMIT` (or the coordinator's abort note) so that `wait()`
+   returns on every rank once the checkpoint is committed.
+
+A failure anywhere leaves no `COMMIT`; the handle raises it from `wait()`.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import math
+import os
+import threading
+import time
+import uuid
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass, field
+from typing import Any
+
+import numpy as np
+import torch
+from torch.distributed.tensor import DTensor
+
+from ckpt.comm import Comm
+from ckpt.errors import (
+    CheckpointError,
+    CheckpointExistsError,
+    CheckpointSaveError,
+    CorruptCheckpointError,
+    DtypeMismatchError,
+    MissingKeyError,
+    ShapeMismatchError,
+    UnexpectedKeyError,
+)
+from ckpt.flatten import FlatState, flatten_state, set_value
+from ckpt.format import (
+    ABORT_PREFIX,
+    COMMIT_KEY,
+    DATA_PREFIX,
+    FORMAT_NAME,
+    FORMAT_VERSION,
+    INDEX_PREFIX,
+    MANIFEST_KEY,
+    WRITER_VERSION,
+    dtype_name,
+    inner_chunk_shape,
+    itemsize,
+    numel,
+    zarr_metadata,
+)
+from ckpt.layout import Piece, describe_placements, local_pieces, local_view
+from ckpt.manifest import Manifest, crc32c, read_manifest
+from ckpt.plan import (
+    LoadPlan,
+    RankLayout,
+    SavePlan,
+    TensorLayout,
+    TensorPlan,
+    layout_digest,
+    plan_load,
+    plan_save,
+)
+from ckpt.tsio import from_numpy, map_ts_error, open_array, put_metadata, to_numpy
+from storage import ObjectNotFoundError, Store, open_store
+
+logger = logging.getLogger(__name__)
+
+__all__ = ["SaveOptions", "SaveHandle", "LoadInfo", "save", "load"]
+
+
+@dataclass(kw_only=True)
+class SaveOptions:
+    """How a save is planned and persisted."""
+
+    compression: str | None = None
+    """None (default) or "zstd" (level 1) on every inner chunk; see docs/ckpt.md."""
+    pack_bytes: int = 512 * 1024
+    """Tensors no larger than this are packed into one byte array per writer."""
+    inner_bytes: int = 1 << 20
+    """Target size of the inner (crc32c-checked, separately readable) chunks of a shard."""
+    packed_inner: int = 64 * 1024
+    """Inner chunk size of packed arrays."""
+    commit_timeout_s: float = 600.0
+    """How long the coordinator waits for every rank's index before giving up."""
+    collective_timeout_s: float = 300.0
+
+    def __post_init__(self) -> None:
+        if self.compression not in (None, "zstd"):
+            raise ValueError(f"compression must be None or 'zstd', got {self.compression!r}")
+
+
+def _log_prefix(comm: Comm, step: int | None) -> str:
+    return f"[rank {comm.rank} step {step}]"
+
+
+# ------------------------------------------------------------------------ handle
+
+
+class SaveHandle:
+    """A save in progress. `wait()` blocks until committed and raises its error."""
+
+    def __init__(self, url: str, step: int | None) -> None:
+        self.url = url
+        self.step = step
+        self._done = threading.Event()
+        self._error: BaseException | None = None
+        self.stall_s = 0.0
+        self.waited_s = 0.0
+        self.total_s = 0.0
+        self.bytes_written = 0
+        self._thread: threading.Thread | None = None
+
+    def done(self) -> bool:
+        return self._done.is_set()
+
+    def wait(self, timeout: float | None = None) -> None:
+        if not self._done.wait(timeout):
+            raise TimeoutError(f"save to {self.url} still running after {timeout} s")
+        if self._error is not None:
+            raise self._error
+
+    @property
+    def error(self) -> BaseException | None:
+        return self._error if self._done.is_set() else None
+
+    def _finish(self, error: BaseException | None) -> None:
+        self._error = error
+        self._done.set()
+
+
+# ------------------------------------------------------------------------ engine state
+
+
+@dataclass
+class _Cached:
+    key: tuple[Any, ...]
+    plan: SavePlan
+    staging: torch.Tensor | None = None
+    slots: dict[tuple[str, tuple[int, ...]], tuple[int, int]] = field(default_factory=dict)
+    packed_staging: torch.Tensor | None = None
+
+
+class _EngineState:
+    def __init__(self) -> None:
+        self.lock = threading.Lock()
+        self.inflight: SaveHandle | None = None
+        self.cached: _Cached | None = None
+
+
+_STATE = _EngineState()
+
+
+def wait_inflight() -> float:
+    """Wait for this process's save in flight (if any); returns seconds waited."""
+    h = _STATE.inflight
+    if h is None or h.done():
+        return 0.0
+    t0 = time.perf_counter()
+    h._done.wait()
+    return time.perf_counter() - t0
+
+
+# ------------------------------------------------------------------------ save
+
+
+def _rank_layout(flat: FlatState, rank: int) -> tuple[RankLayout, dict[str, list[Piece]]]:
+    tensors = []
+    pieces_of: dict[str, list[Piece]] = {}
+    for name, ref in sorted(flat.tensors.items()):
+        shape, pieces = local_pieces(ref.tensor, name)
+        pieces_of[name] = pieces
+        tensors.append(TensorLayout(
+            name, ref.path, shape, dtype_name(ref.tensor.dtype, name),
+            describe_placements(ref.tensor),
+            tuple((p.offset, p.shape) for p in pieces)))
+    return RankLayout(rank, tuple(tensors), tuple(sorted(flat.values))), pieces_of
+
+
+def _align(n: int, a: int = 64) -> int:
+    return (n + a - 1) // a * a
+
+
+def save(
+    state_dict: Mapping[str, Any],
+    url: str | os.PathLike[str] | Store,
+    async_save: bool = False,
+    *,
+    step: int | None = None,
+    config: dict[str, Any] | None = None,
+    layout: dict[str, Any] | None = None,
+    process_group: Any = None,
+    options: SaveOptions | None = None,
+    on_commit: Callable[[Manifest | dict[str, Any]], None] | None = None,
+) -> SaveHandle:
+    """Save `state_dict` as one checkpoint at `url`; every rank of the group calls.
+
+    With `async_save` only the staging copy blocks; the returned handle's `wait()`
+    raises any failure. `config` (JSON) and `layout` (JSON, how the run was
+    parallelized) go into the manifest. `on_commit(manifest_dict)` runs on the
+    coordinator right after the commit marker is written (in the background thread).
+    """
+    opts = options or SaveOptions()
+    t0 = time.perf_counter()
+    comm = Comm(process_group, opts.collective_timeout_s)
+    store = open_store(url)
+    pre = _log_prefix(comm, step)
+    flat = flatten_state(state_dict)
+
+    waited = wait_inflight()
+    if waited > 0.001:
+        logger.info("%s save to %s waited %.3f s for the previous save", pre, store.url, waited)
+    prev = _STATE.inflight
+    if prev is not None and prev.error is not None and not getattr(prev, "_reported", False):
+        prev._reported = True  # type: ignore[attr-defined]
+        logger.error("%s previous save to %s failed: %s", pre, prev.url, prev.error)
+
+    lay, pieces_of = _rank_layout(flat, comm.rank)
+    digest = layout_digest(lay, [comm.ranks, opts.pack_bytes, opts.inner_bytes,
+                                 opts.packed_inner])
+    committed = comm.is_coordinator and store.exists(COMMIT_KEY)
+    attempt = uuid.uuid4().hex[:16]
+    got = comm.allgather_json([digest, attempt, committed])
+    attempt = got[0][1]
+    if got[0][2]:
+        raise CheckpointExistsError(
+            f"{store.url} already holds a committed checkpoint; saves never overwrite one "
+            "(choose another URL or delete it first)", url=store.url)
+    key = (tuple(g[0] for g in got), comm.ranks)
+    cached = _STATE.cached
+    if cached is None or cached.key != key:
+        layouts = [RankLayout.from_json(j) for j in comm.allgather_json(lay.to_json())]
+        plan = plan_save(layouts, comm.ranks, pack_bytes=opts.pack_bytes,
+                         inner_bytes=opts.inner_bytes, packed_inner=opts.packed_inner)
+        cached = _Cached(key, plan)
+        _STATE.cached = cached
+        logger.info("%s new save plan: %d tensors, this rank writes %d bytes", pre,
+                    len(plan.tensors), plan.write_bytes.get(comm.rank, 0))
+    plan = cached.plan
+
+    # Stage: copy this rank's pieces into (reused) host buffers.
+    my_writes = plan.writes_of(comm.rank)
+    need_copy = async_save or any(
+        flat.tensors[t.name].tensor.device.type != "cpu" for t, _ in my_writes)
+    staged: dict[tuple[str, tuple[int, ...]], torch.Tensor] = {}
+    packed_buf: np.ndarray | None = None
+    packed_size = plan.packed_size.get(comm.rank, 0)
+    if packed_size:
+        padded = _align(packed_size, plan.packed_inner)
+        if cached.packed_staging is None or cached.packed_staging.numel() != padded:
+            cached.packed_staging = torch.zeros(padded, dtype=torch.uint8)
+        packed_t = cached.packed_staging
+        packed_buf = packed_t.numpy()
+    if need_copy and cached.staging is None:
+        total = 0
+        for t, p in my_writes:
+            if t.storage != "packed":
+                cached.slots[(t.name, p.offset)] = (total, numel(p.shape) * itemsize(t.dtype))
+                total = _align(total + numel(p.shape) * itemsize(t.dtype))
+        pin = torch.cuda.is_available() and any(
+            flat.tensors[t.name].tensor.is_cuda for t, _ in my_writes)
+        cached.staging = torch.empty(total, dtype=torch.uint8, pin_memory=pin)
+    used_cuda = False
+    for t, p in my_writes:
+        src_t = flat.tensors[t.name].tensor
+        piece = next(x for x in pieces_of[t.name] if x.offset == p.offset and x.shape == p.shape)
+        src = local_view(src_t, piece)
+        used_cuda |= src.is_cuda
+        if t.storage == "packed":
+            nb = numel(p.shape) * itemsize(t.dtype)
+            dst = packed_t[p.byte_offset: p.byte_offset + nb].view(src.dtype).view(p.shape)
+            dst.copy_(src, non_blocking=src.is_cuda)
+        elif need_copy:
+            off, nb = cached.slots[(t.name, p.offset)]
+            dst = cached.staging[off: off + nb].view(src.dtype).view(p.shape)
+            dst.copy_(src, non_blocking=src.is_cuda)
+            staged[(t.name, p.offset)] = dst
+        else:
+            staged[(t.name, p.offset)] = src.contiguous()
+    if used_cuda:
+        torch.cuda.synchronize()
+    values = {n: flat.values[n].value for n, r in plan.value_owner.items() if r == comm.rank}
+
+    handle = SaveHandle(store.url, step)
+    job = _SaveJob(store, plan, attempt, comm.rank, staged, packed_buf, values, opts,
+                   dict(step=step, config=config, layout=layout), handle, on_commit, pre)
+    handle.stall_s = time.perf_counter() - t0
+    handle.waited_s = waited
+    _STATE.inflight = handle
+    if async_save:
+        th = threading.Thread(target=job.run, name=f"ckpt-save-{step}", daemon=True)
+        handle._thread = th
+        th.start()
+    else:
+        job.run()
+        handle.wait()
+    return handle
+
+
+class _SaveJob:
+    """Persist + commit; runs in the background thread. Never touches a process group."""
+
+    def __init__(self, store: Store, plan: SavePlan, attempt: str, rank: int,
+                 staged: dict[tuple[str, tuple[int, ...]], torch.Tensor],
+                 packed: np.ndarray | None, values: dict[str, Any], opts: SaveOptions,
+                 meta: dict[str, Any], handle: SaveHandle,
+                 on_commit: Callable[[dict[str, Any]], None] | None, pre: str) -> None:
+        self.store, self.plan, self.attempt, self.rank = store, plan, attempt, rank
+        self.staged, self.packed, self.values, self.opts = staged, packed, values, opts
+        self.meta, self.handle, self.on_commit, self.pre = meta, handle, on_commit, pre
+        self.data = f"{DATA_PREFIX}{attempt}"
+        self.t0 = time.perf_counter()
+
+    # -- persist ---------------------------------------------------------------------
+
+    def _meta_of(self, t: TensorPlan, piece_shape: tuple[int, ...] | None) -> dict[str, Any]:
+        comp = self.opts.compression
+        if piece_shape is None:
+            return zarr_metadata(list(t.shape), t.dtype, list(t.chunks), list(t.inner), comp)
+        inner = inner_chunk_shape(piece_shape, itemsize(t.dtype), self.opts.inner_bytes)
+        return zarr_metadata(list(piece_shape), t.dtype, list(piece_shape), list(inner), comp)
+
+    def persist(self) -> int:
+        futures = []
+        nbytes = 0
+        opened: dict[str, Any] = {}
+        metas: list[tuple[str, dict[str, Any]]] = []
+        for t, p in self.plan.writes_of(self.rank):
+            if t.storage == "packed":
+                continue
+            arr = self.staged[(t.name, p.offset)]
+            if t.storage == "grid":
+                path = f"{self.data}/{t.array}"
+                meta = self._meta_of(t, None)
+                if path not in opened:
+                    opened[path] = open_array(self.store, path, meta, read=False).result()
+                region = tuple(slice(o, o + s) for o, s in zip(p.offset, p.shape, strict=True))
+                store_arr = opened[path][region] if region else opened[path]
+            else:
+                path = f"{self.data}/{p.array}"
+                meta = self._meta_of(t, p.shape)
+                store_arr = open_array(self.store, path, meta, read=False).result()
+                metas.append((path, meta))
+            futures.append(store_arr.write(to_numpy(arr)))
+            nbytes += arr.numel() * arr.element_size()
+        for t in self.plan.tensors.values():
+            if t.storage == "grid" and t.meta_writer == self.rank:
+                metas.append((f"{self.data}/{t.array}", self._meta_of(t, None)))
+        if self.packed is not None:
+            path = f"{self.data}/packed/r{self.rank:05d}"
+            size = self.packed.shape[0]
+            meta = zarr_metadata([size], "uint8", [size], [self.plan.packed_inner],
+                                 self.opts.compression)
+            arr = open_array(self.store, path, meta, read=False).result()
+            futures.append(arr.write(self.packed))
+            metas.append((path, meta))
+            nbytes += size
+        for f in futures:
+            f.result()
+        for path, meta in metas:
+            put_metadata(self.store, path, meta)
+        self.store.stats.record_write(nbytes, ops=len(futures))
+        return nbytes
+
+    # -- commit ----------------------------------------------------------------------
+
+    def _index_key(self, rank: int, error: bool = False) -> str:
+        return f"{INDEX_PREFIX}{self.attempt}/r{rank:05d}{'.error' if error else ''}.json"
+
+    def _poll(self, check: Callable[[], Any], what: str) -> Any:
+        deadline = time.monotonic() + self.opts.commit_timeout_s
+        delay = 0.005
+        while True:
+            result = check()
+            if result is not None:
+                return result
+            if time.monotonic() > deadline:
+                raise TimeoutError(
+                    f"{what} not done after {self.opts.commit_timeout_s:.0f} s (a rank died "
+                    "or is stuck?)")
+            time.sleep(delay)
+            delay = min(delay * 1.5, 0.25)
+
+    def _all_indexes(self) -> dict[int, dict[str, Any]] | None:
+        keys = set(self.store.list(f"{INDEX_PREFIX}{self.attempt}/"))
+        errors = [k for k in keys if k.endswith(".error.json")]
+        if errors:
+            failures = {}
+            for k in errors:
+                try:
+                    e = json.loads(self.store.get(k))
+                    failures[int(e["rank"])] = str(e["error"])
+                except Exception as exc:  # noqa: BLE001 - best effort description
+                    failures[-1] = f"{k}: {exc}"
+            raise CheckpointSaveError(
+                f"save to {self.store.url} failed on rank(s) {sorted(failures)}: {failures}",
+                url=self.store.url, failures=failures)
+        if not all(self._index_key(r) in keys for r in self.plan.ranks):
+            return None
+        return {r: json.loads(self.store.get(self._index_key(r))) for r in self.plan.ranks}
+
+    def _manifest(self, indexes: dict[int, dict[str, Any]]) -> dict[str, Any]:
+        values: dict[str, Any] = {}
+        for idx in indexes.values():
+            values.update(idx["values"])
+        tensors: dict[str, Any] = {}
+        for t in self.plan.tensors.values():
+            e: dict[str, Any] = {"path": list(t.path), "shape": list(t.shape), "dtype": t.dtype,
+                                 "storage": t.storage, "placements": t.placements}
+            if t.storage == "grid":
+                e.update(array=f"{self.data}/{t.array}", chunks=list(t.chunks),
+                         inner=list(t.inner))
+            else:
+                ps = []
+                for p in t.pieces:
+                    pe: dict[str, Any] = {"offset": list(p.offset), "shape": list(p.shape),
+                                          "array": f"{self.data}/{p.array}"}
+                    if t.storage == "packed":
+                        pe["byte_offset"] = p.byte_offset
+                    else:
+                        pe["inner"] = list(inner_chunk_shape(
+                            p.shape, itemsize(t.dtype), self.opts.inner_bytes))
+                    ps.append(pe)
+                e["pieces"] = ps
+            tensors[t.name] = e
+        packed = {f"{self.data}/packed/r{r:05d}": _align(s, self.plan.packed_inner)
+                  for r, s in self.plan.packed_size.items() if s}
+        now = time.time()
+        return {
+            "format": FORMAT_NAME,
+            "version": FORMAT_VERSION,
+            "writer": {"version": WRITER_VERSION, "torch": torch.__version__},
+            "step": self.meta["step"],
+            "created": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime(now)),
+            "created_unix": now,
+            "attempt": self.attempt,
+            "compression": self.opts.compression,
+            "world_size": len(self.plan.ranks),
+            "ranks": list(self.plan.ranks),
+            "config": self.meta["config"],
+            "layout": self.meta["layout"],
+            "tensors": tensors,
+            "values": {k: values[k] for k in sorted(values)},
+            "packed": packed,
+            "packed_inner": self.plan.packed_inner,
+            "bytes": sum(t.nbytes for t in self.plan.tensors.values()),
+            "index": {str(r): self._index_key(r) for r in self.plan.ranks},
+        }
+
+    def _committed(self) -> bool | None:
+        try:
+            commit = json.loads(self.store.get(COMMIT_KEY))
+            if commit.get("attempt") == self.attempt:
+                return True
+        except ObjectNotFoundError:
+            pass
+        if self.store.exists(f"{ABORT_PREFIX}{self.attempt}.json"):
+            note = json.loads(self.store.get(f"{ABORT_PREFIX}{self.attempt}.json"))
+            raise CheckpointSaveError(
+                f"save to {self.store.url} aborted by the coordinator: {note.get('reason')}",
+                url=self.store.url)
+        return None
+
+    def run(self) -> None:
+        error: BaseException | None = None
+        try:
+            try:
+                nbytes = self.persist()
+                self.handle.bytes_written = nbytes
+                self.store.put(self._index_key(self.rank), json.dumps({
+                    "rank": self.rank, "attempt": self.attempt, "bytes": nbytes,
+                    "values": self.values, "time": time.time()}).encode())
+            except BaseException as e:
+                logger.error("%s persisting to %s failed: %s", self.pre, self.store.url, e)
+                try:
+                    self.store.put(self._index_key(self.rank, error=True), json.dumps(
+                        {"rank": self.rank, "error": f"{type(e).__name__}: {e}"}).encode())
+                except Exception:  # noqa: BLE001 - storage may be what failed
+                    logger.warning("%s could not record the failure in storage", self.pre)
+                raise
+            if self.rank == self.plan.coordinator:
+                try:
+                    indexes = self._poll(self._all_indexes, "waiting for every rank's index")
+                    manifest = self._manifest(indexes)
+                    raw = json.dumps(manifest, indent=1).encode()
+                    self.store.put(MANIFEST_KEY, raw)
+                    self.store.put(COMMIT_KEY, json.dumps({
+                        "attempt": self.attempt, "manifest_bytes": len(raw),
+                        "manifest_crc32c": crc32c(raw), "step": self.meta["step"],
+                        "created": manifest["created"]}).encode())
+                    logger.info("%s committed %s (%d tensors, %.3f s)", self.pre,
+                                self.store.url, len(manifest["tensors"]),
+                                time.perf_counter() - self.t0)
+                except BaseException as e:
+                    try:
+                        self.store.put(f"{ABORT_PREFIX}{self.attempt}.json",
+                                       json.dumps({"reason": str(e)}).encode())
+                    except Exception:  # noqa: BLE001
+                        logger.warning("%s could not write the abort note", self.pre)
+                    raise
+                if self.on_commit is not None:
+                    try:
+                        self.on_commit(manifest)
+                    except Exception as e:  # noqa: BLE001 - the checkpoint is committed
+                        logger.error("%s post-commit hook failed: %s", self.pre, e)
+            else:
+                self._poll(self._committed, "waiting for the commit marker")
+        except BaseException as e:
+            if not isinstance(e, CheckpointError):
+                err = CheckpointSaveError(
+                    f"save to {self.store.url} failed on rank {self.rank}: "
+                    f"{type(e).__name__}: {e}", url=self.store.url,
+                    failures={self.rank: str(e)})
+                err.__cause__ = e
+                e = err
+            logger.error("%s save to %s failed: %s", self.pre, self.store.url, e)
+            error = e
+        self.handle.total_s = time.perf_counter() - self.t0 + self.handle.stall_s
+        self.handle._finish(error)
+
+
+# ------------------------------------------------------------------------ load
+
+
+@dataclass
+class LoadInfo:
+    """What a load did: the checkpoint's step and config, bytes this rank read."""
+
+    url: str
+    step: int | None
+    config: dict[str, Any] | None
+    bytes_read: int
+    bytes_needed: int
+
+
+def _box_slices(inter_off, inter_shape, base_off) -> tuple[slice, ...]:
+    return tuple(slice(o - b, o - b + s) for o, s, b in zip(inter_off, inter_shape, base_off,
+                                                          strict=True))
+
+
+def _intersect(a_off, a_shape, b_off, b_shape):
+    off, shp = [], []
+    for ao, as_, bo, bs in zip(a_off, a_shape, b_off, b_shape, strict=True):
+        lo, hi = max(ao, bo), min(ao + as_, bo + bs)
+        if hi <= lo:
+            return None
+        off.append(lo)
+        shp.append(hi - lo)
+    return tuple(off), tuple(shp)
+
+
+def _chunk_bytes(off, shape, chunks, item) -> int:
+    """Bytes of the chunks of grid `chunks` that a box overlaps."""
+    n = item
+    for o, s, c in zip(off, shape, chunks, strict=True):
+        first, last = o // c, (o + s - 1) // c
+        n *= (last - first + 1) * c
+    return n
+
+
+class _Reader:
+    """Issues the tensorstore reads for one region of one tensor; `result()` assembles."""
+
+    def __init__(self, store: Store, m: Manifest, name: str, box, dtype: torch.dtype) -> None:
+        self.store, self.m, self.name = store, m, name
+        self.off, self.shape = box
+        self.dtype = dtype
+        self.parts: list[tuple[Any, tuple[slice, ...], Callable[[np.ndarray], torch.Tensor],
+                               str]] = []
+        self.bytes = 0
+        t = m.tensors[name]
+        item = itemsize(t["dtype"])
+        try:
+            if t["storage"] == "grid":
+                arr = open_array(store, t["array"], m.meta_of(name), read=True).result()
+                region = _box_slices(self.off, self.shape, (0,) * len(self.off))
+                fut = (arr[region] if region else arr).read()
+                self.parts.append((fut, tuple(slice(None) for _ in self.shape), from_numpy,
+                                   t["array"]))
+                self.bytes += _chunk_bytes(self.off, self.shape, t["inner"], item) \
+                    if self.shape else item
+                return
+            for p in t["pieces"]:
+                inter = _intersect(self.off, self.shape, p["offset"], p["shape"])
+                if inter is None:
+                    if numel(self.shape) or numel(p["shape"]):
+                        continue
+                    inter = (tuple(self.off), tuple(self.shape))
+                dst = _box_slices(inter[0], inter[1], self.off)
+                src = _box_slices(inter[0], inter[1], p["offset"])
+                arr = open_array(store, p["array"], m.meta_of(name, p), read=True).result()
+                if t["storage"] == "pieces":
+                    fut = (arr[src] if src else arr).read()
+                    self.parts.append((fut, dst, from_numpy, p["array"]))
+                    self.bytes += _chunk_bytes(inter[0], inter[1], p["inner"], item) \
+                        if inter[1] else item
+                else:
+                    nb = numel(p["shape"]) * item
+                    bo = p["byte_offset"]
+                    fut = arr[bo: bo + nb].read()
+                    pshape, tdt = tuple(p["shape"]), dtype
+
+                    def convert(a, pshape=pshape, tdt=tdt, src=src):
+                        full = torch.from_numpy(a.copy()).view(tdt).reshape(pshape)
+                        return full[src] if src else full
+                    self.parts.append((fut, dst, convert, p["array"]))
+                    pi = m.raw["packed_inner"]
+                    self.bytes += ((bo + nb - 1) // pi - bo // pi + 1) * pi if nb else 0
+        except CheckpointError:
+            raise
+        except Exception as e:  # noqa: BLE001
+            raise map_ts_error(e, store.url, name, t.get("array") or "pieces") from e
+
+    def result(self) -> torch.Tensor:
+        out = torch.empty(self.shape, dtype=self.dtype)
+        for fut, dst, convert, obj in self.parts:
+            try:
+                a = fut.result()
+            except Exception as e:  # noqa: BLE001
+                raise map_ts_error(e, self.store.url, self.name, obj) from e
+            part = convert(a)
+            if dst:
+                out[dst] = part
+            else:
+                out.copy_(part)
+        return out
+
+
+def _err_json(e: BaseException) -> dict[str, Any]:
+    return {"type": type(e).__name__, "msg": str(e)}
+
+
+def _raise_first(errors: list[Any], ranks: tuple[int, ...], url: str) -> None:
+    import ckpt.errors as errs
+
+    for rank, e in zip(ranks, errors, strict=True):
+        if e:
+            cls = getattr(errs, e["type"], None)
+            if isinstance(cls, type) and issubclass(cls, CheckpointError):
+                raise cls(f"rank {rank}: {e['msg']}", url=url)
+            raise CorruptCheckpointError(f"rank {rank}: {e['type']}: {e['msg']}", url=url)
+
+
+def load(
+    state_dict: dict[str, Any],
+    url: str | os.PathLike[str] | Store,
+    *,
+    strict: bool = True,
+    process_group: Any = None,
+    broadcast: bool = True,
+    collective_timeout_s: float = 300.0,
+) -> LoadInfo:
+    """Load the committed checkpoint at `url` into `state_dict`, in place, resharded to
+    whatever layout its tensors have now. Every rank of the group calls.
+
+    `strict`: every checkpoint entry must be wanted by some rank and every wanted entry
+    must exist. `broadcast`: a region needed by several ranks is read by one of them and
+    sent to the others (else every rank reads its own). Raises typed errors from
+    `ckpt.errors` on every rank when any rank finds a problem.
+    """
+    comm = Comm(process_group, collective_timeout_s)
+    store = open_store(url)
+    flat = flatten_state(state_dict)
+    error: BaseException | None = None
+    m: Manifest | None = None
+    needs: list[tuple[str, Any, int]] = []
+    local: dict[str, list[Piece]] = {}
+    try:
+        m = read_manifest(store)
+        for name, ref in flat.tensors.items():
+            if name not in m.tensors:
+                raise MissingKeyError(
+                    f"tensor {name!r} is not in checkpoint {store.url}; load with strict=False "
+                    "to skip it, or check the state dict keys", url=store.url, tensor=name)
+            e = m.tensors[name]
+            shape, pieces = local_pieces(ref.tensor, name)
+            if list(shape) != e["shape"]:
+                raise ShapeMismatchError(
+                    f"tensor {name!r}: checkpoint {store.url} has global shape "
+                    f"{tuple(e['shape'])}, the state dict has {shape}", url=store.url,
+                    tensor=name)
+            if dtype_name(ref.tensor.dtype, name) != e["dtype"]:
+                raise DtypeMismatchError(
+                    f"tensor {name!r}: checkpoint {store.url} has dtype {e['dtype']}, the "
+                    f"state dict has {ref.tensor.dtype}; cast after loading", url=store.url,
+                    tensor=name)
+            local[name] = pieces
+            for p in pieces:
+                needs.append((name, [list(p.offset), list(p.shape)], itemsize(e["dtype"])))
+        for name in flat.values:
+            if name not in m.values:
+                raise MissingKeyError(
+                    f"value {name!r} is not in checkpoint {store.url}", url=store.url,
+                    tensor=name)
+    except CheckpointError as e:
+        error = e
+    except Exception as e:  # noqa: BLE001 - storage errors etc. are reported on every rank
+        error = e
+    wanted = sorted(set(flat.tensors) | set(flat.values)) if strict else []
+    gathered = comm.allgather_json({"err": _err_json(error) if error else None,
+                                    "needs": needs, "wanted": wanted})
+    if error is not None:
+        raise error
+    _raise_first([g["err"] for g in gathered], comm.ranks, store.url)
+    assert m is not None
+    if strict:
+        all_wanted = set().union(*(set(g["wanted"]) for g in gathered))
+        extra = sorted((set(m.tensors) | set(m.values)) - all_wanted)
+        if extra:
+            raise UnexpectedKeyError(
+                f"checkpoint {store.url} holds {len(extra)} entries no rank asked for, e.g. "
+                f"{extra[:5]}; load with strict=False to ignore them", url=store.url,
+                tensor=extra[0])
+    all_needs = {
+        r: [(n, (tuple(b[0]), tuple(b[1])), i) for n, b, i in g["needs"]]
+        for r, g in zip(comm.ranks, gathered, strict=True)
+    }
+    plan: LoadPlan = plan_load(all_needs, broadcast=broadcast)
+
+    # Read what this rank reads; report failures on every rank before exchanging.
+    got: dict[tuple[str, Any], torch.Tensor] = {}
+    nbytes = 0
+    try:
+        readers = []
+        for task in plan.tasks:
+            if task.reader == comm.rank:
+                dt = flat.tensors[task.name].tensor.dtype
+                r = _Reader(store, m, task.name, task.box, dt)
+                readers.append((task, r))
+                nbytes += r.bytes
+        for task, r in readers:
+            got[(task.name, task.box)] = r.result()
+        store.stats.record_read(nbytes, ops=len(readers))
+        error = None
+    except Exception as e:  # noqa: BLE001
+        error = e
+    errs = comm.allgather_json(_err_json(error) if error else None)
+    if error is not None:
+        raise error
+    _raise_first(errs, comm.ranks, store.url)
+
+    sends, recvs = [], []
+    for tag, task in enumerate(plan.tasks):
+        if task.reader == comm.rank:
+            for peer in task.receivers:
+                sends.append((got[(task.name, task.box)], peer, tag))
+        elif comm.rank in task.receivers:
+            dt = flat.tensors[task.name].tensor.dtype
+            buf = torch.empty(task.box[1], dtype=dt)
+            got[(task.name, task.box)] = buf
+            recvs.append((buf, task.reader, tag))
+    comm.exchange(sends, recvs)
+
+    needed = 0
+    for name, pieces in local.items():
+        t = flat.tensors[name].tensor
+        for p in pieces:
+            data = got.get((name, (p.offset, p.shape)))
+            if data is None:
+                continue  # empty piece
+            view = local_view(t, p)
+            with torch.no_grad():
+                view.copy_(data.to(view.device) if view.is_cuda else data)
+            needed += data.numel() * data.element_size()
+    for name, ref in flat.values.items():
+        set_value(ref, m.values[name])
+    for obj, sub, _name in reversed(flat.statefuls):
+        obj.load_state_dict(sub)
+    return LoadInfo(store.url, m.step, m.raw.get("config"), nbytes, needed)
+
+
+def is_dtensor(t: Any) -> bool:
+    return isinstance(t, DTensor)
+
+
+_ = math  # kept for callers computing sizes

@@ -1,0 +1,183 @@
+"""The on-storage format: names, dtypes, zarr v3 metadata, manifest checks.
+
+Layout of one checkpoint (a directory / prefix):
+
+    COMMIT                      commit marker, written last by the coordinator
+    manifest.json               versioned manifest (tensors, values, layout, config, step)
+    index/<attempt>/r<rank>.json   per-rank index: what that rank persisted
+    data/<attempt>/t<i>/        zarr v3 array of tensor i (global shape), or
+    data/<attempt>/t<i>/p<k>/   zarr v3 array of piece k of tensor i (irregular sharding)
+    data/<attempt>/packed/r<rank>/  zarr v3 uint8 array: small tensors packed by a writer
+
+See docs/format.md for the full description.
+"""
+
+from __future__ import annotations
+
+import math
+from typing import Any
+
+import torch
+
+from ckpt.errors import AbsurdShapeError, UnsafePathError, UnsupportedVersionError
+
+FORMAT_NAME = "relight-checkpoint"
+FORMAT_VERSION = 1
+WRITER_VERSION = "relight-ckpt 0.1.0"
+MANIFEST_KEY = "manifest.json"
+COMMIT_KEY = "COMMIT"
+ABORT_PREFIX = "aborted/"
+INDEX_PREFIX = "index/"
+DATA_PREFIX = "data/"
+
+MAX_NUMEL = 1 << 44
+"""No single tensor in a manifest may claim more elements than this (16 Ti elements)."""
+MAX_NDIM = 32
+
+DTYPES: dict[str, torch.dtype] = {
+    "float32": torch.float32,
+    "float64": torch.float64,
+    "float16": torch.float16,
+    "bfloat16": torch.bfloat16,
+    "int64": torch.int64,
+    "int32": torch.int32,
+    "int16": torch.int16,
+    "int8": torch.int8,
+    "uint8": torch.uint8,
+    "bool": torch.bool,
+}
+DTYPE_NAMES: dict[torch.dtype, str] = {v: k for k, v in DTYPES.items()}
+
+
+def dtype_name(dtype: torch.dtype, tensor: str = "") -> str:
+    from ckpt.errors import UnsupportedStateError
+
+    try:
+        return DTYPE_NAMES[dtype]
+    except KeyError:
+        raise UnsupportedStateError(
+            f"tensor {tensor!r} has dtype {dtype}, which the checkpoint format does not "
+            f"store; supported: {sorted(DTYPES)}", tensor=tensor) from None
+
+
+def itemsize(name: str) -> int:
+    return torch.empty((), dtype=DTYPES[name]).element_size()
+
+
+def numel(shape: tuple[int, ...] | list[int]) -> int:
+    n = 1
+    for s in shape:
+        n *= int(s)
+    return n
+
+
+def inner_chunk_shape(chunk: tuple[int, ...], item: int, target_bytes: int) -> tuple[int, ...]:
+    """Split an outer chunk into inner chunks of at most ~`target_bytes`, dividing it
+    exactly (zarr's sharding codec requires that). Halving the largest extent first keeps
+    the tiles square-ish, so a reader that needs a column block or a row block of the
+    shard reads little more than that block."""
+    inner = list(chunk)
+    while numel(inner) * item > target_bytes:
+        for d in sorted(range(len(inner)), key=lambda d: -inner[d]):
+            e = inner[d]
+            p = _smallest_factor(e) if e > 1 else 1
+            # A large prime extent cannot be split evenly: leave it, split another dim.
+            if e > 1 and (p < e or e <= 64):
+                inner[d] = e // p
+                break
+        else:
+            break
+    return tuple(max(1, i) for i in inner)
+
+
+def _smallest_factor(n: int) -> int:
+    if n % 2 == 0:
+        return 2
+    f = 3
+    while f * f <= n:
+        if n % f == 0:
+            return f
+        f += 2
+    return n
+
+
+def zarr_metadata(shape: list[int], dtype: str, chunks: list[int], inner: list[int],
+                  compression: str | None) -> dict[str, Any]:
+    """zarr v3 array metadata: one sharded object per outer chunk (a save-time shard),
+    inner chunks with crc32c, index with crc32c, optional zstd."""
+    inner_codecs: list[dict[str, Any]] = [{"name": "bytes", "configuration": {"endian": "little"}}]
+    if compression == "zstd":
+        inner_codecs.append({"name": "zstd", "configuration": {"level": 1, "checksum": False}})
+    inner_codecs.append({"name": "crc32c"})
+    return {
+        "zarr_format": 3,
+        "node_type": "array",
+        "shape": list(shape),
+        "data_type": dtype,
+        "chunk_grid": {"name": "regular", "configuration": {"chunk_shape": list(chunks)}},
+        "chunk_key_encoding": {"name": "default", "configuration": {"separator": "/"}},
+        "fill_value": False if dtype == "bool" else 0,
+        "codecs": [{
+            "name": "sharding_indexed",
+            "configuration": {
+                "chunk_shape": list(inner),
+                "codecs": inner_codecs,
+                "index_codecs": [
+                    {"name": "bytes", "configuration": {"endian": "little"}},
+                    {"name": "crc32c"},
+                ],
+                "index_location": "end",
+            },
+        }],
+        "attributes": {"writer": WRITER_VERSION},
+    }
+
+
+def chunk_keys(array: str, shape: list[int], chunks: list[int]) -> list[str]:
+    """Object keys of every chunk of a regular-grid array."""
+    if not shape:
+        return [f"{array}/c"]
+    if any(s == 0 for s in shape):
+        return []
+    grids = [range(math.ceil(s / c)) for s, c in zip(shape, chunks, strict=True)]
+    import itertools
+
+    return [f"{array}/c/" + "/".join(str(i) for i in cell) for cell in itertools.product(*grids)]
+
+
+def check_path(path: Any, url: str, tensor: str = "") -> str:
+    """A manifest path must stay below the checkpoint root."""
+    bad = (
+        not isinstance(path, str) or not path or path.startswith("/") or "\\" in path
+        or "\x00" in path or "://" in path
+        or any(seg in ("", ".", "..") for seg in path.split("/"))
+    )
+    if bad:
+        raise UnsafePathError(
+            f"checkpoint {url}: manifest path {path!r} of tensor {tensor!r} leaves the "
+            "checkpoint root; the manifest is damaged or hostile, do not load it",
+            url=url, tensor=tensor, obj=str(path))
+    return path
+
+
+def check_shape(shape: Any, url: str, tensor: str, what: str = "shape") -> tuple[int, ...]:
+    ok = (isinstance(shape, list) and len(shape) <= MAX_NDIM
+          and all(isinstance(s, int) and not isinstance(s, bool) and 0 <= s < MAX_NUMEL
+                  for s in shape))
+    if not ok or numel(shape) > MAX_NUMEL:
+        raise AbsurdShapeError(
+            f"checkpoint {url}: tensor {tensor!r} has {what} {shape!r} in its manifest, which "
+            f"is not a list of at most {MAX_NDIM} non-negative ints with at most {MAX_NUMEL} "
+            "elements; the manifest is damaged", url=url, tensor=tensor, obj=MANIFEST_KEY)
+    return tuple(shape)
+
+
+def check_version(manifest: Any, url: str) -> None:
+    if not isinstance(manifest, dict) or manifest.get("format") != FORMAT_NAME:
+        raise UnsupportedVersionError(
+            f"{url}/{MANIFEST_KEY} is not a {FORMAT_NAME} manifest", url=url, obj=MANIFEST_KEY)
+    version = manifest.get("version")
+    if version != FORMAT_VERSION:
+        raise UnsupportedVersionError(
+            f"{url}: checkpoint format version {version!r}, this reader knows version "
+            f"{FORMAT_VERSION}; upgrade Relight to read it", url=url, obj=MANIFEST_KEY)

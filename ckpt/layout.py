@@ -1,0 +1,130 @@
+"""Where the local data of a tensor sits in its global tensor.
+
+A plain tensor is one piece covering everything (treated as replicated). A DTensor's
+local tensor covers, per tensor dim, the global indices that its placements give the
+current rank; we follow DTensor's own sharding rules (the same ones behind
+`torch.distributed.tensor._utils.compute_local_shape_and_global_offset`) but keep
+every index rather than the first, because strided sharding (FSDP2 over TP) can give
+a rank non-contiguous rows. Each maximal contiguous block is one `Piece`.
+"""
+
+from __future__ import annotations
+
+import itertools
+from dataclasses import dataclass
+
+import torch
+from torch.distributed.tensor import DTensor
+from torch.distributed.tensor.placement_types import Partial, Replicate, Shard
+
+from ckpt.errors import UnsupportedStateError
+
+try:  # private in torch; present in 2.4+ under this name
+    from torch.distributed.tensor._utils import _get_shard_size_and_offsets
+    from torch.distributed.tensor.placement_types import _StridedShard
+except ImportError:  # pragma: no cover - older torch
+    _get_shard_size_and_offsets = None
+    _StridedShard = Shard
+
+__all__ = ["Piece", "local_pieces", "describe_placements"]
+
+
+@dataclass(frozen=True, slots=True)
+class Piece:
+    """A contiguous box of the global tensor held locally."""
+
+    offset: tuple[int, ...]
+    shape: tuple[int, ...]
+    local_start: tuple[int, ...]
+    """Where the box starts in the local tensor (same shape)."""
+
+    @property
+    def numel(self) -> int:
+        n = 1
+        for s in self.shape:
+            n *= s
+        return n
+
+
+def describe_placements(t: torch.Tensor) -> str:
+    if isinstance(t, DTensor):
+        return ",".join(repr(p) for p in t.placements) + f"@{tuple(t.device_mesh.shape)}"
+    return "local"
+
+
+def _runs(indices: list[int]) -> list[tuple[int, int, int]]:
+    """Maximal contiguous runs of a sorted-or-not index list: (local_start, length, global)."""
+    runs: list[tuple[int, int, int]] = []
+    start = 0
+    for i in range(1, len(indices) + 1):
+        if i == len(indices) or indices[i] != indices[i - 1] + 1:
+            runs.append((start, i - start, indices[start]))
+            start = i
+    return runs
+
+
+def _dim_indices(global_shape: tuple[int, ...], mesh_shape: tuple[int, ...],
+                 coord: list[int], placements, name: str) -> dict[int, list[int]]:
+    offsets: dict[int, torch.Tensor | None] = {}
+    local = list(global_shape)
+    for mesh_dim, p in enumerate(placements):
+        if isinstance(p, Partial):
+            raise UnsupportedStateError(
+                f"tensor {name!r} has a Partial placement; redistribute it to Shard or "
+                "Replicate before checkpointing", tensor=name)
+        if isinstance(p, Replicate):
+            continue
+        if not isinstance(p, (Shard, _StridedShard)):
+            raise UnsupportedStateError(
+                f"tensor {name!r} has unsupported placement {p!r}", tensor=name)
+        d = p.dim
+        size, idx = _get_shard_size_and_offsets(
+            local[d], mesh_shape[mesh_dim], coord[mesh_dim], p, offsets.get(d),
+            global_shape[d], False)
+        local[d] = int(size)
+        offsets[d] = idx if size else torch.empty(0, dtype=torch.long)
+    return {d: ([] if idx is None else [int(i) for i in idx.tolist()])
+            for d, idx in offsets.items()}
+
+
+def local_pieces(t: torch.Tensor, name: str = "") -> tuple[tuple[int, ...], list[Piece]]:
+    """(global shape, local pieces). Empty list when the rank holds no element."""
+    if not isinstance(t, DTensor):
+        shape = tuple(t.shape)
+        return shape, [Piece((0,) * len(shape), shape, (0,) * len(shape))]
+    shape = tuple(t.shape)
+    mesh = t.device_mesh
+    coord = mesh.get_coordinate()
+    if coord is None:
+        return shape, []
+    local = t._local_tensor
+    dims = _dim_indices(shape, tuple(mesh.shape), list(coord), t.placements, name)
+    per_dim: list[list[tuple[int, int, int]]] = []
+    for d, extent in enumerate(shape):
+        if d in dims:
+            idx = dims[d]
+            if len(idx) != local.shape[d]:
+                raise UnsupportedStateError(
+                    f"tensor {name!r}: local shape {tuple(local.shape)} does not match its "
+                    f"placements {t.placements} (dim {d}: {len(idx)} indices); a padded "
+                    "local tensor? pass the unpadded DTensor", tensor=name)
+            per_dim.append(_runs(idx))
+        else:
+            per_dim.append([(0, extent, 0)])
+    if any(len(r) == 0 for r in per_dim) or any(s == 0 for s in local.shape):
+        return shape, []
+    pieces = []
+    for combo in itertools.product(*per_dim):
+        pieces.append(Piece(
+            offset=tuple(g for _, _, g in combo),
+            shape=tuple(n for _, n, _ in combo),
+            local_start=tuple(s for s, _, _ in combo),
+        ))
+    return shape, pieces
+
+
+def local_view(t: torch.Tensor, piece: Piece) -> torch.Tensor:
+    """The local tensor's slice holding `piece`."""
+    local = t._local_tensor if isinstance(t, DTensor) else t
+    index = tuple(slice(s, s + n) for s, n in zip(piece.local_start, piece.shape, strict=True))
+    return local[index] if index else local

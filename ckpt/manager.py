@@ -1,0 +1,292 @@
+"""`CheckpointManager`: when to save, what to keep, what to restore.
+
+Layout under the root URL:
+
+    step-000000000100/          one checkpoint (see ckpt.format), committed by its COMMIT
+    steps/000000000100.json     the manager's record of a committed step (written after COMMIT)
+    steps/000000000100.pending  written when a save starts; removed after commit
+
+The records let `latest_step()` and GC find checkpoints with one small listing instead
+of listing every chunk. A step counts as committed only when its record exists *and* its
+COMMIT marker does; GC deletes COMMIT first, so a half-deleted step is never loaded.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+import time
+from dataclasses import dataclass
+from typing import Any, Protocol
+
+from ckpt.comm import Comm
+from ckpt.engine import SaveHandle, SaveOptions, load, save
+from ckpt.errors import (
+    CheckpointError,
+    CheckpointNotFoundError,
+    CorruptCheckpointError,
+    UnsupportedVersionError,
+)
+from ckpt.format import COMMIT_KEY
+from storage import StorageError, Store, open_store
+
+logger = logging.getLogger(__name__)
+
+__all__ = ["CheckpointManager", "RetentionPolicy", "KeepLast", "KeepEvery", "step_dir"]
+
+RECORDS = "steps/"
+
+
+def step_dir(step: int) -> str:
+    return f"step-{step:012d}"
+
+
+class RetentionPolicy(Protocol):
+    def keep(self, committed: list[int]) -> set[int]:
+        """Of the committed steps (ascending), those this policy keeps."""
+        ...
+
+
+@dataclass(frozen=True, slots=True)
+class KeepLast:
+    """Keep the newest `n` committed checkpoints."""
+
+    n: int
+
+    def __post_init__(self) -> None:
+        if self.n < 1:
+            raise ValueError(f"KeepLast needs n >= 1, got {self.n}")
+
+    def keep(self, committed: list[int]) -> set[int]:
+        return set(committed[-self.n:])
+
+
+@dataclass(frozen=True, slots=True)
+class KeepEvery:
+    """Keep every checkpoint whose step is a multiple of `every` (permanent snapshots)."""
+
+    every: int
+
+    def __post_init__(self) -> None:
+        if self.every < 1:
+            raise ValueError(f"KeepEvery needs every >= 1, got {self.every}")
+
+    def keep(self, committed: list[int]) -> set[int]:
+        return {s for s in committed if s % self.every == 0}
+
+
+@dataclass
+class StepRecord:
+    step: int
+    committed: bool
+    created: float
+
+
+def list_records(store: Store) -> dict[int, StepRecord]:
+    """Steps the manager knows about: committed records win over pending ones."""
+    out: dict[int, StepRecord] = {}
+    for key in store.list(RECORDS):
+        base = key[len(RECORDS):]
+        stem, _, ext = base.partition(".")
+        if not stem.isdigit():
+            continue
+        step = int(stem)
+        if ext == "json":
+            created = 0.0
+            try:
+                created = float(json.loads(store.get(key)).get("created_unix", 0.0))
+            except (StorageError, ValueError, AttributeError):
+                pass
+            out[step] = StepRecord(step, True, created)
+        elif ext == "pending" and step not in out:
+            created = 0.0
+            try:
+                created = float(store.get(key).decode() or 0.0)
+            except (StorageError, ValueError):
+                pass
+            out.setdefault(step, StepRecord(step, False, created))
+    return out
+
+
+def collect_garbage(store: Store, policies: list[RetentionPolicy], grace_s: float,
+                    protect: set[int] | None = None) -> list[int]:
+    """Delete committed steps no policy keeps (never the newest) and stale pending ones
+    (older than `grace_s`). Returns the steps deleted."""
+    records = list_records(store)
+    committed = sorted(s for s, r in records.items() if r.committed)
+    keep = set(protect or ())
+    if committed:
+        keep.add(committed[-1])
+    for p in policies:
+        keep |= p.keep(committed)
+    now = time.time()
+    deleted = []
+    for step, rec in sorted(records.items()):
+        if step in keep:
+            continue
+        d = step_dir(step)
+        if rec.committed:
+            # COMMIT first: from here on nothing loads it, even if we die half-way.
+            store.delete(f"{d}/{COMMIT_KEY}")
+            store.delete(f"{RECORDS}{step:012d}.json")
+        elif now - rec.created < grace_s:
+            continue
+        store.delete_prefix(d)
+        store.delete(f"{RECORDS}{step:012d}.pending")
+        deleted.append(step)
+        logger.info("gc %s: deleted step %d (%s)", store.url, step,
+                    "retention" if rec.committed else "stale, never committed")
+    return deleted
+
+
+class CheckpointManager:
+    """Saves, retention and restore for one run's checkpoints under `root_url`.
+
+    Every rank calls `save`, `restore` (collective); `latest_step` and `wait` are local.
+    The coordinator writes the step records and runs GC after each commit, in the
+    background save thread, through storage only.
+    """
+
+    def __init__(
+        self,
+        root_url: str | os.PathLike[str] | Store,
+        keep_last: int | None = 3,
+        keep_every: int | None = None,
+        *,
+        process_group: Any = None,
+        options: SaveOptions | None = None,
+        config: dict[str, Any] | None = None,
+        layout: dict[str, Any] | None = None,
+        gc_grace_s: float = 3600.0,
+        policies: list[RetentionPolicy] | None = None,
+    ) -> None:
+        self.store = open_store(root_url)
+        self.process_group = process_group
+        self.options = options or SaveOptions()
+        self.config = config
+        self.layout = layout
+        self.gc_grace_s = gc_grace_s
+        self.policies: list[RetentionPolicy] = list(policies or [])
+        if keep_last is not None:
+            self.policies.append(KeepLast(keep_last))
+        if keep_every is not None:
+            self.policies.append(KeepEvery(keep_every))
+        self._handle: SaveHandle | None = None
+        self.failed_saves = 0
+        self.last_error: BaseException | None = None
+        self.last_wait_s = 0.0
+
+    # -- saving -------------------------------------------------------------------------
+
+    def save(self, step: int, state_dict: dict[str, Any], async_save: bool = True, *,
+             config: dict[str, Any] | None = None,
+             layout: dict[str, Any] | None = None) -> SaveHandle:
+        """Checkpoint `state_dict` as `step`. A failure of the previous save is logged and
+        counted here (training goes on) and raised by `wait()`."""
+        prev = self._handle
+        if prev is not None:
+            t0 = time.perf_counter()
+            try:
+                prev.wait()
+            except Exception as e:  # noqa: BLE001 - reported, training continues
+                self.failed_saves += 1
+                self.last_error = e
+                logger.error("checkpoint step %s failed: %s", prev.step, e)
+            self.last_wait_s = time.perf_counter() - t0
+            if self.last_wait_s > 0.001:
+                logger.info("save of step %d waited %.3f s for step %s", step,
+                            self.last_wait_s, prev.step)
+        comm = Comm(self.process_group)
+        if comm.is_coordinator:
+            self.store.put(f"{RECORDS}{step:012d}.pending", str(time.time()).encode())
+
+        def on_commit(manifest: dict[str, Any]) -> None:
+            self.store.put(f"{RECORDS}{step:012d}.json", json.dumps({
+                "step": step, "created_unix": manifest.get("created_unix"),
+                "bytes": manifest.get("bytes"), "world_size": manifest.get("world_size"),
+                "layout": manifest.get("layout")}).encode())
+            self.store.delete(f"{RECORDS}{step:012d}.pending")
+            try:
+                collect_garbage(self.store, self.policies, self.gc_grace_s, protect={step})
+            except Exception as e:  # noqa: BLE001 - GC must never fail a committed save
+                logger.warning("gc of %s after step %d failed: %s", self.store.url, step, e)
+
+        self._handle = save(
+            state_dict, self.store.child(step_dir(step)), async_save=async_save, step=step,
+            config=config if config is not None else self.config,
+            layout=layout if layout is not None else self.layout,
+            process_group=self.process_group, options=self.options, on_commit=on_commit)
+        return self._handle
+
+    def wait(self) -> None:
+        """Block until the save in flight is committed; raise its error."""
+        if self._handle is not None:
+            try:
+                self._handle.wait()
+            except Exception as e:
+                self.last_error = e
+                raise
+
+    # -- finding ------------------------------------------------------------------------
+
+    def committed_steps(self) -> list[int]:
+        """Steps with a commit record (ascending). Their COMMIT is checked on use."""
+        return sorted(s for s, r in list_records(self.store).items() if r.committed)
+
+    def latest_step(self) -> int | None:
+        """The newest committed step, or None."""
+        for step in reversed(self.committed_steps()):
+            if self.store.exists(f"{step_dir(step)}/{COMMIT_KEY}"):
+                return step
+        return None
+
+    def url_of(self, step: int) -> str:
+        return self.store.child(step_dir(step)).url
+
+    # -- restoring ----------------------------------------------------------------------
+
+    def restore(self, state_dict: dict[str, Any], step: int | None = None, *,
+                strict: bool = True) -> int:
+        """Load `step` (default: the newest committed one that loads cleanly) into
+        `state_dict`; falls back to older committed steps when a newer one is damaged,
+        logging which one it used and why. Returns the step restored."""
+        comm = Comm(self.process_group)
+        candidates = [step] if step is not None else list(reversed(self.committed_steps()))
+        # Every rank must try the same steps in the same order: the coordinator decides.
+        candidates = comm.allgather_json(candidates)[0]
+        if not candidates:
+            raise CheckpointNotFoundError(
+                f"no committed checkpoint under {self.store.url}; start from scratch or "
+                "point at another root", url=self.store.url)
+        reasons = []
+        for s in candidates:
+            try:
+                load(state_dict, self.store.child(step_dir(s)), strict=strict,
+                     process_group=self.process_group)
+            except (CorruptCheckpointError, CheckpointNotFoundError,
+                    UnsupportedVersionError, StorageError) as e:
+                if step is not None:
+                    raise
+                reasons.append(f"step {s}: {e}")
+                logger.warning("[rank %d] checkpoint step %d under %s is unusable (%s); "
+                               "falling back to an older one", comm.rank, s, self.store.url, e)
+                continue
+            if reasons:
+                logger.warning("[rank %d] restored step %d after skipping: %s", comm.rank, s,
+                               "; ".join(reasons))
+            else:
+                logger.info("[rank %d] restored step %d from %s", comm.rank, s, self.store.url)
+            return s
+        raise CheckpointNotFoundError(
+            f"no committed checkpoint under {self.store.url} could be loaded: "
+            + "; ".join(reasons), url=self.store.url)
+
+    def gc(self) -> list[int]:
+        """Apply the retention policies now (coordinator only; storage only)."""
+        protect = {self._handle.step} if self._handle and not self._handle.done() \
+            and self._handle.step is not None else set()
+        return collect_garbage(self.store, self.policies, self.gc_grace_s, protect)
+
+
+_ = CheckpointError

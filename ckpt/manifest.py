@@ -1,0 +1,204 @@
+"""Reading, checking and describing a committed checkpoint's manifest."""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass
+from typing import Any
+
+import google_crc32c
+
+from ckpt.errors import (
+    AbsurdShapeError,
+    CheckpointNotFoundError,
+    ChecksumMismatchError,
+    CorruptCheckpointError,
+)
+from ckpt.format import (
+    COMMIT_KEY,
+    DTYPES,
+    MANIFEST_KEY,
+    check_path,
+    check_shape,
+    check_version,
+    chunk_keys,
+    numel,
+    zarr_metadata,
+)
+from storage import ObjectNotFoundError, Store
+
+__all__ = ["Manifest", "read_manifest", "crc32c"]
+
+MAX_CHUNKS = 10_000_000
+
+
+def crc32c(data: bytes) -> int:
+    return int(google_crc32c.value(data))
+
+
+@dataclass
+class Manifest:
+    url: str
+    raw: dict[str, Any]
+    commit: dict[str, Any]
+
+    @property
+    def tensors(self) -> dict[str, dict[str, Any]]:
+        return self.raw["tensors"]
+
+    @property
+    def values(self) -> dict[str, Any]:
+        return self.raw["values"]
+
+    @property
+    def step(self) -> int | None:
+        return self.raw.get("step")
+
+    def meta_of(self, name: str, piece: dict[str, Any] | None = None) -> dict[str, Any]:
+        """zarr metadata of a tensor's array (grid) or of one of its pieces."""
+        t = self.tensors[name]
+        comp = self.raw.get("compression")
+        if piece is None:
+            return zarr_metadata(t["shape"], t["dtype"], t["chunks"], t["inner"], comp)
+        if t["storage"] == "packed":
+            size = self.raw["packed"][piece["array"]]
+            return zarr_metadata([size], "uint8", [size], [self.raw["packed_inner"]], comp)
+        return zarr_metadata(piece["shape"], t["dtype"], piece["shape"], piece["inner"], comp)
+
+    def expected_objects(self) -> dict[str, str]:
+        """Every object the checkpoint must hold -> the tensor (or '') it belongs to."""
+        out: dict[str, str] = {}
+        for name, t in self.tensors.items():
+            if t["storage"] == "grid":
+                out[f"{t['array']}/zarr.json"] = name
+                for k in chunk_keys(t["array"], t["shape"], t["chunks"]):
+                    out[k] = name
+            else:
+                for p in t["pieces"]:
+                    arr = p["array"]
+                    out[f"{arr}/zarr.json"] = name if t["storage"] == "pieces" else ""
+                    shape = [self.raw["packed"][arr]] if t["storage"] == "packed" else p["shape"]
+                    for k in chunk_keys(arr, shape, shape):
+                        out.setdefault(k, name if t["storage"] == "pieces" else "")
+        return out
+
+
+def _bad(url: str, msg: str, tensor: str = "") -> CorruptCheckpointError:
+    return CorruptCheckpointError(f"checkpoint {url}: {msg}", url=url, tensor=tensor,
+                                  obj=MANIFEST_KEY)
+
+
+def validate(m: dict[str, Any], url: str) -> None:
+    """Structural checks before anything is allocated or opened from the manifest."""
+    check_version(m, url)
+    if not isinstance(m.get("tensors"), dict) or not isinstance(m.get("values"), dict):
+        raise _bad(url, "manifest lacks 'tensors' or 'values'")
+    packed = m.get("packed", {})
+    if not isinstance(packed, dict):
+        raise _bad(url, "manifest 'packed' is not an object")
+    for arr, size in packed.items():
+        check_path(arr, url)
+        check_shape([size], url, arr, "packed size")
+    inner = m.get("packed_inner", 1)
+    if not isinstance(inner, int) or inner <= 0:
+        raise _bad(url, f"bad packed_inner {inner!r}")
+    for name, t in m["tensors"].items():
+        if not isinstance(t, dict):
+            raise _bad(url, f"tensor entry {name!r} is not an object", name)
+        if t.get("dtype") not in DTYPES:
+            raise _bad(url, f"tensor {name!r} has unknown dtype {t.get('dtype')!r}", name)
+        shape = check_shape(t.get("shape"), url, name)
+        storage = t.get("storage")
+        if storage == "grid":
+            check_path(t.get("array"), url, name)
+            chunks = check_shape(t.get("chunks"), url, name, "chunks")
+            inner_s = check_shape(t.get("inner"), url, name, "inner chunks")
+            if len(chunks) != len(shape) or len(inner_s) != len(shape) or any(
+                c <= 0 or i <= 0 or c % i for c, i in zip(chunks, inner_s, strict=True)):
+                raise AbsurdShapeError(
+                    f"checkpoint {url}: tensor {name!r} has chunks {chunks} / inner {inner_s} "
+                    f"that do not fit shape {shape}", url=url, tensor=name, obj=MANIFEST_KEY)
+            cells = 1
+            for g, c in zip(shape, chunks, strict=True):
+                cells *= -(-g // c)
+            if cells > MAX_CHUNKS:
+                raise AbsurdShapeError(
+                    f"checkpoint {url}: tensor {name!r} claims {cells} chunks (limit "
+                    f"{MAX_CHUNKS}); the manifest is damaged", url=url, tensor=name,
+                    obj=MANIFEST_KEY)
+        elif storage in ("pieces", "packed"):
+            pieces = t.get("pieces")
+            if not isinstance(pieces, list):
+                raise _bad(url, f"tensor {name!r} has no piece list", name)
+            for p in pieces:
+                check_path(p.get("array"), url, name)
+                off = check_shape(p.get("offset"), url, name, "piece offset")
+                shp = check_shape(p.get("shape"), url, name, "piece shape")
+                if len(off) != len(shape) or len(shp) != len(shape) or any(
+                    o + s > g for o, s, g in zip(off, shp, shape, strict=True)):
+                    raise AbsurdShapeError(
+                        f"checkpoint {url}: tensor {name!r} has a piece at {off} of shape "
+                        f"{shp} outside its shape {shape}", url=url, tensor=name,
+                        obj=p.get("array"))
+                if storage == "packed":
+                    bo = p.get("byte_offset")
+                    size = packed.get(p["array"])
+                    nb = numel(shp) * DTYPES[t["dtype"]].itemsize
+                    if not isinstance(bo, int) or size is None or bo < 0 or bo + nb > size:
+                        raise AbsurdShapeError(
+                            f"checkpoint {url}: packed piece of {name!r} at byte {bo!r} does "
+                            f"not fit its array {p['array']!r}", url=url, tensor=name,
+                            obj=p.get("array"))
+                else:
+                    inner_s = check_shape(p.get("inner"), url, name, "inner chunks")
+                    if len(inner_s) != len(shp) or any(
+                            i <= 0 or s % i for s, i in zip(shp, inner_s, strict=True)):
+                        raise AbsurdShapeError(
+                            f"checkpoint {url}: piece inner chunks {inner_s} do not divide "
+                            f"{shp} for {name!r}", url=url, tensor=name, obj=p.get("array"))
+        else:
+            raise _bad(url, f"tensor {name!r} has unknown storage {storage!r}", name)
+
+
+def read_commit(store: Store) -> dict[str, Any]:
+    url = store.url
+    try:
+        raw = store.get(COMMIT_KEY)
+    except ObjectNotFoundError:
+        raise CheckpointNotFoundError(
+            f"no committed checkpoint at {url} (no {COMMIT_KEY} marker): it does not exist, "
+            "or its save did not finish; use an older checkpoint", url=url,
+            obj=COMMIT_KEY) from None
+    try:
+        commit = json.loads(raw)
+        if not isinstance(commit, dict):
+            raise ValueError("not an object")
+    except ValueError as e:
+        raise CorruptCheckpointError(f"{url}/{COMMIT_KEY} is not valid JSON ({e})", url=url,
+                                     obj=COMMIT_KEY) from None
+    return commit
+
+
+def read_manifest(store: Store) -> Manifest:
+    """The manifest of the committed checkpoint at `store`, checked against its marker."""
+    url = store.url
+    commit = read_commit(store)
+    try:
+        raw = store.get(MANIFEST_KEY)
+    except ObjectNotFoundError:
+        raise CorruptCheckpointError(
+            f"checkpoint {url} is committed but {MANIFEST_KEY} is missing", url=url,
+            obj=MANIFEST_KEY) from None
+    if len(raw) != commit.get("manifest_bytes") or crc32c(raw) != commit.get("manifest_crc32c"):
+        raise ChecksumMismatchError(
+            f"checkpoint {url}: {MANIFEST_KEY} ({len(raw)} bytes, crc32c {crc32c(raw)}) does not "
+            f"match its commit marker ({commit.get('manifest_bytes')} bytes, crc32c "
+            f"{commit.get('manifest_crc32c')}); the manifest is damaged", url=url,
+            obj=MANIFEST_KEY)
+    try:
+        m = json.loads(raw)
+    except ValueError as e:
+        raise CorruptCheckpointError(f"{url}/{MANIFEST_KEY} is not valid JSON ({e})", url=url,
+                                     obj=MANIFEST_KEY) from None
+    validate(m, url)
+    return Manifest(url, m, commit)

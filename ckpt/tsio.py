@@ -1,0 +1,89 @@
+"""Array I/O through tensorstore (zarr v3), on the store's own kvstore spec.
+
+Arrays are opened with `assume_metadata` from metadata we already hold (the plan on
+save, the manifest on load), so opening costs no round trip; `fill_missing_data_reads`
+is off, so a missing chunk is an error instead of silent zeros.
+"""
+
+from __future__ import annotations
+
+import json
+import threading
+from typing import Any
+
+import ml_dtypes
+import numpy as np
+import tensorstore as ts
+import torch
+
+from ckpt.errors import ChecksumMismatchError, CorruptCheckpointError, MissingChunkError
+from storage import Store
+
+__all__ = ["to_numpy", "from_numpy", "open_array", "put_metadata", "map_ts_error"]
+
+_CTX_LOCK = threading.Lock()
+_CTX: Any = None
+
+
+def _default_context() -> Any:
+    global _CTX
+    with _CTX_LOCK:
+        if _CTX is None:
+            _CTX = ts.Context({"file_io_concurrency": {"limit": 32}})
+        return _CTX
+
+
+def context_of(store: Store) -> Any:
+    ctx = store.ts_context()
+    return ctx if ctx is not None else _default_context()
+
+
+def to_numpy(t: torch.Tensor) -> np.ndarray:
+    """A numpy view of a CPU tensor (bfloat16 through ml_dtypes)."""
+    t = t.detach()
+    if t.dtype == torch.bfloat16:
+        return t.view(torch.int16).numpy().view(ml_dtypes.bfloat16)
+    return t.numpy()
+
+
+def from_numpy(a: np.ndarray) -> torch.Tensor:
+    if a.dtype == ml_dtypes.bfloat16:
+        return torch.from_numpy(np.ascontiguousarray(a).view(np.int16)).view(torch.bfloat16)
+    return torch.from_numpy(np.ascontiguousarray(a))
+
+
+def open_array(store: Store, path: str, meta: dict[str, Any], *, read: bool) -> Any:
+    """A future of the tensorstore array `path` (relative to the store root)."""
+    spec: dict[str, Any] = {
+        "driver": "zarr3",
+        "kvstore": store.kvstore_spec(path),
+        "metadata": meta,
+        "assume_metadata": True,
+        "open": True,
+    }
+    if read:
+        spec["fill_missing_data_reads"] = False
+        spec["recheck_cached_data"] = False
+    return ts.open(spec, context=context_of(store))
+
+
+def put_metadata(store: Store, path: str, meta: dict[str, Any]) -> None:
+    """zarr.json, so plain zarr readers can open the array."""
+    store.put(f"{path}/zarr.json", json.dumps(meta, indent=1).encode())
+
+
+def map_ts_error(exc: BaseException, url: str, tensor: str, obj: str) -> CorruptCheckpointError:
+    msg = str(exc)
+    low = msg.lower()
+    where = f"tensor {tensor!r}, object {url}/{obj}"
+    if "not_found" in low or "is missing" in low:
+        return MissingChunkError(
+            f"{where}: a chunk is missing ({msg}); the checkpoint is incomplete, restore an "
+            "older one", url=url, tensor=tensor, obj=obj)
+    if "checksum" in low or "crc" in low:
+        return ChecksumMismatchError(
+            f"{where}: checksum mismatch ({msg}); the stored bytes are damaged, restore an "
+            "older checkpoint", url=url, tensor=tensor, obj=obj)
+    return CorruptCheckpointError(
+        f"{where}: could not decode stored data ({msg}); a truncated or damaged chunk, "
+        "restore an older checkpoint", url=url, tensor=tensor, obj=obj)
