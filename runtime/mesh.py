@@ -20,6 +20,7 @@ hold the same experts and average their gradients).
 from __future__ import annotations
 
 import logging
+import warnings
 from dataclasses import dataclass
 
 import torch.distributed as dist
@@ -131,12 +132,14 @@ class ParallelMesh:
     layout: Layout
     root: DeviceMesh
     device_type: str
+    meshes: dict[str | tuple[str, ...], DeviceMesh]
+    """Every (sub)mesh the parallelisms use, sliced once at build time."""
 
     def __getitem__(self, name: str | tuple[str, ...]) -> DeviceMesh:
-        return self.root[name]
+        return self.meshes[name]
 
     def coord(self, name: str) -> int:
-        return self.root[name].get_local_rank()
+        return self.meshes[name].get_local_rank()
 
     @property
     def dp_rank(self) -> int:
@@ -160,11 +163,24 @@ def build_mesh(layout: Layout, device_type: str) -> ParallelMesh:
     sizes = (layout.pp, layout.dp_replicate // layout.rep_ep, layout.rep_ep,
              layout.dp_shard // layout.shard_ep, layout.shard_ep, layout.tp)
     root = init_device_mesh(device_type, sizes, mesh_dim_names=_FINE)
-    root["rep_out", "rep_ep"]._flatten("dp_replicate")
-    root["shard_out", "shard_ep"]._flatten("dp_shard")
-    root["rep_out", "rep_ep", "shard_out", "shard_ep"]._flatten("dp")
-    root["rep_ep", "shard_ep"]._flatten("ep")
-    root["rep_out"]._flatten("edp_replicate")
-    root["shard_out"]._flatten("edp_shard")
+    flat = {
+        "dp_replicate": ("rep_out", "rep_ep"),
+        "dp_shard": ("shard_out", "shard_ep"),
+        "dp": ("rep_out", "rep_ep", "shard_out", "shard_ep"),
+        "ep": ("rep_ep", "shard_ep"),
+        "edp_replicate": ("rep_out",),
+        "edp_shard": ("shard_out",),
+    }
+    meshes: dict[str | tuple[str, ...], DeviceMesh] = {
+        name: root[dims]._flatten(name) for name, dims in flat.items()
+    }
+    meshes["pp"] = root["pp"]
+    meshes["tp"] = root["tp"]
+    with warnings.catch_warnings():
+        # FSDP needs 2-D (replicate, shard) meshes made of flattened dims, and slicing
+        # flattened dims from the root is the way to get them; slice once, here.
+        warnings.filterwarnings("ignore", message="Slicing a flattened dim")
+        for pair in (("dp_replicate", "dp_shard"), ("edp_replicate", "edp_shard")):
+            meshes[pair] = root[pair]
     log.debug("mesh %s over %d ranks: %s", layout.describe(), layout.world, root)
-    return ParallelMesh(layout=layout, root=root, device_type=device_type)
+    return ParallelMesh(layout=layout, root=root, device_type=device_type, meshes=meshes)

@@ -145,7 +145,7 @@ class GroupedExperts(nn.Module):
 
     def _dispatch(self, x: torch.Tensor, counts: torch.Tensor) -> torch.Tensor:
         import torch.distributed as dist
-        from torch.distributed.nn.functional import all_to_all_single
+        from torch.distributed._functional_collectives import all_to_all_single, wait_tensor
 
         group = self.ep_group
         ep = dist.get_world_size(group)
@@ -156,19 +156,15 @@ class GroupedExperts(nn.Module):
         recv_counts = recv_counts.view(ep, n_local)
         send_splits = counts.view(ep, n_local).sum(1).tolist()
         recv_splits = recv_counts.sum(1).tolist()
-        received = all_to_all_single(
-            x.new_empty(sum(recv_splits), x.shape[1]), x, recv_splits, send_splits, group=group
-        )
+        # Functional collectives: differentiable, the backward is the reverse exchange.
+        received = wait_tensor(all_to_all_single(x, recv_splits, send_splits, group))
         # Received tokens are grouped by source rank, then by expert: regroup by expert.
         local_expert = torch.arange(n_local, device=x.device).repeat(ep)
         local_expert = torch.repeat_interleave(local_expert, recv_counts.flatten())
         order = torch.argsort(local_expert, stable=True)
         out = self._run_local(received[order], recv_counts.sum(0).tolist())
         out = out[torch.argsort(order)]
-        return all_to_all_single(
-            x.new_empty(sum(send_splits), out.shape[1]), out, send_splits, recv_splits,
-            group=group,
-        )
+        return wait_tensor(all_to_all_single(out, send_splits, recv_splits, group))
 
 
 class MoE(nn.Module):

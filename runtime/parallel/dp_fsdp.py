@@ -14,6 +14,7 @@ sum over the tokens of all ``ep`` ranks, so it is divided by the full ``dp`` rat
 from __future__ import annotations
 
 import torch
+import torch.distributed as dist
 from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
 from torch.distributed.tensor import DTensor, Shard
 
@@ -49,6 +50,12 @@ def apply_fsdp(
                 shard_placement_fn=_expert_placement,
             )
             moe.set_gradient_divide_factor(float(layout.dp))
+            if dist.get_backend() == "gloo" and layout.dp_shard // layout.shard_ep > 1:
+                # A custom divide factor reduce-scatters with PREMUL_SUM, which gloo lacks, so
+                # force SUM + post-divide. Only when there is a reduce-scatter: with a size-1
+                # shard group FSDP already divides while copying, and forcing SUM would divide
+                # a second time (torch 2.13, _fsdp_collectives.foreach_reduce).
+                moe.set_force_sum_reduction_for_comms(True)
         fully_shard(block, mesh=dp_mesh, mp_policy=mp,
                     reshard_after_forward=reshard_after_forward)
     # The root unit is gathered for the whole step anyway (its params run first and last).
