@@ -73,7 +73,8 @@ class ModelConfig:
 
     def __post_init__(self) -> None:
         for name in ("vocab_size", "dim", "n_layers", "n_heads", "mlp_hidden", "max_seq_len"):
-            _require(getattr(self, name) > 0, f"model.{name} must be > 0, got {getattr(self, name)}")
+            value = getattr(self, name)
+            _require(value > 0, f"model.{name} must be > 0, got {value}")
         _require(
             self.dim % self.n_heads == 0,
             f"model.dim={self.dim} is not divisible by model.n_heads={self.n_heads}",
@@ -171,7 +172,10 @@ class DataConfig:
 @dataclass(kw_only=True, slots=True)
 class TrainConfig:
     steps: int = 50
-    """Optimizer steps to run (the target step)."""
+    """Optimizer steps to run (the target step; the LR schedule spans it)."""
+    stop_at: int = 0
+    """Stop cleanly after this step (checkpointing it) although ``steps`` is further;
+    0 runs to ``steps``. For preemption drills and resume tests."""
     seed: int = 0
     """Seed of the model init and of the per-step RNG."""
     device: str = "auto"
@@ -193,6 +197,7 @@ class TrainConfig:
 
     def __post_init__(self) -> None:
         _require(self.steps >= 0, "train.steps must be >= 0")
+        _require(self.stop_at >= 0, "train.stop_at must be >= 0")
         _require(self.device in ("auto", "cpu", "cuda"), "train.device must be auto|cpu|cuda")
         _require(self.mixed_precision in ("fp32", "bf16"), "train.mixed_precision: fp32|bf16")
         _require(self.log_every >= 1, "train.log_every must be >= 1")

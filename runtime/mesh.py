@@ -54,6 +54,10 @@ class Layout:
     def dp(self) -> int:
         return self.dp_replicate * self.dp_shard
 
+    def as_dict(self) -> dict[str, int]:
+        return {"world": self.world, "pp": self.pp, "dp_replicate": self.dp_replicate,
+                "dp_shard": self.dp_shard, "tp": self.tp, "ep": self.ep}
+
     def describe(self) -> str:
         parts = [f"{n}{v}" for n, v in (("pp", self.pp), ("dp_rep", self.dp_replicate),
                  ("dp_shard", self.dp_shard), ("tp", self.tp), ("ep", self.ep)) if v > 1]

@@ -22,6 +22,7 @@ import logging
 import os
 import sys
 import time
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from datetime import timedelta
 from typing import Any
@@ -144,6 +145,8 @@ class Trainer:
         self.peak = peak_flops(self.device, cfg.train.peak_tflops)
         self.ckpt_mgr: Any = None
         self.restored_step: int | None = None
+        self.on_grads: Callable[[Trainer], None] | None = None
+        """Called after backward, before clipping, each step (tests inspect gradients)."""
 
     # ---- state ---------------------------------------------------------------------------
 
@@ -153,7 +156,7 @@ class Trainer:
             st.TrainState(step=self.step, data_position=self.data.position),
             lr_schedule=self.lr.state_dict(),
             rng={"kind": "reseed_per_step", "seed": self.cfg.train.seed},
-            config=config_to_dict(self.cfg), layout=self.layout.describe(),
+            layout=self.layout.describe(),
         )
 
     def load_state_dict(self, sd: dict[str, Any]) -> None:
@@ -167,16 +170,19 @@ class Trainer:
             return
         import ckpt  # the checkpoint engine; imported lazily so the runtime works without it
 
-        self.ckpt_mgr = ckpt.CheckpointManager(c.url, keep_last=c.keep_last)
+        self.ckpt_mgr = ckpt.CheckpointManager(
+            c.url, keep_last=c.keep_last, config=config_to_dict(self.cfg),
+            layout=self.layout.as_dict(),
+        )
         if not c.resume:
             return
-        latest = self.ckpt_mgr.latest_step()
-        if latest is None:
+        if self.ckpt_mgr.latest_step() is None:
             self.log.info("no committed checkpoint under %s; starting from scratch", c.url)
             return
         sd = self.state_dict(with_optimizer=True)
         t0 = time.perf_counter()
-        restored = self.ckpt_mgr.restore(sd, step=latest)
+        # step=None: the newest committed step that loads cleanly (older ones if damaged).
+        restored = self.ckpt_mgr.restore(sd)
         self.load_state_dict(sd)
         if self.step != restored:
             raise st.StateError(
@@ -185,11 +191,12 @@ class Trainer:
         self.restored_step = restored
         self.log.extra["step"] = self.step
         self.log.info("restored step %d from %s (layout %s -> %s) in %.2f s", restored, c.url,
-                      sd.get(st.LAYOUT), self.layout.describe(), time.perf_counter() - t0)
+                      sd[st.TRAIN].get("layout"), self.layout.describe(), time.perf_counter() - t0)
 
     def _maybe_save(self) -> tuple[float, bool]:
         c = self.cfg.checkpoint
-        if self.ckpt_mgr is None or (self.step % c.every and self.step != self.cfg.train.steps):
+        last = self.step in (self.cfg.train.steps, self.cfg.train.stop_at)
+        if self.ckpt_mgr is None or (self.step % c.every and not last):
             return 0.0, True
         t0 = time.perf_counter()
         try:
@@ -240,6 +247,8 @@ class Trainer:
         position = self.data.position
         micro = self.data.next_step()
         local_loss = self._forward_backward(micro)
+        if self.on_grads is not None:
+            self.on_grads(self)
         grad_norm = clip_grad_norm_(self.params, self.cfg.optim.grad_clip, self.pp_group)
         self.optimizer.step()
         self.optimizer.zero_grad(set_to_none=True)
@@ -274,7 +283,8 @@ class Trainer:
                 self.log.info("layout %s on %d ranks, %d steps, %d micro-batches per rank",
                               self.layout.describe(), self.world, cfg.train.steps,
                               self.plan.local_microbatches)
-            while self.step < cfg.train.steps:
+            end = min(cfg.train.steps, cfg.train.stop_at or cfg.train.steps)
+            while self.step < end:
                 t0 = time.perf_counter()
                 rec = self.train_step()
                 if self.device.type == "cuda":

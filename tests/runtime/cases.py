@@ -1,4 +1,4 @@
-"""Functions the rank pool runs on every rank (see ``pool.py``)."""
+"""Functions the rank pool runs on every rank (see ``pool.py``). Each returns plain data."""
 
 from __future__ import annotations
 
@@ -8,27 +8,62 @@ from typing import Any
 ROOT = Path(__file__).resolve().parents[2]
 
 
-def train(config: str = "configs/tiny.toml", overrides: list[str] | None = None) -> dict[str, Any]:
-    from runtime.config import load_config
-    from runtime.train import run_training
-
-    cfg = load_config(ROOT / config, overrides or [])
-    res = run_training(cfg)
-    return {"losses": res.losses, "layout": res.layout, "final_step": res.final_step,
-            "restored_step": res.restored_step}
-
-
-def grads(config: str = "configs/tiny.toml", overrides: list[str] | None = None) -> dict[str, Any]:
-    """Full (global) gradients after one forward/backward of step 0, for the keys this rank has."""
+def _full(v: Any) -> Any:
     from torch.distributed.tensor import DTensor
 
+    if isinstance(v, DTensor):
+        v = v.full_tensor()
+    return v.detach().clone() if hasattr(v, "detach") else v
+
+
+def _trainer(config: str, overrides: list[str] | None):
     from runtime.config import load_config
     from runtime.train import Trainer
 
-    trainer = Trainer(load_config(ROOT / config, overrides or []))
-    trainer._forward_backward(trainer.data.next_step())
-    out = {}
-    for name, p in trainer.model.named_parameters():
-        g = p.grad
-        out[name] = (g.full_tensor() if isinstance(g, DTensor) else g).clone()
+    return Trainer(load_config(ROOT / config, overrides or []))
+
+
+def train(config: str = "configs/tiny.toml", overrides: list[str] | None = None,
+          grads: bool = False, dump: bool = False) -> dict[str, Any]:
+    """Train per config; optionally return the step-0 gradients and the final state, all as
+    full (global) tensors keyed by global name, for the entries this rank holds."""
+    from runtime.state import flat_names
+
+    trainer = _trainer(config, overrides)
+    captured: dict[str, Any] = {}
+
+    def capture(t) -> None:  # noqa: ANN001
+        if not captured:
+            for name, p in t.model.named_parameters():
+                captured[name] = _full(p.grad)
+
+    if grads:
+        trainer.on_grads = capture
+    res = trainer.run()
+    out: dict[str, Any] = {"losses": res.losses, "layout": res.layout,
+                           "final_step": res.final_step, "restored_step": res.restored_step,
+                           "grads": captured}
+    if dump:
+        out["state"] = {k: _full(v) for k, v in flat_names(trainer.state_dict()).items()}
     return out
+
+
+def state_shapes(config: str = "configs/tiny.toml",
+                 overrides: list[str] | None = None) -> dict[str, Any]:
+    """Checkpoint names and global shapes of the state this rank would save."""
+    import torch
+
+    from runtime.state import flat_names
+
+    trainer = _trainer(config, overrides)
+    trainer.train_step()  # the optimizer state exists after one step
+    out = {}
+    for name, v in flat_names(trainer.state_dict()).items():
+        out[name] = tuple(v.shape) if isinstance(v, torch.Tensor) else v
+    return out
+
+
+def cli(argv: list[str]) -> int:
+    from runtime.train import main
+
+    return main(argv)

@@ -70,20 +70,25 @@ class RankPool:
         self._start()
 
     def _start(self) -> None:
-        ctx = mp.get_context("spawn")
-        self.results = ctx.Queue()
-        self.tasks = [ctx.Queue() for _ in range(self.size)]
+        self._ctx = mp.get_context("spawn")
+        self.results = self._ctx.Queue()
+        self.tasks: list[Any] = []
+        self.procs: list[Any] = []
+        self._spawn(self.size)
+
+    def _spawn(self, n: int) -> None:
         env = {"OMP_NUM_THREADS": "1"}
         old = {k: os.environ.get(k) for k in env}
         os.environ.update(env)
         try:
-            self.procs = [
-                ctx.Process(target=_worker, args=(q, self.results, self.collective_timeout_s),
-                            daemon=True)
-                for q in self.tasks
-            ]
-            for p in self.procs:
+            for _ in range(n):
+                q = self._ctx.Queue()
+                p = self._ctx.Process(target=_worker,
+                                      args=(q, self.results, self.collective_timeout_s),
+                                      daemon=True)
                 p.start()
+                self.tasks.append(q)
+                self.procs.append(p)
         finally:
             for k, v in old.items():
                 if v is None:
@@ -93,7 +98,8 @@ class RankPool:
 
     def run(self, case: str, world: int, *, timeout: float = 150.0, **kwargs: Any) -> list[Any]:
         """Run ``case`` on ranks 0..world-1; returns the per-rank results in rank order."""
-        assert 1 <= world <= self.size, f"pool has {self.size} workers, case wants {world}"
+        if world > len(self.procs):  # grow on demand (an 8-rank case in a 4-rank pool)
+            self._spawn(world - len(self.procs))
         port = free_port()
         for r in range(world):
             self.tasks[r].put((case, port, r, world, kwargs))
@@ -115,6 +121,7 @@ class RankPool:
 
     def restart(self) -> None:
         self.close()
+        self.size = max(self.size, len(self.procs))
         self._start()
 
     def close(self) -> None:
