@@ -1,0 +1,195 @@
+"""Test cases run inside the rank pool (see _pool.py). Every function runs on every
+rank of the pool; arguments and results are JSON-able."""
+
+from __future__ import annotations
+
+import functools
+import json
+import logging
+import os
+import signal
+import time
+from typing import Any
+
+import torch
+import torch.distributed as dist
+from torch.distributed.device_mesh import DeviceMesh
+from torch.distributed.tensor import DTensor, Replicate, Shard, distribute_tensor
+from torch.distributed.tensor.placement_types import _StridedShard
+
+import ckpt
+import storage
+
+DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16,
+          "int64": torch.int64}
+
+
+def _placement(code: str):
+    if code == "R":
+        return Replicate()
+    if code.startswith("SS"):
+        dim, sf = code[2:].split(":")
+        return _StridedShard(int(dim), split_factor=int(sf))
+    return Shard(int(code[1:]))
+
+
+@functools.cache
+def _group(n: int):
+    """Process group of ranks 0..n-1 (all ranks must call, in the same order)."""
+    world = dist.get_world_size()
+    if n == world:
+        return None
+    return dist.new_group(list(range(n)))
+
+
+@functools.cache
+def _mesh(shape: tuple[int, ...]) -> DeviceMesh:
+    n = 1
+    for s in shape:
+        n *= s
+    return DeviceMesh("cpu", torch.arange(n).reshape(shape))
+
+
+def prepare(sizes: list[int], meshes: list[list[int]]) -> bool:
+    """Create groups and meshes up front, in the same order on every rank."""
+    for n in sizes:
+        _group(n)
+    for m in meshes:
+        _mesh(tuple(m))
+    return True
+
+
+def global_tensor(spec: dict[str, Any], seed: int) -> torch.Tensor:
+    g = torch.Generator().manual_seed(seed)
+    dt = DTYPES[spec["dtype"]]
+    shape = tuple(spec["shape"])
+    if dt == torch.int64:
+        return torch.randint(-(2**40), 2**40, shape, generator=g, dtype=torch.int64)
+    return torch.randn(shape, generator=g).to(dt)
+
+
+def _world_of(mesh: list[int]) -> int:
+    n = 1
+    for s in mesh:
+        n *= s
+    return n
+
+
+def build(tensors: list[dict[str, Any]], mesh: list[int], placements: list[list[str]],
+          seed: int, zeros: bool = False) -> dict[str, Any]:
+    dm = _mesh(tuple(mesh))
+    sd: dict[str, Any] = {}
+    for i, (spec, pl) in enumerate(zip(tensors, placements, strict=True)):
+        full = global_tensor(spec, seed + i)
+        if zeros:
+            full = torch.zeros_like(full)
+        if pl == ["plain"]:
+            sd[spec["name"]] = full
+        else:
+            sd[spec["name"]] = distribute_tensor(full, dm, [_placement(p) for p in pl])
+    return sd
+
+
+def save_load(url: str, tensors: list[dict[str, Any]], seed: int,
+              save_mesh: list[int], save_pl: list[list[str]],
+              load_mesh: list[int], load_pl: list[list[str]],
+              async_save: bool = False, broadcast: bool = True,
+              values: dict[str, Any] | None = None, options: dict[str, Any] | None = None,
+              ) -> dict[str, Any]:
+    rank = dist.get_rank()
+    out: dict[str, Any] = {"rank": rank}
+    ws, wl = _world_of(save_mesh), _world_of(load_mesh)
+    store = storage.open_store(url)
+    if rank < ws:
+        sd = build(tensors, save_mesh, save_pl, seed)
+        if values:
+            sd["values"] = dict(values)
+        h = ckpt.save(sd, store, async_save=async_save, process_group=_group(ws),
+                      options=ckpt.SaveOptions(**(options or {})), step=seed)
+        h.wait()
+        out["bytes_written"] = h.bytes_written
+    dist.barrier()
+    if rank < wl:
+        target = build(tensors, load_mesh, load_pl, seed, zeros=True)
+        if values:
+            target["values"] = None
+        before = store.stats.snapshot()["bytes_read"]
+        info = ckpt.load(target, store, process_group=_group(wl), broadcast=broadcast)
+        out["bytes_read"] = store.stats.snapshot()["bytes_read"] - before
+        out["bytes_needed"] = info.bytes_needed
+        out["bytes_read_info"] = info.bytes_read
+        expected = build(tensors, load_mesh, load_pl, seed)
+        bad = []
+        for spec in tensors:
+            a, b = target[spec["name"]], expected[spec["name"]]
+            if isinstance(a, DTensor):
+                a, b = a.to_local(), b.to_local()
+            if a.dtype != b.dtype or a.shape != b.shape or not torch.equal(
+                    a.contiguous().view(torch.uint8), b.contiguous().view(torch.uint8)):
+                bad.append(spec["name"])
+        out["mismatch"] = bad
+        if values:
+            out["values_ok"] = target["values"] == json.loads(json.dumps(values))
+    dist.barrier()
+    return out
+
+
+def manager_save(root: str, steps: list[int], tensors: list[dict[str, Any]],
+                 mesh: list[int], pl: list[list[str]], keep_last: int = 2,
+                 fail_after_persist_rank: int | None = None) -> dict[str, Any]:
+    ws = _world_of(mesh)
+    if dist.get_rank() >= ws:
+        return {}
+    mgr = ckpt.CheckpointManager(root, keep_last=keep_last, process_group=_group(ws))
+    for s in steps:
+        sd = build(tensors, mesh, pl, s)
+        sd["step"] = s
+        mgr.save(s, sd, async_save=True)
+    mgr.wait()
+    return {"latest": mgr.latest_step(), "steps": mgr.committed_steps()}
+
+
+def manager_restore(root: str, tensors: list[dict[str, Any]], mesh: list[int],
+                    pl: list[list[str]]) -> dict[str, Any]:
+    ws = _world_of(mesh)
+    if dist.get_rank() >= ws:
+        return {}
+    mgr = ckpt.CheckpointManager(root, process_group=_group(ws))
+    sd = build(tensors, mesh, pl, 0, zeros=True)
+    sd["step"] = -1
+    step = mgr.restore(sd)
+    expected = build(tensors, mesh, pl, step)
+    ok = all(torch.equal(sd[t["name"]].to_local() if isinstance(sd[t["name"]], DTensor)
+                         else sd[t["name"]],
+                         expected[t["name"]].to_local() if isinstance(expected[t["name"]], DTensor)
+                         else expected[t["name"]]) for t in tensors)
+    return {"step": step, "value": sd["step"], "ok": ok}
+
+
+def kill_during_persist(url: str, tensors: list[dict[str, Any]], mesh: list[int],
+                        pl: list[list[str]], victim: int, timeout_s: float) -> dict[str, Any]:
+    """`victim` dies (SIGKILL) right after staging, before persisting; the others must
+    report a failed save and no COMMIT may appear."""
+    rank = dist.get_rank()
+    sd = build(tensors, mesh, pl, 1)
+    opts = ckpt.SaveOptions(commit_timeout_s=timeout_s)
+    if rank == victim:
+        import ckpt.engine as eng
+
+        def die(self):  # noqa: ANN001
+            os.kill(os.getpid(), signal.SIGKILL)
+
+        eng._SaveJob.persist = die
+    h = ckpt.save(sd, url, async_save=True, options=opts)
+    t0 = time.monotonic()
+    try:
+        h.wait()
+        return {"failed": False}
+    except ckpt.CheckpointSaveError as e:
+        return {"failed": True, "error": str(e), "waited": time.monotonic() - t0}
+
+
+def log_setup() -> bool:
+    logging.basicConfig(level=logging.WARNING,
+                        format=f"%(asctime)s r{dist.get_rank()} %(name)s %(message)s")
+    return True
