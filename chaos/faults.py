@@ -222,6 +222,8 @@ class ClusterControl(Protocol):
 
     def live_nodes(self) -> list[int]: ...
 
+    def min_nodes(self) -> int: ...
+
     def agent_pid(self, node: int) -> int | None: ...
 
     def remove_node(self, node: int, sig: int) -> list[int]: ...
@@ -327,21 +329,28 @@ class Injector:
 
             self.cluster.schedule(spec.resume_after_s, cont, f"SIGCONT {w.pid}")
 
+    def _check_min(self, permanent: bool) -> None:
+        live = self.cluster.live_nodes()
+        if permanent and len(live) - 1 < self.cluster.min_nodes():
+            raise FaultInjectionError(
+                f"removing a node for good would leave {len(live) - 1} < min_nodes "
+                f"{self.cluster.min_nodes()}: the job could not go on")
+
     def _kill_node(self, spec: Any, event: FaultEvent) -> None:
+        self._check_min(spec.replace_after_s is None)
         node = self._node(spec)
         event.node = node
         event.pids = self.cluster.remove_node(node, signal.SIGKILL)
         self._maybe_replace(spec, event)
 
     def _scale_down(self, spec: Any, event: FaultEvent) -> None:
-        live = self.cluster.live_nodes()
-        if len(live) <= 1:
-            raise FaultInjectionError(f"scale_down needs more than one live node (live: {live})")
+        self._check_min(True)
         node = self._node(spec)
         event.node = node
         event.pids = self.cluster.remove_node(node, signal.SIGTERM)
 
     def _preempt(self, spec: Any, event: FaultEvent) -> None:
+        self._check_min(spec.replace_after_s is None)
         node = self._node(spec)
         event.node = node
         event.pids = self.cluster.remove_node(node, signal.SIGTERM)

@@ -103,6 +103,9 @@ class ClusterSpec:
     """Rendezvous join timeout handed to the backend (`--rdzv-conf join_timeout=`)."""
     last_call_s: float = 2.0
     """Rendezvous last-call window after min nodes joined."""
+    rendezvous: str = "relight-etcd"
+    """`relight-etcd` (nodes run `relight run` against the harness's etcd) or `c10d`
+    (plain torchrun with its c10d rendezvous: the baseline Relight is compared with)."""
 
     def __post_init__(self) -> None:
         _check(self.nodes >= 1, "cluster.nodes", f"must be >= 1, got {self.nodes}")
@@ -123,6 +126,8 @@ class ClusterSpec:
         _check(self.monitor_interval_s > 0, "cluster.monitor_interval_s", "must be > 0")
         _check(self.rdzv_timeout_s > 0, "cluster.rdzv_timeout_s", "must be > 0")
         _check(self.last_call_s >= 0, "cluster.last_call_s", "must be >= 0")
+        _check(self.rendezvous in ("relight-etcd", "c10d"), "cluster.rendezvous",
+               f"must be relight-etcd or c10d, got {self.rendezvous!r}")
 
     @property
     def world_size(self) -> int:
@@ -297,12 +302,18 @@ class MTBFSpec:
     """Kinds drawn uniformly (each at least once when count allows)."""
     start_s: float = 5.0
     """First fault no earlier than this many seconds after the first step."""
+    replace_after_s: float = 10.0
+    """Node losses drawn here (kill_node, preempt) get a replacement node after this long,
+    as a fleet's autoscaler would; scale_down does not (scale_up adds one back)."""
+    resume_after_s: float | None = None
+    """stop_worker drawn here: SIGCONT after this long (None: a hang until restarted)."""
 
     def __post_init__(self) -> None:
         _check(self.mean_s > 0, "mtbf.mean_s", "must be > 0")
         _check(self.count >= 0, "mtbf.count", "must be >= 0")
         _check(self.start_s >= 0, "mtbf.start_s", "must be >= 0")
         _check(bool(self.kinds) or self.count == 0, "mtbf.kinds", "must name at least one kind")
+        _check(self.replace_after_s >= 0, "mtbf.replace_after_s", "must be >= 0")
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
@@ -357,6 +368,10 @@ class Scenario:
             ):
                 phase = "persist" if f.kind is FaultKind.KILL_DURING_PERSIST else "before_commit"
                 _fail(f"faults[{i}].during", f"{f.kind.value} needs during = {phase!r}")
+        if self.cluster.rendezvous == "c10d":
+            kinds = {f.kind for f in self.faults} | set(self.mtbf.kinds)
+            _check(FaultKind.ETCD_RESTART not in kinds, "faults",
+                   "etcd_restart needs cluster.rendezvous = 'relight-etcd' (c10d has no etcd)")
         losses = sum(
             1 for f in self.faults if f.kind in NODE_LOSSES and f.replace_after_s is None
         )

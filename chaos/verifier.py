@@ -61,6 +61,11 @@ class FaultMark:
     kind: FaultKind
     time: float
     ok: bool = True
+    """The fault was injected."""
+    required: bool = True
+    """A timeline fault must be injected; a drawn (MTBF) one may be refused (say a node
+    loss that would leave fewer than min_nodes) without failing the run."""
+    error: str = ""
 
 
 @dataclass(frozen=True, slots=True)
@@ -140,6 +145,24 @@ def _result(number: int, name: str, problems: list[str], ok_summary: str, **kw: 
 
 def all_ok(results: Sequence[InvariantResult]) -> bool:
     return all(r.ok for r in results)
+
+
+# 0 ------------------------------------------------------------------------------------------
+
+def check_faults_injected(ev: RunEvidence) -> InvariantResult:
+    """Not one of the six: a chaos run in which the faults did not happen proves nothing."""
+    problems = [f"fault #{f.index} {f.kind.value} was not injected: {f.error or 'unknown'}"
+                for f in ev.faults if f.required and not f.ok]
+    injected = sum(1 for f in ev.faults if f.ok)
+    if ev.faults and not injected:
+        problems.append(f"none of the {len(ev.faults)} scheduled faults was injected")
+    skipped = sum(1 for f in ev.faults if not f.required and not f.ok)
+    return _result(0, "scheduled faults injected", problems,
+                   f"{injected} of {len(ev.faults)} fault(s) injected"
+                   + (f" ({skipped} drawn fault(s) refused, see the fault table)"
+                      if skipped else ""),
+                   measured={"injected": injected, "scheduled": len(ev.faults),
+                             "refused_optional": skipped})
 
 
 # 1 ------------------------------------------------------------------------------------------
@@ -313,6 +336,10 @@ def check_loss_curve(ev: RunEvidence) -> InvariantResult:
                                tolerance=f"exact / rtol={tol:g}")
     ref = {r.step: r.loss for r in ev.reference}
     problems = []
+    if not ev.records:
+        problems.append("the run logged no step: nothing continues the reference")
+    if not ev.reference:
+        problems.append("the reference run logged no step")
     worst_exact, worst_tol, n_exact, n_tol = 0.0, 0.0, 0, 0
     for rec, changed in zip(ev.records, _layout_changed_flags(ev), strict=True):
         if rec.step not in ref:
@@ -356,6 +383,8 @@ def _batch(records: Sequence[StepRecord]) -> int | None:
 def check_data(ev: RunEvidence) -> InvariantResult:
     problems = []
     ref_pos = {r.step: r.data_position for r in ev.reference} if ev.reference else {}
+    if not ev.records:
+        problems.append("the run logged no step: no data position to check")
     missing = [r.line for r in ev.records if r.data_position is None]
     if missing:
         problems.append(f"{len(missing)} record(s) without data_position (first at line "
@@ -394,8 +423,9 @@ def check_data(ev: RunEvidence) -> InvariantResult:
 
 
 def verify(ev: RunEvidence) -> list[InvariantResult]:
-    """All six invariants, in order."""
+    """The faults-injected check, then the six invariants in order."""
     return [
+        check_faults_injected(ev),
         check_target(ev),
         check_weights(ev),
         check_checkpoints(ev),

@@ -50,7 +50,7 @@ def test_junit_marks_broken_invariant(tmp_path: Path) -> None:
     assert not rep["passed"]
     write_junit(tmp_path / "j.xml", rep)
     suite = ET.parse(tmp_path / "j.xml").getroot()
-    assert suite.get("tests") == "6" and suite.get("failures") == "1"
+    assert suite.get("tests") == "7" and suite.get("failures") == "1"
     failed = [c.get("name") for c in suite.iter("testcase") if c.find("failure") is not None]
     assert failed == ["invariant_3_committed_checkpoints_verify,_only_committed_ones_load"]
 

@@ -65,10 +65,12 @@ def simulate(kills: list[float], ws_after: int = 4, lose: frozenset[int] = froze
     events: list[CheckpointEvent] = []
     t, step, restored, ws = 0.0, 0, None, 4
     kills = sorted(kills)
+    fired: list[float] = []
     while step < TARGET:
         t += 1.0
         if kills and t > kills[0]:
             kill = kills.pop(0)
+            fired.append(kill)
             committed = [e.step for e in events if e.time <= kill]
             restored = max(committed) if committed else None
             step = restored or 0
@@ -83,7 +85,7 @@ def simulate(kills: list[float], ws_after: int = 4, lose: frozenset[int] = froze
         records=records, target_step=TARGET, interval=INTERVAL, finished=True,
         finish_detail="all agents exited 0", reference=reference(), checkpoint_events=events,
         verified={e.step: None for e in events},
-        faults=[FaultMark(i, FaultKind.KILL_WORKER, k) for i, k in enumerate(kills)],
+        faults=[FaultMark(i, FaultKind.KILL_WORKER, k) for i, k in enumerate(fired)],
         weights=same_weights(),
     )
 
@@ -146,7 +148,7 @@ def test_skipped_data_position_fails() -> None:
                           lambda r: replace(r, data_position=r.data_position + BATCH))
     bad = verify(ev)
     assert [r.number for r in bad if not r.ok] == [6]
-    assert "skipped" in bad[5].summary
+    assert "skipped" in bad[6].summary
 
 
 def test_reconsumed_data_position_fails() -> None:
@@ -196,10 +198,10 @@ def test_too_much_work_lost_fails() -> None:
     # 9 steps lost with no fault to explain the missing save.
     ev = simulate([14.5], lose=frozenset({10}))
     res = verify(ev)
-    assert not res[3].ok and res[3].measured["max_lost"] == 9
+    assert not res[4].ok and res[4].measured["max_lost"] == 9
     # The same loss is allowed when a fault destroyed the step-10 checkpoint.
-    ev.faults.append(FaultMark(0, FaultKind.CORRUPT_CHECKPOINT, 11.0))
-    assert verify(ev)[3].ok
+    ev.faults.append(FaultMark(1, FaultKind.CORRUPT_CHECKPOINT, 11.0))
+    assert verify(ev)[4].ok
 
 
 def test_target_not_reached_fails() -> None:
@@ -239,6 +241,20 @@ def test_weights_not_compared_fails() -> None:
 
 def test_no_reference_fails_curve_check() -> None:
     assert 5 in failing(replace(simulate([]), reference=None))
+
+
+def test_empty_run_fails_every_log_check() -> None:
+    ev = replace(simulate([]), records=[], finished=False, finish_detail="agents crashed")
+    assert {1, 5, 6} <= failing(ev)
+
+
+def test_fault_that_never_fired_fails() -> None:
+    ev = simulate([8.5])
+    ev.faults.append(FaultMark(1, FaultKind.KILL_NODE, 30.0, ok=False, error="run ended"))
+    assert failing(ev) == {0}
+    # A drawn (MTBF) fault the harness refused is reported, not failed.
+    ev.faults[-1] = FaultMark(1, FaultKind.KILL_NODE, 30.0, ok=False, required=False)
+    assert failing(ev) == set()
 
 
 # parsing ------------------------------------------------------------------------------------

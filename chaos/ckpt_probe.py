@@ -1,0 +1,212 @@
+"""What the harness observes of checkpoints from outside: which steps are committed, which
+save is in flight, a chunk of the newest committed checkpoint to damage, whether each
+checkpoint verifies, and the final state of a run as plain tensors for comparison.
+
+All of it goes through `storage` and the public `ckpt` API (`ckpt.verify`, `ckpt.load`,
+the manifest reader); the checkpoint layout under a manager root (one prefix per step,
+`COMMIT` written last, `index/<attempt>/r<rank>.json` per rank) is the engine's, read here
+and nowhere else in `chaos/`.
+"""
+
+from __future__ import annotations
+
+import logging
+import re
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+
+from chaos.verifier import WeightsComparison
+from storage import StorageError, Store
+
+logger = logging.getLogger(__name__)
+
+__all__ = ["CheckpointProbe", "StepDir", "compare_final_states"]
+
+COMMIT = "COMMIT"
+MANIFEST = "manifest.json"
+_STEP_RE = re.compile(r"(\d+)$")
+
+
+@dataclass(frozen=True, slots=True)
+class StepDir:
+    step: int
+    prefix: str
+    committed: bool
+    indexes: int
+    """Per-rank index objects present (of the newest attempt)."""
+    manifest: bool
+
+
+class CheckpointProbe:
+    """Reads a checkpoint manager's root without ever writing to it (except `damage`)."""
+
+    def __init__(self, store: Store) -> None:
+        self.store = store
+
+    def scan(self) -> dict[int, StepDir]:
+        """Every step prefix under the root: committed or not, indexes written so far."""
+        try:
+            keys = self.store.list()
+        except StorageError as exc:
+            logger.debug("cannot list %s: %s", self.store.url, exc)
+            return {}
+        per: dict[str, dict[str, Any]] = {}
+        for key in keys:
+            if "/" not in key:
+                continue
+            prefix, rest = key.split("/", 1)
+            m = _STEP_RE.search(prefix)
+            if not m:
+                continue
+            d = per.setdefault(prefix, {"step": int(m.group(1)), "commit": False,
+                                        "manifest": False, "idx": {}})
+            if rest == COMMIT:
+                d["commit"] = True
+            elif rest == MANIFEST:
+                d["manifest"] = True
+            elif rest.startswith("index/") and rest.endswith(".json") and ".error" not in rest:
+                attempt = rest.split("/")[1]
+                d["idx"][attempt] = d["idx"].get(attempt, 0) + 1
+        out: dict[int, StepDir] = {}
+        for prefix, d in per.items():
+            out[d["step"]] = StepDir(d["step"], prefix, d["commit"],
+                                     max(d["idx"].values(), default=0), d["manifest"])
+        return out
+
+    def committed_steps(self) -> list[int]:
+        return sorted(s for s, d in self.scan().items() if d.committed)
+
+    def phase(self, world_size: int) -> dict[str, Any]:
+        """The save in flight, if any: `persist` (data/indexes being written) or
+        `before_commit` (every rank's index is written, the commit marker is not)."""
+        dirs = self.scan()
+        pending = [d for d in dirs.values() if not d.committed]
+        if not pending:
+            return {"phase": "training"}
+        d = max(pending, key=lambda d: d.step)
+        phase = "before_commit" if d.indexes >= world_size else "persist"
+        return {"phase": phase, "checkpoint_step": d.step, "indexes": d.indexes}
+
+    def newest_committed_chunk(self) -> tuple[int, str]:
+        """(step, key) of one data chunk of a real tensor in the newest committed checkpoint."""
+        from ckpt.manifest import read_manifest
+
+        steps = self.committed_steps()
+        if not steps:
+            raise LookupError(f"no committed checkpoint under {self.store.url} yet")
+        step = steps[-1]
+        prefix = self.scan()[step].prefix
+        manifest = read_manifest(self.store.child(prefix))
+        objects = manifest.expected_objects()
+        chunks = sorted(k for k in objects if not k.endswith("zarr.json"))
+        if not chunks:
+            raise LookupError(f"checkpoint {step} under {self.store.url} has no data chunk")
+        # Prefer the largest tensor's own chunk; small tensors live packed per writer rank
+        # (tensor name ''), and any packed chunk holds parameters too.
+        tensors = manifest.tensors
+        chunks.sort(key=lambda k: (-_numel(tensors[objects[k]].get("shape", []))
+                                   if objects[k] else 0, k))
+        return step, f"{prefix}/{chunks[0]}"
+
+    def verify_all(self) -> dict[int, str | None]:
+        """Every committed checkpoint: step -> None when it verifies, else the problems."""
+        import ckpt
+
+        out: dict[int, str | None] = {}
+        for step, d in sorted(self.scan().items()):
+            if not d.committed:
+                continue
+            rep = ckpt.verify(self.store.child(d.prefix))
+            out[step] = None if rep.ok else "; ".join(rep.problems)[:500]
+        return out
+
+    def read_state(self, step: int) -> dict[str, Any]:
+        """The committed checkpoint `step` as {name: full tensor or JSON value}."""
+        import ckpt
+        from ckpt.manifest import read_manifest
+
+        d = self.scan().get(step)
+        if d is None or not d.committed:
+            raise LookupError(f"no committed checkpoint {step} under {self.store.url}")
+        store = self.store.child(d.prefix)
+        manifest = read_manifest(store)
+        from ckpt.format import DTYPES
+
+        # The target state dict mirrors the saved one's nesting (each tensor's `path`), at
+        # global shape, so the engine reads every tensor whole.
+        sd: dict[str, Any] = {}
+        out: dict[str, Any] = {}
+        for name, t in manifest.tensors.items():
+            tensor = torch.empty(t["shape"], dtype=DTYPES[t["dtype"]])
+            node = sd
+            path = [str(p) for p in t.get("path") or [name]]
+            for seg in path[:-1]:
+                node = node.setdefault(seg, {})
+            node[path[-1]] = tensor
+            out[name] = tensor
+        ckpt.load(sd, store, strict=False)
+        for name, value in manifest.values.items():
+            out[f"value:{name}"] = value
+        return out
+
+
+_LAYOUT_KEYS = ("layout", "config")
+
+
+def _without_layout(value: Any) -> Any:
+    """A run's record of its own layout and config legitimately differs between runs."""
+    if isinstance(value, dict):
+        return {k: v for k, v in value.items() if k not in _LAYOUT_KEYS} or None
+    return value
+
+
+def _numel(shape: list[int]) -> int:
+    n = 1
+    for s in shape:
+        n *= int(s)
+    return n
+
+
+def compare_final_states(chaos: dict[str, Any], ref: dict[str, Any], *, rtol: float,
+                         atol: float, chaos_step: int, ref_step: int) -> WeightsComparison:
+    """Tensor-by-tensor comparison; JSON values must be equal except the run's own record
+    of its layout and config (which legitimately differ after a layout change)."""
+    cmp = WeightsComparison(compared=True, chaos_step=chaos_step, reference_step=ref_step,
+                            bitwise_equal=True)
+    for key in sorted(set(chaos) | set(ref)):
+        if key not in chaos or key not in ref:
+            cmp.mismatched.append(f"{key} (only in {'chaos' if key in chaos else 'reference'})")
+            cmp.bitwise_equal = False
+            continue
+        a, b = chaos[key], ref[key]
+        if key.startswith("value:"):
+            a, b = _without_layout(a), _without_layout(b)
+            if a is None and b is None:
+                continue
+            if a != b:
+                cmp.mismatched.append(f"{key}: {a!r} != {b!r}")
+                cmp.bitwise_equal = False
+            continue
+        cmp.tensors += 1
+        if a.shape != b.shape or a.dtype != b.dtype:
+            cmp.mismatched.append(f"{key}: shape/dtype {tuple(a.shape)}/{a.dtype} vs "
+                                  f"{tuple(b.shape)}/{b.dtype}")
+            cmp.bitwise_equal = False
+            continue
+        if torch.equal(a, b):
+            continue
+        cmp.bitwise_equal = False
+        cmp.not_bitwise.append(key)
+        if a.is_floating_point():
+            diff = (a.double() - b.double()).abs()
+            cmp.max_abs_diff = max(cmp.max_abs_diff, float(diff.max()))
+            rel = diff / b.double().abs().clamp_min(1e-12)
+            cmp.max_rel_diff = max(cmp.max_rel_diff, float(rel.max()))
+            if not torch.allclose(a.double(), b.double(), rtol=rtol, atol=atol):
+                cmp.mismatched.append(f"{key}: max abs diff {float(diff.max()):.3g} outside "
+                                      f"rtol={rtol:g}, atol={atol:g}")
+        else:
+            cmp.mismatched.append(f"{key}: integer tensor differs")
+    return cmp

@@ -1,0 +1,718 @@
+"""The chaos runner: real etcd + real storage + N `relight run` nodes on loopback, faults
+injected on a timeline, a global deadline, teardown no matter what, then the reference
+run, the verifier and the report.
+
+Order of `run_scenario`:
+
+1. start etcd (`EtcdServer`) and, for `storage.kind = "s3"`, SeaweedFS (`S3Server`);
+2. the uninterrupted reference run (same command, same initial world size, no faults),
+   unless a cached one for the same training setup is given;
+3. the chaos run: start the nodes (one elastic agent each, all on the same etcd), then one
+   loop until every agent has exited or the deadline passed: tail the metrics, poll the
+   checkpoint store for commits, watch the worker processes, fire due faults and
+   follow-ups;
+4. always: SIGKILL every process tree the run started (agents, workers, their children),
+   stop the servers, and check that nothing survived;
+5. gather the evidence (committed checkpoints verified, final states compared), verify,
+   write the report.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import logging
+import os
+import random
+import shutil
+import signal
+import subprocess
+import sys
+import time
+from collections.abc import Callable
+from dataclasses import dataclass, field, replace
+from pathlib import Path
+from typing import Any
+
+import psutil
+
+from chaos.ckpt_probe import CheckpointProbe, compare_final_states
+from chaos.fault_env import ENV_VAR, write_plan_file
+from chaos.faults import (
+    RESTARTING,
+    FaultEvent,
+    FaultInjectionError,
+    FaultKind,
+    Injector,
+    draw_mtbf_schedule,
+    find_workers,
+    signal_tree,
+)
+from chaos.logs import StepRecord, parse_metrics
+from chaos.report import build_report, write_junit, write_report
+from chaos.scenario import FaultSpec, Scenario
+from chaos.verifier import (
+    CheckpointEvent,
+    FaultMark,
+    RunEvidence,
+    Tolerances,
+    WeightsComparison,
+    verify,
+)
+from elastic.etcd_server import EtcdServer, free_port
+from storage import Store, corrupt_object, open_store
+
+logger = logging.getLogger(__name__)
+
+__all__ = ["ChaosRunError", "RunOutcome", "run_scenario"]
+
+REPO_ROOT = Path(__file__).resolve().parents[1]
+POLL_S = 0.2
+CKPT_POLL_S = 0.5
+
+
+class ChaosRunError(RuntimeError):
+    """The harness itself could not run the scenario (servers, launcher, paths)."""
+
+
+@dataclass
+class RunOutcome:
+    """What one launch of the job produced."""
+
+    records: list[StepRecord]
+    finished: bool
+    detail: str
+    started_at: float
+    ended_at: float
+    faults: list[FaultEvent] = field(default_factory=list)
+    checkpoint_events: list[CheckpointEvent] = field(default_factory=list)
+    store_url: str = ""
+    leaked: list[int] = field(default_factory=list)
+
+
+# -- the command every node runs ------------------------------------------------------------
+
+def _resolve(path: str, scenario: Scenario) -> str:
+    for base in (Path.cwd(), REPO_ROOT, scenario.base_dir):
+        candidate = (base / path).resolve()
+        if candidate.exists():
+            return str(candidate)
+    raise ChaosRunError(f"training file {path!r} not found relative to {Path.cwd()}, "
+                        f"{REPO_ROOT} or {scenario.base_dir}")
+
+
+def training_command(scenario: Scenario, ckpt_url: str, metrics: Path) -> tuple[list[str],
+                                                                                dict[str, str]]:
+    """argv and extra environment of the training processes."""
+    tr = scenario.training
+    values = {
+        "python": sys.executable,
+        "ckpt_url": ckpt_url,
+        "metrics": str(metrics),
+        "target_step": str(scenario.target_step),
+        "interval": str(scenario.checkpoint.interval),
+        "config": _resolve(tr.config, scenario) if tr.config else "",
+    }
+    env = {
+        "RELIGHT_CKPT_URL": ckpt_url,
+        "RELIGHT_METRICS_PATH": str(metrics),
+        "RELIGHT_TARGET_STEP": values["target_step"],
+        "RELIGHT_CKPT_INTERVAL": values["interval"],
+        **tr.env,
+    }
+    overrides = [f"--{k}={_toml_value(v)}" for k, v in tr.overrides.items()]
+    if tr.command:
+        argv = [a.format(**values) for a in tr.command]
+        if argv and argv[0].endswith(".py"):
+            argv = [sys.executable, _resolve(argv[0], scenario), *argv[1:]]
+        return argv + overrides, env
+    argv = [
+        sys.executable, "-m", "runtime.train", "--config", values["config"],
+        f"--train.steps={scenario.target_step}",
+        f"--checkpoint.url={ckpt_url}",
+        f"--checkpoint.every={scenario.checkpoint.interval}",
+        f"--train.metrics_path={metrics}",
+    ]
+    if scenario.checkpoint.keep_last:
+        argv.append(f"--checkpoint.keep_last={scenario.checkpoint.keep_last}")
+    return argv + overrides, env
+
+
+def _toml_value(v: Any) -> str:
+    if isinstance(v, bool):
+        return "true" if v else "false"
+    if isinstance(v, str):
+        return json.dumps(v)
+    return repr(v)
+
+
+def agent_command(scenario: Scenario, endpoint: str, job_id: str, nnodes: str,
+                  train_argv: list[str]) -> list[str]:
+    """One node's agent: `relight run` (the launcher's `main(argv)` in a fresh python) on
+    the harness's etcd, or plain torchrun with c10d for `cluster.rendezvous = "c10d"`."""
+    c = scenario.cluster
+    if c.rendezvous == "c10d":
+        head = [sys.executable, "-m", "torch.distributed.run", "--rdzv-backend=c10d"]
+    else:
+        head = [sys.executable, "-c",
+                "import sys; from elastic.launch import main; sys.exit(main(sys.argv[1:]))",
+                "--rdzv-backend=relight-etcd"]
+    return [
+        *head,
+        f"--nnodes={nnodes}",
+        f"--nproc-per-node={c.ranks_per_node}",
+        f"--rdzv-endpoint={endpoint}",
+        f"--rdzv-id={job_id}",
+        f"--rdzv-conf=join_timeout={c.rdzv_timeout_s:g},last_call_timeout={c.last_call_s:g}",
+        f"--max-restarts={c.max_restarts}",
+        f"--monitor-interval={c.monitor_interval_s:g}",
+        *(["--no-python"] if c.rendezvous == "c10d" else ["--"]),
+        *train_argv,
+    ]
+
+
+# -- the cluster ----------------------------------------------------------------------------
+
+@dataclass
+class _Node:
+    index: int
+    proc: subprocess.Popen
+    log_path: Path
+    started_at: float
+    removed: bool = False
+
+
+class Cluster:
+    """The nodes of one launch, and what the injectors may do to them (`ClusterControl`)."""
+
+    def __init__(self, scenario: Scenario, run_dir: Path, etcd: Any, store: Store,
+                 job_id: str, train_argv: list[str], env: dict[str, str],
+                 fault_plan: Path | None) -> None:
+        self.scenario = scenario
+        self.run_dir = run_dir
+        self.etcd = etcd
+        self.store = store
+        self.probe = CheckpointProbe(store)
+        self.job_id = job_id
+        self.train_argv = train_argv
+        self.env = env
+        self.fault_plan = fault_plan
+        self.nodes: dict[int, _Node] = {}
+        self.seen: dict[int, psutil.Process] = {}
+        self._timers: list[tuple[float, str, Callable[[], None]]] = []
+        self.actions: list[dict[str, Any]] = []
+        c = scenario.cluster
+        self.nnodes = f"{c.min_nodes}:{c.max_nodes}"
+        # c10d: the first agent hosts the rendezvous store on this port.
+        self.endpoint = (etcd.endpoint if c.rendezvous == "relight-etcd"
+                         else f"127.0.0.1:{free_port()}")
+
+    # nodes -------------------------------------------------------------------------------
+
+    def start_node(self) -> int:
+        index = len(self.nodes)
+        log_dir = self.run_dir / "nodes"
+        log_dir.mkdir(parents=True, exist_ok=True)
+        log_path = log_dir / f"node-{index}.log"
+        argv = agent_command(self.scenario, self.endpoint, self.job_id, self.nnodes,
+                             self.train_argv)
+        with open(log_path, "ab") as fh:
+            proc = subprocess.Popen(argv, stdout=fh, stderr=subprocess.STDOUT, env=self.env,
+                                    cwd=REPO_ROOT, start_new_session=True)
+        self.nodes[index] = _Node(index, proc, log_path, time.time())
+        self._track(proc.pid)
+        logger.info("node %d started: agent pid %d (log %s)", index, proc.pid, log_path)
+        return index
+
+    def live_nodes(self) -> list[int]:
+        return [i for i, n in self.nodes.items() if not n.removed and n.proc.poll() is None]
+
+    def min_nodes(self) -> int:
+        return self.scenario.cluster.min_nodes
+
+    def agent_pid(self, node: int) -> int | None:
+        n = self.nodes.get(node)
+        return n.proc.pid if n and n.proc.poll() is None else None
+
+    def remove_node(self, node: int, sig: int) -> list[int]:
+        n = self.nodes[node]
+        n.removed = True
+        self._track_tree(n.proc.pid)
+        return signal_tree(n.proc.pid, sig) if sig == signal.SIGKILL else self._signal_agent(
+            n, sig)
+
+    def _signal_agent(self, n: _Node, sig: int) -> list[int]:
+        # A drained or preempted machine: its agent gets the signal and shuts its workers
+        # down itself (the grace-period SIGKILL is scheduled by the injector).
+        pids = [p.pid for p in _tree(n.proc.pid)]
+        try:
+            os.kill(n.proc.pid, sig)
+        except ProcessLookupError:
+            pass
+        return pids
+
+    def add_node(self) -> int:
+        live = self.live_nodes()
+        if len(live) >= self.scenario.cluster.max_nodes:
+            raise FaultInjectionError(
+                f"cannot add a node: {len(live)} live = max_nodes "
+                f"{self.scenario.cluster.max_nodes}")
+        return self.start_node()
+
+    def workers(self) -> dict[int, list[Any]]:
+        out = {}
+        for i in self.live_nodes():
+            pid = self.agent_pid(i)
+            if pid:
+                out[i] = find_workers(pid)
+        return out
+
+    # timers ------------------------------------------------------------------------------
+
+    def schedule(self, delay_s: float, action: Callable[[], None], label: str) -> None:
+        self._timers.append((time.monotonic() + delay_s, label, action))
+
+    def run_due(self) -> None:
+        now = time.monotonic()
+        due = [t for t in self._timers if t[0] <= now]
+        self._timers = [t for t in self._timers if t[0] > now]
+        for _, label, action in due:
+            logger.info("follow-up: %s", label)
+            try:
+                action()
+                self.actions.append({"time": time.time(), "action": label, "ok": True})
+            except Exception as exc:  # noqa: BLE001 - one failed follow-up must not stop the run
+                logger.warning("follow-up %s failed: %s", label, exc)
+                self.actions.append({"time": time.time(), "action": label, "ok": False,
+                                     "error": str(exc)})
+
+    # etcd, storage -----------------------------------------------------------------------
+
+    def etcd_kill(self) -> int | None:
+        pid = self.etcd.pid
+        self.etcd.kill()
+        return pid
+
+    def etcd_start(self) -> None:
+        self.etcd.start()
+
+    def set_storage_fault(self, plan: dict[str, Any] | None) -> None:
+        if self.fault_plan is None:
+            raise FaultInjectionError("storage faults need the fault-plan file (chaos run only)")
+        write_plan_file(self.fault_plan, plan)
+
+    def newest_committed_chunk(self) -> tuple[int, str]:
+        return self.probe.newest_committed_chunk()
+
+    def corrupt(self, key: str, mode: str) -> None:
+        corrupt_object(self.store, key, mode=mode, seed=7)
+
+    def checkpoint_phase(self) -> dict[str, Any]:
+        return self.probe.phase(self.world_size())
+
+    def world_size(self) -> int:
+        return len(self.live_nodes()) * self.scenario.cluster.ranks_per_node
+
+    # process bookkeeping -----------------------------------------------------------------
+
+    def _track(self, pid: int) -> None:
+        try:
+            self.seen.setdefault(pid, psutil.Process(pid))
+        except psutil.NoSuchProcess:
+            pass
+
+    def _track_tree(self, pid: int) -> None:
+        for p in _tree(pid):
+            self.seen.setdefault(p.pid, p)
+
+    def track_all(self) -> None:
+        for n in self.nodes.values():
+            if n.proc.poll() is None:
+                self._track_tree(n.proc.pid)
+
+    def all_exited(self) -> bool:
+        return all(n.proc.poll() is not None for n in self.nodes.values())
+
+    def exit_codes(self) -> dict[int, int | None]:
+        return {i: n.proc.poll() for i, n in self.nodes.items()}
+
+    def teardown(self) -> list[int]:
+        """SIGKILL every process this cluster ever started; returns pids that survived."""
+        self.track_all()
+        for n in self.nodes.values():
+            if n.proc.poll() is None:
+                signal_tree(n.proc.pid, signal.SIGKILL)
+        for p in list(self.seen.values()):
+            try:
+                if p.is_running():  # same pid *and* create time: never someone else's process
+                    p.send_signal(signal.SIGCONT)
+                    p.kill()
+            except psutil.NoSuchProcess:
+                pass
+        for n in self.nodes.values():
+            try:
+                n.proc.wait(timeout=10)
+            except subprocess.TimeoutExpired:
+                pass
+        gone, alive = psutil.wait_procs(list(self.seen.values()), timeout=10)
+        leaked = [p.pid for p in alive if p.status() != psutil.STATUS_ZOMBIE]
+        if leaked:
+            logger.error("processes survived teardown: %s", leaked)
+        return leaked
+
+
+def _tree(pid: int) -> list[psutil.Process]:
+    try:
+        root = psutil.Process(pid)
+        return [root, *root.children(recursive=True)]
+    except psutil.NoSuchProcess:
+        return []
+
+
+# -- one launch -----------------------------------------------------------------------------
+
+@dataclass
+class _Pending:
+    index: int
+    spec: FaultSpec
+    trigger: str
+    at_time_s: float | None = None
+
+
+class _Recovery:
+    """Measures one restarting fault: detected (a pre-fault worker of the survivors gone,
+    or a new worker up), re-rendezvous (every live node runs only post-fault workers),
+    first step (first metrics line seen after that)."""
+
+    def __init__(self, event: FaultEvent, before: dict[int, list[Any]]) -> None:
+        self.event = event
+        self.before = {w.pid for ws in before.values() for w in ws} - set(event.pids)
+
+    def update(self, workers: dict[int, list[Any]], ranks_per_node: int, now: float,
+               new_record_at: float | None) -> bool:
+        e = self.event
+        current = {w.pid for ws in workers.values() for w in ws}
+        fresh = [w for ws in workers.values() for w in ws if w.create_time >= e.time - 0.05]
+        if e.detected_at is None and ((self.before - current) or fresh):
+            e.detected_at = now
+        if e.detected_at is not None and e.rendezvous_at is None and workers and all(
+            len(ws) == ranks_per_node and all(w.create_time >= e.time - 0.05 for w in ws)
+            for ws in workers.values()
+        ):
+            e.rendezvous_at = now
+        if e.rendezvous_at is not None and new_record_at is not None and (
+            new_record_at >= e.rendezvous_at
+        ):
+            e.first_step_at = new_record_at
+            return True
+        return False
+
+
+def _metrics_tail(path: Path, offset: int) -> tuple[list[str], int]:
+    try:
+        with open(path, "rb") as fh:
+            fh.seek(offset)
+            data = fh.read()
+    except FileNotFoundError:
+        return [], offset
+    end = data.rfind(b"\n")
+    if end < 0:
+        return [], offset
+    return data[: end + 1].decode(errors="replace").splitlines(), offset + end + 1
+
+
+def launch(scenario: Scenario, run_dir: Path, etcd: Any, store_url: str, job_id: str,
+           base_env: dict[str, str], faults: bool, deadline_s: float, seed: int) -> RunOutcome:
+    """Run the job once (with or without faults); always tears the nodes down."""
+    run_dir.mkdir(parents=True, exist_ok=True)
+    metrics = run_dir / "metrics.jsonl"
+    observed = run_dir / "metrics.observed.jsonl"
+    train_argv, train_env = training_command(scenario, store_url, metrics)
+    env = {**os.environ, **base_env, **train_env}
+    env.pop(ENV_VAR, None)
+    fault_plan = None
+    if faults:
+        fault_plan = run_dir / "fault-plan.json"
+        write_plan_file(fault_plan, None)
+        env[ENV_VAR] = f"@{fault_plan}"
+    (run_dir / "command.json").write_text(json.dumps({"train_argv": train_argv,
+                                                      "env": train_env}, indent=1))
+    store = open_store(store_url)
+    cluster = Cluster(scenario, run_dir, etcd, store, job_id, train_argv, env, fault_plan)
+    rng = random.Random(f"victims:{seed}")
+    injector = Injector(cluster, rng)
+    pending: list[_Pending] = []
+    if faults:
+        for i, spec in enumerate(scenario.faults):
+            trig = (f"step>={spec.at_step}" if spec.at_step is not None else
+                    f"t>={spec.at_time_s}s" if spec.at_time_s is not None else
+                    f"during={spec.during}")
+            pending.append(_Pending(i, spec, trig))
+        m = scenario.mtbf
+        for t, kind in draw_mtbf_schedule(m.kinds, m.count, m.mean_s, m.start_s, seed):
+            pending.append(_Pending(len(pending), _mtbf_spec(kind, m), f"mtbf t>={t}s", t))
+    records: list[StepRecord] = []
+    events: list[FaultEvent] = []
+    recoveries: list[_Recovery] = []
+    ckpt_events: list[CheckpointEvent] = []
+    committed: set[int] = set()
+    offset, line_no, high = 0, 0, -1
+    first_step_time: float | None = None
+    started = time.time()
+    deadline = time.monotonic() + deadline_s
+    finished, detail = False, ""
+    next_ckpt_poll = 0.0
+    try:
+        for _ in range(scenario.cluster.nodes):
+            cluster.start_node()
+        with open(observed, "a") as obs:
+            while True:
+                now_m, now = time.monotonic(), time.time()
+                lines, offset = _metrics_tail(metrics, offset)
+                new_at = None
+                for line in lines:
+                    line_no += 1
+                    try:
+                        obj = json.loads(line)
+                    except json.JSONDecodeError:
+                        continue
+                    if isinstance(obj, dict):
+                        obj.setdefault("seen", now)
+                        obs.write(json.dumps(obj) + "\n")
+                        parsed = parse_metrics([json.dumps(obj)]).records
+                        if parsed:
+                            rec = parsed[0]
+                            records.append(replace(rec, line=line_no))
+                            high = max(high, rec.step)
+                            new_at = rec.time if new_at is None else new_at
+                            if first_step_time is None:
+                                first_step_time = now
+                obs.flush()
+                if now_m >= next_ckpt_poll:
+                    next_ckpt_poll = now_m + CKPT_POLL_S
+                    steps = set(cluster.probe.committed_steps())
+                    for s in sorted(steps - committed):
+                        ckpt_events.append(CheckpointEvent(s, now, "commit"))
+                    committed = steps
+                workers = cluster.workers()
+                cluster.track_all()
+                for rc in list(recoveries):
+                    if rc.update(workers, scenario.cluster.ranks_per_node, now, new_at):
+                        recoveries.remove(rc)
+                cluster.run_due()
+                # faults due now
+                phase_cache: dict[str, Any] | None = None
+                for p in list(pending):
+                    spec = p.spec
+                    due = False
+                    if p.at_time_s is not None and (
+                        first_step_time is None or now - first_step_time < p.at_time_s
+                    ):
+                        continue
+                    if spec.at_step is not None:
+                        due = high >= spec.at_step
+                    elif spec.at_time_s is not None:
+                        due = first_step_time is not None and now - first_step_time >= (
+                            spec.at_time_s)
+                    elif spec.during is not None and high >= max(spec.after_step, 1):
+                        if spec.during in ("persist", "before_commit"):
+                            if phase_cache is None:
+                                phase_cache = cluster.checkpoint_phase()
+                            due = phase_cache["phase"] == spec.during
+                        elif spec.during == "restore":
+                            # A restarted group is up and has not logged a step yet.
+                            due = any(rc.event.rendezvous_at is not None
+                                      and rc.event.first_step_at is None for rc in recoveries)
+                        else:
+                            due = True
+                    if not due:
+                        continue
+                    pending.remove(p)
+                    before = cluster.workers()
+                    ev = injector.inject(spec, p.index, p.trigger, high)
+                    events.append(ev)
+                    if ev.ok and spec.kind in (FaultKind.CORRUPT_CHECKPOINT,
+                                               FaultKind.TRUNCATE_CHECKPOINT):
+                        ckpt_events.append(CheckpointEvent(ev.detail["checkpoint_step"],
+                                                           ev.time, "damage"))
+                        committed.discard(ev.detail["checkpoint_step"])
+                    if ev.ok and spec.kind in RESTARTING:
+                        recoveries.append(_Recovery(ev, before))
+                    phase_cache = None
+                if cluster.all_exited():
+                    codes = cluster.exit_codes()
+                    kept = {i: c for i, c in codes.items() if not cluster.nodes[i].removed}
+                    finished = bool(kept) and all(c == 0 for c in kept.values())
+                    detail = f"agents exited {kept}" + (
+                        f" (removed nodes: {sorted(set(codes) - set(kept))})"
+                        if len(kept) != len(codes) else "")
+                    break
+                if time.monotonic() > deadline:
+                    detail = (f"deadline of {deadline_s:.0f} s passed at step {high}; live "
+                              f"agents {cluster.live_nodes()}")
+                    logger.error("%s", detail)
+                    break
+                time.sleep(POLL_S)
+        # One last look: the final commit may land as the agents exit.
+        for s in sorted(set(cluster.probe.committed_steps()) - committed):
+            ckpt_events.append(CheckpointEvent(s, time.time(), "commit"))
+        for p in pending:
+            events.append(FaultEvent(index=p.index, kind=p.spec.kind, trigger=p.trigger,
+                                     time=time.time(), step=high, ok=False,
+                                     error="never fired: the run ended first"))
+    finally:
+        leaked = cluster.teardown()
+        if fault_plan is not None:
+            write_plan_file(fault_plan, None)
+    ended = time.time()
+    (run_dir / "actions.json").write_text(json.dumps(cluster.actions, indent=1))
+    events.sort(key=lambda e: e.index)
+    return RunOutcome(records=records, finished=finished and not leaked, detail=detail,
+                      started_at=started, ended_at=ended, faults=events,
+                      checkpoint_events=ckpt_events, store_url=store_url, leaked=leaked)
+
+
+def _mtbf_spec(kind: FaultKind, m: Any) -> FaultSpec:
+    """A drawn fault: its time gates it; the kinds aimed at a save wait for the next one."""
+    if kind is FaultKind.KILL_DURING_PERSIST:
+        return FaultSpec(kind=kind, during="persist")
+    if kind is FaultKind.KILL_COORDINATOR_BEFORE_COMMIT:
+        return FaultSpec(kind=kind, during="before_commit")
+    if kind in (FaultKind.KILL_NODE, FaultKind.PREEMPT):
+        return FaultSpec(kind=kind, during="training", replace_after_s=m.replace_after_s)
+    if kind is FaultKind.STOP_WORKER:
+        return FaultSpec(kind=kind, during="training", resume_after_s=m.resume_after_s)
+    return FaultSpec(kind=kind, during="training")
+
+
+# -- the whole scenario ---------------------------------------------------------------------
+
+def reference_key(scenario: Scenario) -> str:
+    """Runs with equal keys produce the same reference (the seed only moves the faults)."""
+    ident = {"training": scenario.to_dict()["training"], "target": scenario.target_step,
+             "interval": scenario.checkpoint.interval, "world": scenario.cluster.world_size,
+             "ranks_per_node": scenario.cluster.ranks_per_node,
+             "nodes": scenario.cluster.nodes, "storage": scenario.storage.kind}
+    return hashlib.sha256(json.dumps(ident, sort_keys=True).encode()).hexdigest()[:16]
+
+
+@dataclass
+class ScenarioResult:
+    passed: bool
+    out_dir: Path
+    report: dict[str, Any]
+
+
+def run_scenario(scenario: Scenario, out_dir: str | Path, *, seed: int | None = None,
+                 junit: str | Path | None = None,
+                 reference_cache: str | Path | None = None) -> ScenarioResult:
+    """Run `scenario` end to end and write the report under `out_dir`."""
+    if seed is not None:
+        scenario = scenario.with_seed(seed)
+    out = Path(out_dir).resolve()
+    if out.exists():
+        shutil.rmtree(out)
+    out.mkdir(parents=True)
+    (out / "scenario.json").write_text(json.dumps(scenario.to_dict(), indent=1))
+    notes: list[str] = []
+    etcd = EtcdServer(out / "etcd" / "data")
+    s3 = None
+    etcd.start()
+    try:
+        base_env: dict[str, str] = {}
+        if scenario.storage.kind == "s3":
+            from chaos.s3_server import S3Server
+
+            s3 = S3Server(out / "s3" / "data").start()
+            base_env.update(s3.env())
+            os.environ.update(s3.env())  # this process reads the store too
+
+        def url(kind: str) -> str:
+            if s3 is not None:
+                return s3.url(f"{out.name}-{kind}")
+            return str(out / f"ckpt-{kind}")
+
+        ref_outcome: RunOutcome | None = None
+        ref_records: list[StepRecord] | None = None
+        ref_url = None
+        cache = Path(reference_cache) / reference_key(scenario) if reference_cache else None
+        if scenario.verify.reference:
+            if cache is not None and (cache / "reference.json").is_file():
+                cached = json.loads((cache / "reference.json").read_text())
+                ref_records = parse_metrics(cached["metrics"]).records
+                ref_url = str(cache / "ckpt") if (cache / "ckpt").is_dir() else None
+                notes.append(f"reference run reused from {cache}")
+            else:
+                ref_deadline = scenario.reference_deadline_s or scenario.deadline_s
+                logger.info("reference run (no faults) ...")
+                ref_outcome = launch(scenario, out / "reference", etcd, url("reference"),
+                                     f"ref-{out.name}", base_env, faults=False,
+                                     deadline_s=ref_deadline, seed=scenario.seed)
+                ref_records = ref_outcome.records
+                ref_url = url("reference")
+                if not ref_outcome.finished:
+                    notes.append(f"the reference run did not finish: {ref_outcome.detail}")
+                elif cache is not None and scenario.storage.kind == "local":
+                    cache.mkdir(parents=True, exist_ok=True)
+                    shutil.copytree(ref_url, cache / "ckpt", dirs_exist_ok=True)
+                    lines = (out / "reference" / "metrics.observed.jsonl").read_text()
+                    (cache / "reference.json").write_text(json.dumps(
+                        {"metrics": lines.splitlines()}))
+        logger.info("chaos run (seed %d) ...", scenario.seed)
+        outcome = launch(scenario, out / "chaos", etcd, url("chaos"), f"chaos-{out.name}",
+                         base_env, faults=True, deadline_s=scenario.deadline_s,
+                         seed=scenario.seed)
+        if outcome.leaked:
+            notes.append(f"processes leaked past teardown: {outcome.leaked}")
+        # Bring etcd back if a fault left it down, for nothing else needs it now; evidence.
+        chaos_probe = CheckpointProbe(open_store(outcome.store_url))
+        verified = chaos_probe.verify_all()
+        weights = _compare(scenario, chaos_probe, ref_url)
+        evidence = RunEvidence(
+            records=outcome.records, target_step=scenario.target_step,
+            interval=scenario.checkpoint.interval, finished=outcome.finished,
+            finish_detail=outcome.detail, reference=ref_records,
+            checkpoint_events=outcome.checkpoint_events, verified=verified,
+            faults=[FaultMark(e.index, e.kind, e.time, e.ok,
+                              required=not e.trigger.startswith("mtbf"), error=e.error)
+                    for e in outcome.faults],
+            weights=weights, compare_weights=scenario.verify.compare_weights,
+            tolerances=Tolerances(loss_rtol=scenario.verify.loss_rtol,
+                                  weights_rtol=scenario.verify.weights_rtol,
+                                  weights_atol=scenario.verify.weights_atol),
+        )
+        results = verify(evidence)
+        report = build_report(
+            scenario=scenario.to_dict(), seed=scenario.seed, results=results,
+            faults=[e.to_dict() for e in outcome.faults], records=outcome.records,
+            reference=ref_records, started_at=outcome.started_at, ended_at=outcome.ended_at,
+            reference_wall_s=(ref_outcome.ended_at - ref_outcome.started_at
+                              if ref_outcome else None),
+            notes=notes,
+        )
+        write_report(out, report)
+        if junit:
+            write_junit(junit, report)
+        return ScenarioResult(report["passed"], out, report)
+    finally:
+        if s3 is not None:
+            s3.stop()
+        etcd.stop()
+
+
+def _compare(scenario: Scenario, chaos_probe: CheckpointProbe, ref_url: str | None
+             ) -> WeightsComparison | None:
+    if not scenario.verify.compare_weights:
+        return None
+    if ref_url is None:
+        return WeightsComparison(compared=False, error="no reference checkpoint to compare")
+    target = scenario.target_step
+    try:
+        ref_state = CheckpointProbe(open_store(ref_url)).read_state(target)
+        chaos_state = chaos_probe.read_state(target)
+    except Exception as exc:  # noqa: BLE001 - reported as a broken invariant, not a crash
+        logger.exception("final states could not be read")
+        return WeightsComparison(compared=False, error=f"{type(exc).__name__}: {exc}")
+    return compare_final_states(chaos_state, ref_state, rtol=scenario.verify.weights_rtol,
+                                atol=scenario.verify.weights_atol, chaos_step=target,
+                                ref_step=target)
