@@ -1,0 +1,96 @@
+"""Config loading, overrides and validation, and layout planning (pure, no processes)."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+
+from runtime.config import (
+    Config,
+    ConfigError,
+    ModelConfig,
+    ParallelConfig,
+    config_from_dict,
+    config_to_dict,
+    load_config,
+)
+from runtime.mesh import LayoutError, plan_layout
+
+ROOT = Path(__file__).resolve().parents[2]
+TINY = ROOT / "configs" / "tiny.toml"
+
+
+def test_tiny_toml_loads_and_overrides() -> None:
+    cfg = load_config(TINY, ["--train.steps=7", "--parallel.pp_schedule=gpipe",
+                             "--lr=0.01", "--checkpoint.url=memory://x"])
+    assert cfg.train.steps == 7
+    assert cfg.parallel.pp_schedule == "gpipe"
+    assert cfg.optim.lr == 0.01
+    assert cfg.checkpoint.url == "memory://x"
+    assert cfg.model.dim == 64
+
+
+def test_resolved_config_roundtrips_through_json() -> None:
+    cfg = load_config(TINY, ["--parallel.tp=2"])
+    again = config_from_dict(json.loads(json.dumps(config_to_dict(cfg))))
+    assert again == cfg
+
+
+@pytest.mark.parametrize(("overrides", "message"), [
+    (["--model.nosuch=1"], "unknown config key model.nosuch"),
+    (["--steps=abc"], "train.steps must be int"),
+    (["--parallel.pp_schedule=zigzag"], "pp_schedule must be 'gpipe' or '1f1b'"),
+    (["--model.dim=30"], "model.dim=30 is not divisible by model.n_heads=4"),
+    (["--data.global_batch_size=10"], "not a multiple of data.micro_batch_size=4"),
+    (["--data.seq_len=100"], "data.seq_len=100 exceeds model.max_seq_len=64"),
+    (["--parallel.tp=3"], "model.n_heads=4 is not divisible by parallel.tp=3"),
+    (["--seed=1"], "ambiguous"),
+    (["steps=3"], "must look like --section.key=value"),
+])
+def test_bad_values_are_rejected_with_their_name(overrides: list[str], message: str) -> None:
+    with pytest.raises(ConfigError, match=message):
+        load_config(TINY, overrides)
+
+
+def test_classes_are_kw_only_slotted() -> None:
+    with pytest.raises(TypeError):
+        ModelConfig(64)  # type: ignore[misc]
+    with pytest.raises(AttributeError):
+        ModelConfig().typo = 1  # type: ignore[attr-defined]
+
+
+def _cfg(**parallel: int | bool) -> Config:
+    return Config(model=ModelConfig(n_layers=4, num_experts=4),
+                  parallel=ParallelConfig(**parallel))
+
+
+def test_dp_shard_fills_the_world() -> None:
+    lay = plan_layout(8, _cfg(tp=2, pp=2))
+    assert (lay.pp, lay.dp_replicate, lay.dp_shard, lay.tp, lay.dp) == (2, 1, 2, 2, 2)
+    lay = plan_layout(4, _cfg(dp_replicate=2, ep=2))
+    assert (lay.dp_shard, lay.shard_ep, lay.rep_ep) == (2, 2, 1)
+    lay = plan_layout(2, _cfg(dp_replicate=2, dp_shard=1, ep=2))
+    assert (lay.rep_ep, lay.shard_ep) == (2, 1)
+
+
+@pytest.mark.parametrize(("world", "parallel", "message"), [
+    (6, {"tp": 4}, r"world size 6 is not divisible by pp\*dp_replicate\*tp = 1\*1\*4 = 4"),
+    (8, {"dp_shard": 3}, r"= 3 does not equal the world size 8"),
+    (8, {"pp": 8}, r"pp=8 pipeline stages but only n_layers=4 layers"),
+    (8, {"ep": 8}, r"ep=8 expert-parallel ranks but only num_experts=4 experts"),
+    (6, {"ep": 3}, r"num_experts=4 is not divisible by ep=3"),
+    (4, {"tp": 2, "ep": 2}, r"ep=2 with tp=2 is not supported"),
+    (4, {"dp_replicate": 2, "dp_shard": 2, "ep": 4}, r"ep=4 must divide dp_shard=2"),
+    (16, {}, r"4 micro-batches do not split over dp=16"),
+])
+def test_impossible_layouts_name_the_numbers(world: int, parallel: dict, message: str) -> None:
+    with pytest.raises(LayoutError, match=message):
+        plan_layout(world, _cfg(**parallel))
+
+
+def test_ep_needs_experts() -> None:
+    cfg = Config(parallel=ParallelConfig(ep=2))
+    with pytest.raises(LayoutError, match=r"ep=2 but the model has no experts"):
+        plan_layout(2, cfg)

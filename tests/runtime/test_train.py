@@ -1,0 +1,83 @@
+"""The entry points: ``runtime.train.main`` (metrics JSONL), ``python -m runtime.train`` under
+torchrun, and the progress watchdog."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+import textwrap
+import time
+from pathlib import Path
+
+import pytest
+
+from tests.runtime.pool import RankPool
+
+ROOT = Path(__file__).resolve().parents[2]
+
+
+@pytest.mark.multirank
+def test_main_writes_metrics_per_step(rank_pool: RankPool, tmp_path: Path) -> None:
+    path = tmp_path / "metrics.jsonl"
+    rc = rank_pool.run("tests.runtime.cases:cli", 2, argv=[
+        "--config", str(ROOT / "configs/tiny.toml"), "--train.steps=3",
+        f"--train.metrics_path={path}", "--parallel.tp=2"])
+    assert rc == [0, 0]
+    records = [json.loads(line) for line in path.read_text().splitlines()]
+    assert [r["step"] for r in records] == [1, 2, 3]
+    for r in records:
+        for key in ("loss", "tokens_per_s", "step_time_s", "ckpt_stall_s", "mem_max_mb",
+                    "mem_per_rank_mb", "mfu", "data_position", "restored_step", "world_size",
+                    "layout", "lr", "grad_norm"):
+            assert key in r, key
+        assert r["world_size"] == 2 and r["layout"] == "tp2"
+        assert len(r["mem_per_rank_mb"]) == 2 and r["tokens_per_s"] > 0
+    assert [r["data_position"] for r in records] == [0, 16, 32]
+
+
+@pytest.mark.multirank
+def test_torchrun_entry_point(tmp_path: Path) -> None:
+    path = tmp_path / "m.jsonl"
+    env = dict(os.environ, OMP_NUM_THREADS="1")
+    proc = subprocess.run(
+        [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node=2",
+         "-m", "runtime.train", "--config", "configs/tiny.toml", "--train.steps=2",
+         f"--train.metrics_path={path}"],
+        cwd=ROOT, env=env, capture_output=True, text=True, timeout=180,
+    )
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    records = [json.loads(line) for line in path.read_text().splitlines()]
+    assert [(r["step"], r["world_size"], r["layout"]) for r in records] == [
+        (1, 2, "dp_shard2"), (2, 2, "dp_shard2")]
+
+
+def test_watchdog_exits_non_zero_when_no_step_completes() -> None:
+    script = textwrap.dedent("""
+        import time
+        from runtime.watchdog import Watchdog
+        w = Watchdog(0.5, poll_s=0.05).start()
+        for step in range(5):      # steady progress keeps it quiet
+            time.sleep(0.2); w.beat(step)
+        time.sleep(30)             # a hang
+    """)
+    t0 = time.monotonic()
+    proc = subprocess.run([sys.executable, "-c", script], cwd=ROOT, capture_output=True,
+                          text=True, timeout=60)
+    elapsed = time.monotonic() - t0
+    assert proc.returncode == 75, proc.stderr
+    assert "no step completed" in proc.stderr
+    assert 1.0 < elapsed < 10, elapsed
+
+
+def test_watchdog_stays_quiet_when_stopped() -> None:
+    script = textwrap.dedent("""
+        import time
+        from runtime.watchdog import Watchdog
+        w = Watchdog(0.3, poll_s=0.05).start()
+        w.stop(); time.sleep(1.0)
+    """)
+    proc = subprocess.run([sys.executable, "-c", script], cwd=ROOT, capture_output=True,
+                          text=True, timeout=60)
+    assert proc.returncode == 0, proc.stderr
