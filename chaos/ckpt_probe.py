@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import logging
 import re
+import time
 from dataclasses import dataclass
 from typing import Any
 
@@ -27,6 +28,7 @@ __all__ = ["CheckpointProbe", "StepDir", "compare_final_states"]
 COMMIT = "COMMIT"
 MANIFEST = "manifest.json"
 _STEP_RE = re.compile(r"(\d+)$")
+PENDING_MAX_AGE_S = 60.0
 
 
 @dataclass(frozen=True, slots=True)
@@ -44,6 +46,9 @@ class CheckpointProbe:
 
     def __init__(self, store: Store) -> None:
         self.store = store
+        # Attempt ids of each step in the order first seen: the newest is the save in flight
+        # (a killed save leaves its attempt behind, and storage keeps no mtimes).
+        self._attempts: dict[int, list[str]] = {}
 
     def scan(self) -> dict[int, StepDir]:
         """Every step prefix under the root: committed or not, indexes written so far."""
@@ -66,13 +71,39 @@ class CheckpointProbe:
                 d["commit"] = True
             elif rest == MANIFEST:
                 d["manifest"] = True
-            elif rest.startswith("index/") and rest.endswith(".json") and ".error" not in rest:
+            elif rest.startswith(("index/", "data/")):
                 attempt = rest.split("/")[1]
-                d["idx"][attempt] = d["idx"].get(attempt, 0) + 1
+                n = 1 if rest.startswith("index/") and rest.endswith(".json") and (
+                    ".error" not in rest) else 0
+                d["idx"][attempt] = d["idx"].get(attempt, 0) + n
         out: dict[int, StepDir] = {}
         for prefix, d in per.items():
+            order = self._attempts.setdefault(d["step"], [])
+            order += sorted(a for a in d["idx"] if a not in order)
+            current = next((a for a in reversed(order) if a in d["idx"]), None)
             out[d["step"]] = StepDir(d["step"], prefix, d["commit"],
-                                     max(d["idx"].values(), default=0), d["manifest"])
+                                     d["idx"].get(current, 0) if current else 0, d["manifest"])
+        return out
+
+    def _fresh_pending(self, max_age_s: float) -> set[int]:
+        """Steps whose save started less than `max_age_s` ago and has not committed (the
+        manager's `steps/<step>.pending` record holds the start time)."""
+        out = set()
+        try:
+            keys = self.store.list("steps/")
+        except StorageError:
+            return out
+        now = time.time()
+        for key in keys:
+            stem = key.rsplit("/", 1)[-1]
+            if not stem.endswith(".pending") or not stem[:-8].isdigit():
+                continue
+            try:
+                started = float(self.store.get(key).decode() or 0.0)
+            except (StorageError, ValueError):
+                continue
+            if now - started < max_age_s:
+                out.add(int(stem[:-8]))
         return out
 
     def committed_steps(self) -> list[int]:
@@ -82,7 +113,8 @@ class CheckpointProbe:
         """The save in flight, if any: `persist` (data/indexes being written) or
         `before_commit` (every rank's index is written, the commit marker is not)."""
         dirs = self.scan()
-        pending = [d for d in dirs.values() if not d.committed]
+        fresh = self._fresh_pending(PENDING_MAX_AGE_S)
+        pending = [d for d in dirs.values() if not d.committed and d.step in fresh]
         if not pending:
             return {"phase": "training"}
         d = max(pending, key=lambda d: d.step)

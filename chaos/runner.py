@@ -67,6 +67,7 @@ logger = logging.getLogger(__name__)
 __all__ = ["ChaosRunError", "RunOutcome", "run_scenario"]
 
 REPO_ROOT = Path(__file__).resolve().parents[1]
+INJECT_DIR = Path(__file__).resolve().parent / "inject"
 POLL_S = 0.2
 CKPT_POLL_S = 0.5
 
@@ -197,6 +198,8 @@ class Cluster:
         self.train_argv = train_argv
         self.env = env
         self.fault_plan = fault_plan
+        self.storage_fault: dict[str, Any] | None = None
+        self.armed: dict[str, Any] | None = None
         self.nodes: dict[int, _Node] = {}
         self.seen: dict[int, psutil.Process] = {}
         self._timers: list[tuple[float, str, Callable[[], None]]] = []
@@ -300,6 +303,15 @@ class Cluster:
         if self.fault_plan is None:
             raise FaultInjectionError("storage faults need the fault-plan file (chaos run only)")
         write_plan_file(self.fault_plan, plan)
+        self.storage_fault = plan
+        self.armed = None
+
+    def arm(self, plan: dict[str, Any] | None) -> None:
+        """Widen a checkpoint phase for a waiting fault (never over a storage fault)."""
+        if self.fault_plan is None or self.storage_fault is not None or plan == self.armed:
+            return
+        write_plan_file(self.fault_plan, plan)
+        self.armed = plan
 
     def newest_committed_chunk(self) -> tuple[int, str]:
         return self.probe.newest_committed_chunk()
@@ -435,6 +447,10 @@ def launch(scenario: Scenario, run_dir: Path, etcd: Any, store_url: str, job_id:
         fault_plan = run_dir / "fault-plan.json"
         write_plan_file(fault_plan, None)
         env[ENV_VAR] = f"@{fault_plan}"
+        # Until storage.open_store honours RELIGHT_FAULT_PLAN itself, a sitecustomize shim
+        # makes it do so in the processes started here (it steps aside once it does).
+        env["PYTHONPATH"] = os.pathsep.join(
+            p for p in (str(INJECT_DIR), str(REPO_ROOT), env.get("PYTHONPATH", "")) if p)
     (run_dir / "command.json").write_text(json.dumps({"train_argv": train_argv,
                                                       "env": train_env}, indent=1))
     store = open_store(store_url)
@@ -502,6 +518,7 @@ def launch(scenario: Scenario, run_dir: Path, etcd: Any, store_url: str, job_id:
                 cluster.run_due()
                 # faults due now
                 phase_cache: dict[str, Any] | None = None
+                arm: dict[str, Any] | None = None
                 for p in list(pending):
                     spec = p.spec
                     due = False
@@ -515,6 +532,8 @@ def launch(scenario: Scenario, run_dir: Path, etcd: Any, store_url: str, job_id:
                         due = first_step_time is not None and now - first_step_time >= (
                             spec.at_time_s)
                     elif spec.during is not None and high >= max(spec.after_step, 1):
+                        if spec.during in ("persist", "before_commit") and arm is None:
+                            arm = _window_plan(spec)
                         if spec.during in ("persist", "before_commit"):
                             if phase_cache is None:
                                 phase_cache = cluster.checkpoint_phase()
@@ -539,6 +558,9 @@ def launch(scenario: Scenario, run_dir: Path, etcd: Any, store_url: str, job_id:
                     if ev.ok and spec.kind in RESTARTING:
                         recoveries.append(_Recovery(ev, before))
                     phase_cache = None
+                    if spec.during in ("persist", "before_commit"):
+                        arm = None
+                cluster.arm(arm)
                 if cluster.all_exited():
                     codes = cluster.exit_codes()
                     kept = {i: c for i, c in codes.items() if not cluster.nodes[i].removed}
@@ -570,6 +592,14 @@ def launch(scenario: Scenario, run_dir: Path, etcd: Any, store_url: str, job_id:
     return RunOutcome(records=records, finished=finished and not leaked, detail=detail,
                       started_at=started, ended_at=ended, faults=events,
                       checkpoint_events=ckpt_events, store_url=store_url, leaked=leaked)
+
+
+def _window_plan(spec: FaultSpec) -> dict[str, Any] | None:
+    """Storage latency that holds a save in the phase a waiting fault aims at."""
+    if not spec.window_s:
+        return None
+    key = "/index/" if spec.during == "persist" else "manifest.json"
+    return {"latency_s": spec.window_s, "ops": ["put"], "key_contains": key}
 
 
 def _mtbf_spec(kind: FaultKind, m: Any) -> FaultSpec:

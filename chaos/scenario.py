@@ -254,6 +254,10 @@ class FaultSpec:
     """storage_*: operations affected (empty: all)."""
     key_contains: str = ""
     """storage_*: only keys containing this (empty: all)."""
+    window_s: float = 2.0
+    """during = persist/before_commit: while the fault waits, the harness delays each rank's
+    index write (persist) or the coordinator's manifest write (before_commit) by this
+    much through the fault-injecting store, so the phase lasts long enough to hit."""
 
     def validate(self, key: str) -> None:
         triggers = [
@@ -279,6 +283,7 @@ class FaultSpec:
         _check(0 <= self.fail_fraction <= 1, f"{key}.fail_fraction", "must be in [0, 1]")
         _check(self.fail_times >= 1, f"{key}.fail_times", "must be >= 1")
         _check(self.latency_s >= 0, f"{key}.latency_s", "must be >= 0")
+        _check(self.window_s >= 0, f"{key}.window_s", "must be >= 0")
         for name in ("resume_after_s", "replace_after_s"):
             v = getattr(self, name)
             _check(v is None or v >= 0, f"{key}.{name}", "must be >= 0")

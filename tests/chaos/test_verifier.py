@@ -277,3 +277,15 @@ def test_parse_metrics_skips_noise_and_torn_lines() -> None:
 def test_split_attempts_on_restart_to_the_last_logged_step() -> None:
     recs = [rec(1, 1), rec(2, 2), rec(3, 3, restored=2)]
     assert [len(a.records) for a in split_attempts(recs)] == [2, 1]
+
+
+def test_committed_step_without_log_line_is_accepted() -> None:
+    # Killed after step 10 was saved but before its line was written: restored 10, and
+    # the history has no line for step 10. Lost work is 0, no sample skipped.
+    ev = simulate([10.5])
+    ev = replace(ev, records=[r for r in ev.records if not (r.step == 10
+                                                            and r.restored_step is None)])
+    assert failing(ev) == set()
+    # Without the commit it is a real gap (and an uncommitted restore).
+    ev = replace(ev, checkpoint_events=[e for e in ev.checkpoint_events if e.step != 10])
+    assert {3, 6} <= failing(ev)
