@@ -63,12 +63,14 @@ def clip_grad_norm_(
     groups: dict[object, list[torch.Tensor]] = defaultdict(list)
     for g in grads:
         groups[g.device_mesh if isinstance(g, DTensor) else None].append(g)
-    sq = torch.zeros((), dtype=torch.float64)
+    # On the grads' device: the pipeline all-reduce below may run over NCCL.
+    device = grads[0].device if grads else torch.device("cpu")
+    sq = torch.zeros((), dtype=torch.float64, device=device)
     for group in groups.values():
         norm = torch.nn.utils.get_total_norm(group, norm_type=2.0, foreach=False)
         if isinstance(norm, DTensor):
             norm = norm.full_tensor()
-        sq += norm.detach().double().cpu() ** 2
+        sq += norm.detach().double() ** 2
     if pp_group is not None:
         dist.all_reduce(sq, group=pp_group)
     total = float(sq.sqrt())

@@ -306,11 +306,16 @@ class Trainer:
                 metrics.write(rec, cfg.train.steps)
                 result.losses.append(rec["loss"])
             if self.ckpt_mgr is not None:
+                committed = True
                 try:
                     self.ckpt_mgr.wait()
                 except Exception:
                     self.log.exception("the last checkpoint did not commit")
-                    result.checkpoint_failures += 1
+                    committed = False
+                # Failures of earlier async saves surface (and are counted by the manager)
+                # when the next save waits for them.
+                result.checkpoint_failures += (getattr(self.ckpt_mgr, "failed_saves", 0)
+                                               + (0 if committed else 1))
         finally:
             watchdog.stop()
             metrics.close()
