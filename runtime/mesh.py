@@ -123,6 +123,12 @@ def plan_layout(world: int, cfg: Config) -> Layout:
             f"{cfg.data.micro_batch_size} = {local_batch} micro-batches do not split over "
             f"dp={dp} data-parallel ranks; make it a multiple of {dp}"
         )
+    if p.pp > 1 and p.pp_schedule == "1f1b" and local_batch // dp < p.pp:
+        raise LayoutError(
+            f"1f1b needs at least pp={p.pp} micro-batches per data rank, got "
+            f"{local_batch}/{dp} = {local_batch // dp}; raise data.global_batch_size, lower "
+            f"data.micro_batch_size, or use pp_schedule=gpipe"
+        )
     if cfg.data.seq_len % p.tp and p.sequence_parallel:
         raise LayoutError(
             f"sequence_parallel needs data.seq_len={cfg.data.seq_len} divisible by tp={p.tp}"

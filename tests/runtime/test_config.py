@@ -84,6 +84,7 @@ def test_dp_shard_fills_the_world() -> None:
     (4, {"tp": 2, "ep": 2}, r"ep=2 with tp=2 is not supported"),
     (4, {"dp_replicate": 2, "dp_shard": 2, "ep": 4}, r"ep=4 must divide dp_shard=2"),
     (16, {}, r"4 micro-batches do not split over dp=16"),
+    (8, {"pp": 4}, r"1f1b needs at least pp=4 micro-batches per data rank, got 4/2 = 2"),
 ])
 def test_impossible_layouts_name_the_numbers(world: int, parallel: dict, message: str) -> None:
     with pytest.raises(LayoutError, match=message):
