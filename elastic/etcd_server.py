@@ -130,13 +130,12 @@ class EtcdServer:
             *self.extra_args,
         ]
         if self.tls:
-            args += [
-                f"--cert-file={self.tls.cert_file}",
-                f"--key-file={self.tls.key_file}",
-                f"--trusted-ca-file={self.tls.ca_file}",
-            ]
+            args += [f"--cert-file={self.tls.cert_file}", f"--key-file={self.tls.key_file}"]
             if self.tls.client_cert_auth:
-                args.append("--client-cert-auth")
+                # etcd 3.5 turns client-certificate checking on whenever a trusted CA
+                # is given, whatever --client-cert-auth says: pass the CA only when
+                # client certificates are wanted, or plain TLS clients are refused.
+                args += [f"--trusted-ca-file={self.tls.ca_file}", "--client-cert-auth"]
         log_path = self.log_path or (self.data_dir.parent / f"{self.data_dir.name}.etcd.log")
         log_file = open(log_path, "ab")  # noqa: SIM115 - handed to the child
         env = {k: v for k, v in os.environ.items() if not k.startswith("ETCD_")}

@@ -1,0 +1,227 @@
+"""The etcd client wrapper against a real etcd: KV, CAS txns, leases, waits, errors,
+restart, TLS and auth."""
+
+from __future__ import annotations
+
+import threading
+import time
+import uuid
+
+import pytest
+
+from elastic.etcd_client import (
+    Compare,
+    EtcdAuthError,
+    EtcdClient,
+    EtcdSettings,
+    EtcdUnavailableError,
+    LeaseKeeper,
+    OpDelete,
+    OpPut,
+)
+from elastic.etcd_server import free_port
+
+pytestmark = [pytest.mark.etcd, pytest.mark.timeout(60)]
+
+
+@pytest.fixture
+def client(etcd_server) -> EtcdClient:
+    return EtcdClient(EtcdSettings(endpoints=(etcd_server.endpoint,), timeout=3))
+
+
+@pytest.fixture
+def ns() -> str:
+    return f"/test-client/{uuid.uuid4().hex}/"
+
+
+def test_put_get_delete_and_prefix(client: EtcdClient, ns: str) -> None:
+    assert client.get(ns + "missing") is None
+    rev = client.put(ns + "a", b"1")
+    client.put(ns + "b", '{"x": 2}')
+    client.put(ns[:-1] + "-sibling", b"not mine")
+    kv = client.get(ns + "a")
+    assert kv is not None and kv.value == b"1" and kv.mod_revision == rev
+    kvs, at = client.get_prefix(ns)
+    assert [k.key for k in kvs] == [ns + "a", ns + "b"] and at >= rev
+    assert kvs[1].json() == {"x": 2}
+    assert client.delete(ns + "a") == 1
+    assert client.delete_prefix(ns) == 1
+    assert client.get_prefix(ns)[0] == []
+
+
+def test_cas_on_mod_revision(client: EtcdClient, ns: str) -> None:
+    key = ns + "state"
+    assert client.cas(key, 0, b"v1")  # create only if absent
+    assert not client.cas(key, 0, b"again")
+    kv = client.get(key)
+    assert kv is not None
+    assert client.cas(key, kv.mod_revision, b"v2")
+    assert not client.cas(key, kv.mod_revision, b"v3")  # stale revision loses
+    assert client.get(key).value == b"v2"
+    res = client.txn(
+        [Compare(key, "value", "==", b"v2")],
+        [OpPut(ns + "other", b"x"), OpDelete(key)],
+        [OpPut(ns + "failed", b"x")],
+    )
+    assert res.succeeded and client.get(key) is None and client.get(ns + "other") is not None
+
+
+def test_concurrent_cas_exactly_one_wins(client: EtcdClient, ns: str) -> None:
+    key = ns + "counter"
+    client.put(key, b"0")
+    wins: list[int] = []
+
+    def bump(i: int) -> None:
+        c = EtcdClient(client.settings)
+        while True:
+            kv = c.get(key)
+            if c.cas(key, kv.mod_revision, str(int(kv.value) + 1)):
+                wins.append(i)
+                return
+
+    threads = [threading.Thread(target=bump, args=(i,)) for i in range(8)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(30)
+    assert sorted(wins) == list(range(8))
+    assert client.get(key).value == b"8"
+
+
+def test_lease_keepalive_keeps_and_expiry_removes(client: EtcdClient, ns: str) -> None:
+    kept = client.lease_grant(1)
+    dropped = client.lease_grant(1)
+    client.put(ns + "kept", b"x", lease=kept)
+    client.put(ns + "dropped", b"x", lease=dropped)
+    keeper = LeaseKeeper(client, kept, ttl=1).start()
+    try:
+        deadline = time.monotonic() + 10
+        while client.get(ns + "dropped") is not None:
+            assert time.monotonic() < deadline, "an unrefreshed 1 s lease never expired"
+            time.sleep(0.2)
+        time.sleep(1.5)
+        assert client.get(ns + "kept") is not None and not keeper.lost.is_set()
+    finally:
+        keeper.stop()
+    client.lease_revoke(kept)
+    assert client.get(ns + "kept") is None
+    client.lease_revoke(kept)  # already gone: not an error
+
+
+def test_keeper_reports_revoked_lease(client: EtcdClient) -> None:
+    lease = client.lease_grant(3)
+    seen: list[BaseException] = []
+    keeper = LeaseKeeper(client, lease, ttl=0.6, on_lost=seen.append).start()
+    client.lease_revoke(lease)
+    assert keeper.lost.wait(5), "a revoked lease went unnoticed"
+    keeper.stop()
+    assert len(seen) == 1 and "expired or was revoked" in str(seen[0])
+
+
+def test_wait_for_change_wakes_and_times_out(client: EtcdClient, ns: str) -> None:
+    rev = client.put(ns + "x", b"0")
+    t0 = time.monotonic()
+    assert client.wait_for_change(ns, rev, timeout=0.5) is False
+    assert 0.4 < time.monotonic() - t0 < 2.0
+    timer = threading.Timer(0.3, lambda: client.put(ns + "y", b"1"))
+    timer.start()
+    t0 = time.monotonic()
+    assert client.wait_for_change(ns, rev, timeout=10) is True
+    assert time.monotonic() - t0 < 3.0
+    timer.join()
+    # A change already past `after_revision` returns at once.
+    assert client.wait_for_change(ns, rev, timeout=10) is True
+
+
+def test_unreachable_raises_typed_error_after_timeout() -> None:
+    port = free_port()
+    c = EtcdClient(EtcdSettings(endpoints=(f"127.0.0.1:{port}",), timeout=0.8))
+    t0 = time.monotonic()
+    with pytest.raises(EtcdUnavailableError, match=f"127.0.0.1:{port}"):
+        c.get("/x")
+    assert 0.7 < time.monotonic() - t0 < 3.0
+
+
+def test_second_endpoint_used_when_first_is_down(etcd_server, ns: str) -> None:
+    dead = f"127.0.0.1:{free_port()}"
+    c = EtcdClient(EtcdSettings(endpoints=(dead, etcd_server.endpoint), timeout=3))
+    c.put(ns + "k", b"v")
+    assert c.get(ns + "k").value == b"v"
+
+
+def test_survives_etcd_restart(etcd_restartable) -> None:
+    c = EtcdClient(EtcdSettings(endpoints=(etcd_restartable.endpoint,), timeout=10))
+    c.put("/r/k", b"before")
+    etcd_restartable.kill()
+    timer = threading.Timer(1.0, etcd_restartable.start)
+    timer.start()
+    try:
+        t0 = time.monotonic()
+        assert c.get("/r/k").value == b"before"  # retried across the restart
+        assert time.monotonic() - t0 >= 0.9
+    finally:
+        timer.join(30)
+
+
+def test_tls_and_auth(etcd_secure, tls_certs) -> None:
+    settings = EtcdSettings(
+        endpoints=(etcd_secure.endpoint,), timeout=5, username="alice", password="alice-pw",
+        ca_file=tls_certs.ca, cert_file=tls_certs.client_cert, key_file=tls_certs.client_key,
+    )
+    assert "alice-pw" not in repr(settings)
+    c = EtcdClient(settings)
+    c.put("/relight-secure/k", b"v")
+    assert c.get("/relight-secure/k").value == b"v"
+    with pytest.raises(EtcdAuthError, match="denied"):
+        c.put("/elsewhere/k", b"v")
+    wrong = EtcdClient(EtcdSettings(
+        endpoints=(etcd_secure.endpoint,), timeout=5, username="alice", password="nope",
+        ca_file=tls_certs.ca, cert_file=tls_certs.client_cert, key_file=tls_certs.client_key,
+    ))
+    with pytest.raises(EtcdAuthError, match="alice"):
+        wrong.get("/relight-secure/k")
+    no_client_cert = EtcdClient(EtcdSettings(
+        endpoints=(etcd_secure.endpoint,), timeout=1, username="alice", password="alice-pw",
+        ca_file=tls_certs.ca,
+    ))
+    with pytest.raises(EtcdUnavailableError):
+        no_client_cert.get("/relight-secure/k")
+
+
+def test_tls_ignores_ambient_ca_bundle(etcd_secure, tls_certs, monkeypatch, tmp_path) -> None:
+    # requests lets REQUESTS_CA_BUNDLE override Session.verify; the client must not.
+    bogus = tmp_path / "bundle.pem"
+    bogus.write_text("")
+    monkeypatch.setenv("REQUESTS_CA_BUNDLE", str(bogus))
+    monkeypatch.setenv("HTTPS_PROXY", "http://127.0.0.1:9")
+    c = EtcdClient(EtcdSettings(
+        endpoints=(etcd_secure.endpoint,), timeout=5, username="alice", password="alice-pw",
+        ca_file=tls_certs.ca, cert_file=tls_certs.client_cert, key_file=tls_certs.client_key,
+    ))
+    c.put("/relight-secure/env", b"ok")
+    assert c.get("/relight-secure/env").value == b"ok"
+
+
+def test_reauthenticates_after_etcd_restart(tmp_path, tls_certs) -> None:
+    from elastic.etcd_server import EtcdServer, EtcdTLS
+    from tests.elastic.conftest import etcdctl
+
+    server = EtcdServer(tmp_path / "d", tls=EtcdTLS(tls_certs.ca, tls_certs.server_cert,
+                                                    tls_certs.server_key, True)).start()
+    try:
+        etcdctl(server, tls_certs, "user", "add", "root:root-pw", "--interactive=false")
+        etcdctl(server, tls_certs, "auth", "enable")
+        c = EtcdClient(EtcdSettings(
+            endpoints=(server.endpoint,), timeout=10, username="root", password="root-pw",
+            ca_file=tls_certs.ca, cert_file=tls_certs.client_cert,
+            key_file=tls_certs.client_key,
+        ))
+        c.put("/k", b"1")
+        server.restart()
+        c.put("/k", b"2")
+        assert c.get("/k").value == b"2"
+        c._token = "stale.token"  # what a token from before a restart looks like to etcd
+        c.put("/k", b"3")
+        assert c.get("/k").value == b"3" and c._token != "stale.token"
+    finally:
+        server.stop()
