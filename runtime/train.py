@@ -301,7 +301,7 @@ class Trainer:
                     mfu=(tps * self.flops_per_token / (self.world * self.peak)
                          if self.peak else None),
                     world_size=self.world, layout=self.layout.describe(),
-                    restored_step=self.restored_step,
+                    restored_step=self.restored_step, time=time.time(),
                 )
                 metrics.write(rec, cfg.train.steps)
                 result.losses.append(rec["loss"])

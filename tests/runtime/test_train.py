@@ -30,7 +30,7 @@ def test_main_writes_metrics_per_step(rank_pool: RankPool, tmp_path: Path) -> No
     for r in records:
         for key in ("loss", "tokens_per_s", "step_time_s", "ckpt_stall_s", "mem_max_mb",
                     "mem_per_rank_mb", "mfu", "data_position", "restored_step", "world_size",
-                    "layout", "lr", "grad_norm"):
+                    "layout", "lr", "grad_norm", "time"):
             assert key in r, key
         assert r["world_size"] == 2 and r["layout"] == "tp2"
         assert len(r["mem_per_rank_mb"]) == 2 and r["tokens_per_s"] > 0
