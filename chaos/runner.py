@@ -399,6 +399,8 @@ class _Recovery:
     def __init__(self, event: FaultEvent, before: dict[int, list[Any]]) -> None:
         self.event = event
         self.before = {w.pid for ws in before.values() for w in ws} - set(event.pids)
+        self.group: set[int] = set()
+        self.restarts = 0
 
     def update(self, workers: dict[int, list[Any]], ranks_per_node: int, now: float,
                new_record_at: float | None) -> bool:
@@ -407,10 +409,16 @@ class _Recovery:
         fresh = [w for ws in workers.values() for w in ws if w.create_time >= e.time - 0.05]
         if e.detected_at is None and ((self.before - current) or fresh):
             e.detected_at = now
-        if e.detected_at is not None and e.rendezvous_at is None and workers and all(
+        complete = bool(workers) and all(
             len(ws) == ranks_per_node and all(w.create_time >= e.time - 0.05 for w in ws)
-            for ws in workers.values()
-        ):
+            for ws in workers.values())
+        if e.detected_at is not None and complete and current != self.group:
+            # A group that fails again before its first step (a stale peer address, a
+            # rendezvous race) is replaced: recovery counts from the group that trains.
+            if self.group:
+                self.restarts += 1
+                e.detail["extra_restarts"] = self.restarts
+            self.group = current
             e.rendezvous_at = now
         if e.rendezvous_at is not None and new_record_at is not None and (
             new_record_at >= e.rendezvous_at

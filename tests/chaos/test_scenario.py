@@ -1,0 +1,86 @@
+"""Scenario files: the shipped ones load, and every mistake names its key."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+
+from chaos.faults import FaultKind, draw_mtbf_schedule
+from chaos.scenario import ScenarioError, load_scenario, parse_scenario
+
+ROOT = Path(__file__).resolve().parents[2]
+
+
+@pytest.mark.parametrize("name", ["ci-smoke", "preemptible-fleet", "storage-hell"])
+def test_shipped_scenarios_load(name: str) -> None:
+    s = load_scenario(ROOT / "scenarios" / f"{name}.toml")
+    assert s.name == name
+    assert s.faults or s.mtbf.count
+
+
+def test_ci_smoke_has_the_three_faults() -> None:
+    s = load_scenario(ROOT / "scenarios" / "ci-smoke.toml")
+    assert [f.kind for f in s.faults] == [FaultKind.KILL_WORKER, FaultKind.KILL_DURING_PERSIST,
+                                          FaultKind.KILL_NODE]
+    assert s.cluster.nodes - 1 >= s.cluster.min_nodes
+
+
+def test_preemptible_fleet_covers_every_kind() -> None:
+    s = load_scenario(ROOT / "scenarios" / "preemptible-fleet.toml")
+    assert set(s.mtbf.kinds) == set(FaultKind)
+    assert s.mtbf.count >= 10 and s.target_step >= 200
+    assert (s.cluster.nodes, s.cluster.ranks_per_node, s.storage.kind) == (4, 2, "s3")
+
+
+BASE = {"name": "t", "training": {"config": "configs/tiny.toml"}}
+
+
+@pytest.mark.parametrize(
+    ("patch", "key"),
+    [
+        ({"cluster": {"nodes": "2"}}, "cluster.nodes"),
+        ({"cluster": {"nodes": 2, "min_nodes": 3}}, "cluster.min_nodes"),
+        ({"cluster": {"nodez": 2}}, "cluster.nodez"),
+        ({"storage": {"kind": "nfs"}}, "storage.kind"),
+        ({"faults": [{"kind": "explode", "at_step": 1}]}, "faults[0].kind"),
+        ({"faults": [{"kind": "kill_worker"}]}, "faults[0]"),
+        ({"faults": [{"kind": "kill_worker", "at_step": 1, "at_time_s": 2.0}]}, "faults[0]"),
+        ({"faults": [{"kind": "kill_worker", "during": "lunch"}]}, "faults[0].during"),
+        ({"faults": [{"kind": "kill_during_persist", "at_step": 3}]}, "faults[0].during"),
+        ({"faults": [{"kind": "kill_worker", "at_step": 50}]}, "faults[0].at_step"),
+        ({"cluster": {"nodes": 2, "min_nodes": 2},
+          "faults": [{"kind": "kill_node", "at_step": 3}]}, "faults"),
+        ({"mtbf": {"count": 3}}, "mtbf.kinds"),
+        ({"target_step": 0}, "target_step"),
+        ({"training": {}}, "training.config"),
+        ({"verify": {"loss_rtol": -1.0}}, "verify.loss_rtol"),
+    ],
+)
+def test_errors_name_the_key(patch: dict, key: str) -> None:
+    raw = {**BASE, **patch}
+    with pytest.raises(ScenarioError) as info:
+        parse_scenario(raw, source="x.toml")
+    assert info.value.key == key, str(info.value)
+    assert "x.toml" in str(info.value)
+
+
+def test_missing_and_malformed_files(tmp_path: Path) -> None:
+    with pytest.raises(ScenarioError, match="no scenario file"):
+        load_scenario(tmp_path / "nope.toml")
+    bad = tmp_path / "bad.toml"
+    bad.write_text("name = \n")
+    with pytest.raises(ScenarioError, match="not valid TOML"):
+        load_scenario(bad)
+
+
+def test_seed_override_and_mtbf_schedule_is_deterministic() -> None:
+    kinds = list(FaultKind)
+    a = draw_mtbf_schedule(kinds, 26, 10.0, 5.0, seed=3)
+    assert a == draw_mtbf_schedule(kinds, 26, 10.0, 5.0, seed=3)
+    assert a != draw_mtbf_schedule(kinds, 26, 10.0, 5.0, seed=4)
+    assert {k for _, k in a} == set(kinds)  # every kind appears when count allows
+    times = [t for t, _ in a]
+    assert times == sorted(times) and times[0] > 5.0
+    s = parse_scenario(BASE).with_seed(9)
+    assert s.seed == 9
