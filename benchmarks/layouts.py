@@ -11,7 +11,9 @@ parallelism) is the "just add devices" baseline. Per layout it measures, on ever
   bandwidth-optimal algorithms (ring all-reduce 2(n-1)/n S, all-gather and reduce-scatter
   (n-1)/n S of the full tensor, all-to-all (n-1)/n of the input, send S).
 
-Each layout runs in fresh processes (gloo over loopback, one thread per rank) with
+The 1-minute load average before and after each layout is recorded: on a shared machine,
+step times are only comparable when it stayed near the rank count. Each layout runs in fresh
+processes (gloo over loopback, one thread per rank) with
 ``MALLOC_MMAP_THRESHOLD_`` fixed so freed large tensors go back to the OS and RSS tracks live
 memory. Absolute times on a 2-core machine say little; compare the rows of one run.
 """
@@ -280,11 +282,14 @@ def main(argv: list[str] | None = None) -> int:
     for name in names:
         model, par = LAYOUTS[name]
         t0 = time.perf_counter()
+        load_before = os.getloadavg()[0]
         row = run_layout(name, model + par + args.extra, world=args.world, steps=args.steps,
                          timeout_s=args.timeout_s)
         cfg_tokens = 8 * 64  # global_batch_size * seq_len of both model configs
         tokens[name] = cfg_tokens
         row["tokens_per_s"] = cfg_tokens / row["step_time_s"]
+        # The 1-minute load average before/after: other work on the machine skews step times.
+        row["loadavg_1m"] = [round(load_before, 2), round(os.getloadavg()[0], 2)]
         rows.append(row)
         print(f"{name}: {row['step_time_s']:.2f} s/step, sent "
               f"{max(row['sent_mb_per_rank']):.1f} MiB/rank, peak "
