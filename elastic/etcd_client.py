@@ -362,6 +362,12 @@ class EtcdClient:
         kvs = resp.get("kvs") or []
         return _kv(kvs[0]) if kvs else None
 
+    def read(self, key: str) -> tuple[KeyValue | None, int]:
+        """`get` plus the store revision it was read at (to wait for later changes)."""
+        resp = self.call("kv/range", {"key": _b64(key)}, what=f"get {key}")
+        kvs = resp.get("kvs") or []
+        return (_kv(kvs[0]) if kvs else None), int(resp["header"]["revision"])
+
     def get_prefix(self, prefix: str) -> tuple[list[KeyValue], int]:
         """Every key under `prefix` (sorted by key) and the store revision read at."""
         resp = self.call(
@@ -502,9 +508,11 @@ def _short(exc: BaseException | None) -> str:
 class LeaseKeeper:
     """Keeps one lease alive from a daemon thread, refreshing every `ttl/3` seconds.
 
-    Connection failures are retried until the lease's TTL has run out; then (or at
-    once if etcd says the lease is gone) `lost` is set, `error` holds the reason,
-    `on_lost` is called once, and the thread stops. It never dies silently.
+    Only etcd can say a lease is gone: while etcd is unreachable the keeper keeps
+    trying (and logs), because a restarted etcd renews every lease it still holds.
+    When etcd answers that the lease expired or was revoked, `lost` is set, `error`
+    holds the reason, `on_lost` is called once, and the thread stops. It never dies
+    silently; `unreachable_since` tells how long etcd has been silent.
     """
 
     def __init__(
@@ -521,6 +529,7 @@ class LeaseKeeper:
         self.on_lost = on_lost
         self.lost = threading.Event()
         self.error: BaseException | None = None
+        self.unreachable_since: float | None = None
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._run, name=name, daemon=True)
 
@@ -530,20 +539,21 @@ class LeaseKeeper:
 
     def _run(self) -> None:
         interval = max(self.ttl / 3.0, 0.2)
-        last_ok = time.monotonic()
         while not self._stop.wait(interval):
             try:
                 self.client.lease_keepalive(self.lease_id)
-                last_ok = time.monotonic()
+                if self.unreachable_since is not None:
+                    logger.info("lease %x refreshed again after %.1fs without etcd",
+                                self.lease_id, time.monotonic() - self.unreachable_since)
+                self.unreachable_since = None
             except EtcdLeaseLostError as exc:
                 self._fail(exc)
                 return
-            except Exception as exc:  # noqa: BLE001 - kept alive until the TTL says otherwise
-                if time.monotonic() - last_ok > self.ttl:
-                    self._fail(exc)
-                    return
-                logger.warning("lease %x keepalive failed (%s); retrying", self.lease_id,
-                               _short(exc))
+            except Exception as exc:  # noqa: BLE001 - etcd decides when the lease is gone
+                if self.unreachable_since is None:
+                    self.unreachable_since = time.monotonic()
+                    logger.warning("lease %x keepalive failed (%s); retrying every %.1fs",
+                                   self.lease_id, _short(exc), interval)
 
     def _fail(self, exc: BaseException) -> None:
         self.error = exc

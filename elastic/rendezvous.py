@@ -1,0 +1,576 @@
+"""An etcd v3 rendezvous backend for torchrun (`--rdzv-backend=relight-etcd`).
+
+Registered through the `torchrun.handlers` entry point group (`torchrun_handler`).
+The protocol, the key layout and the timing rules are documented in
+docs/elastic.md; in one paragraph:
+
+Every job lives under `{prefix}/{run_id}/`. Each agent holds an etcd lease with
+keepalive and a node key bound to it, so a dead agent disappears after one TTL. One
+JSON `state` key describes the current round: `open` (collecting members) or
+`complete` (participants in rank order). Every change to it is a compare-and-swap
+transaction on the key's `mod_revision`; no etcd lock is used. The round's rank 0
+starts a brand-new TCPStore for every round and publishes its address under
+`rounds/{n}/store`, so workers of a new round never read an address an earlier
+round wrote (torchrun's c10d backend reuses one store across restarts). Every wait
+is bounded: by the join timeout, by the lease TTL of whoever is awaited, or by the
+etcd timeout.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import logging
+import os
+import socket
+import threading
+import time
+import uuid
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
+from datetime import timedelta
+from typing import Any
+
+from torch.distributed import TCPStore
+from torch.distributed.elastic.rendezvous import (
+    RendezvousClosedError,
+    RendezvousConnectionError,
+    RendezvousHandler,
+    RendezvousInfo,
+    RendezvousParameters,
+    RendezvousStateError,
+    RendezvousStoreInfo,
+    RendezvousTimeoutError,
+)
+
+from elastic.etcd_client import (
+    EtcdAuthError,
+    EtcdClient,
+    EtcdError,
+    EtcdSettings,
+    EtcdUnavailableError,
+    KeyValue,
+    LeaseKeeper,
+)
+
+logger = logging.getLogger(__name__)
+
+__all__ = [
+    "BACKEND_NAME",
+    "EtcdRendezvousHandler",
+    "RendezvousSettings",
+    "RoundState",
+    "assign_ranks",
+    "create_handler",
+    "torchrun_handler",
+]
+
+BACKEND_NAME = "relight-etcd"
+PASSWORD_ENV = "RELIGHT_ETCD_PASSWORD"
+
+
+@dataclass(frozen=True, kw_only=True, slots=True)
+class RendezvousSettings:
+    """Timing and identity of one node's rendezvous; from `--rdzv-conf key=value,...`."""
+
+    run_id: str
+    """The job id (`--rdzv-id`); keys live under `{prefix}/{run_id}/`."""
+    min_nodes: int
+    """Smallest group that may start (`--nnodes=MIN:MAX`)."""
+    max_nodes: int
+    """Largest group; nodes beyond it wait as spares."""
+    etcd: EtcdSettings
+    """How to reach etcd (`--rdzv-endpoint`, conf keys `prefix`, `username`, `ca_file`...)."""
+    join_timeout: float = 900.0
+    """Conf `join_timeout` (or torchrun's `timeout`): longest one next_rendezvous() may take."""
+    last_call_timeout: float = 5.0
+    """Conf `last_call_timeout`: once the first round has min nodes, wait this long for more."""
+    rejoin_timeout: float = 30.0
+    """Conf `rejoin_timeout`: how long a new round waits for members of the previous round
+    whose leases are still alive (a dead node stops being awaited when its lease expires)."""
+    lease_ttl: float = 10.0
+    """Conf `lease_ttl`: seconds after which a silent node is out (keepalive every ttl/3)."""
+    etcd_timeout: float = 30.0
+    """Conf `etcd_timeout`: how long etcd may stay unreachable before joining fails."""
+    store_timeout: float = 300.0
+    """Conf `store_timeout`: timeout of the per-round TCPStore operations."""
+    poll_interval: float = 1.0
+    """Conf `poll_interval`: how stale num_nodes_waiting() may be (one etcd read per interval)."""
+    local_addr: str | None = None
+    """Address others use to reach this node's TCPStore (torchrun `--local-addr`)."""
+
+    def __post_init__(self) -> None:
+        if not self.run_id or "/" in self.run_id:
+            raise ValueError(f"rendezvous id {self.run_id!r} must be non-empty without '/'")
+        if not 1 <= self.min_nodes <= self.max_nodes:
+            raise ValueError(f"need 1 <= min_nodes <= max_nodes, got "
+                             f"{self.min_nodes}:{self.max_nodes}")
+        for name in ("join_timeout", "last_call_timeout", "rejoin_timeout", "lease_ttl",
+                     "etcd_timeout", "store_timeout", "poll_interval"):
+            if getattr(self, name) <= 0:
+                raise ValueError(f"rendezvous setting {name} must be > 0")
+        if self.lease_ttl < 1:
+            raise ValueError("rendezvous setting lease_ttl must be >= 1 s (etcd's granularity)")
+
+    @property
+    def namespace(self) -> str:
+        return f"{self.etcd.prefix}/{self.run_id}/"
+
+    @classmethod
+    def from_parameters(cls, params: RendezvousParameters) -> RendezvousSettings:
+        conf = params.config
+        known = {"timeout", "join_timeout", "last_call_timeout", "rejoin_timeout", "lease_ttl",
+                 "etcd_timeout", "store_timeout", "poll_interval", "prefix", "username",
+                 "ca_file", "cert_file", "key_file"}
+        unknown = sorted(set(conf) - known)
+        if "password" in unknown:
+            raise ValueError(
+                f"do not pass the etcd password in --rdzv-conf (torchrun logs it); "
+                f"set the {PASSWORD_ENV} environment variable instead"
+            )
+        if unknown:
+            logger.warning("relight-etcd ignores unknown --rdzv-conf keys %s", unknown)
+
+        def num(key: str, default: float) -> float:
+            value = conf.get(key)
+            return default if value is None else float(value)
+
+        username = conf.get("username")
+        password = os.environ.get(PASSWORD_ENV) if username else None
+        if username and password is None:
+            raise ValueError(f"--rdzv-conf username={username} needs the password in "
+                             f"the {PASSWORD_ENV} environment variable")
+        endpoints = tuple(e.strip() for e in (params.endpoint or "127.0.0.1:2379").split(",")
+                          if e.strip())
+        etcd_timeout = num("etcd_timeout", 30.0)
+        return cls(
+            run_id=params.run_id,
+            min_nodes=params.min_nodes,
+            max_nodes=params.max_nodes,
+            etcd=EtcdSettings(
+                endpoints=endpoints,
+                prefix=str(conf.get("prefix", "/relight")),
+                timeout=etcd_timeout,
+                username=username,
+                password=password,
+                ca_file=conf.get("ca_file"),
+                cert_file=conf.get("cert_file"),
+                key_file=conf.get("key_file"),
+            ),
+            join_timeout=num("join_timeout", num("timeout", 900.0)),
+            last_call_timeout=num("last_call_timeout", 5.0),
+            rejoin_timeout=num("rejoin_timeout", 30.0),
+            lease_ttl=num("lease_ttl", 10.0),
+            etcd_timeout=etcd_timeout,
+            store_timeout=num("store_timeout", 300.0),
+            poll_interval=num("poll_interval", 1.0),
+            local_addr=params.local_addr,
+        )
+
+
+@dataclass(slots=True)
+class RoundState:
+    """The JSON document at `{namespace}state`. Plain data: parsed, never unpickled."""
+
+    round: int = 0
+    phase: str = "open"
+    """`open`: collecting `members`; `complete`: `participants` hold the ranks."""
+    members: list[str] = field(default_factory=list)
+    """Open round: node ids in join order."""
+    participants: list[str] = field(default_factory=list)
+    """Complete round: node ids in rank order (rank = index)."""
+    previous: list[str] = field(default_factory=list)
+    """Open round: the participants of the last complete round, awaited while alive."""
+    closed: bool = False
+
+    def to_json(self) -> bytes:
+        return json.dumps(dataclasses.asdict(self), sort_keys=True).encode()
+
+    @classmethod
+    def from_json(cls, raw: bytes, where: str) -> RoundState:
+        try:
+            doc = json.loads(raw)
+            state = cls(
+                round=int(doc["round"]),
+                phase=str(doc["phase"]),
+                members=[str(m) for m in doc.get("members", [])],
+                participants=[str(p) for p in doc.get("participants", [])],
+                previous=[str(p) for p in doc.get("previous", [])],
+                closed=bool(doc.get("closed", False)),
+            )
+        except (ValueError, KeyError, TypeError) as exc:
+            raise RendezvousStateError(
+                f"rendezvous state at {where} is not valid JSON state ({exc}); delete the key "
+                "or use a new --rdzv-id"
+            ) from None
+        if state.phase not in ("open", "complete"):
+            raise RendezvousStateError(f"rendezvous state at {where} has phase {state.phase!r}")
+        return state
+
+
+def assign_ranks(members: Sequence[str], previous: Sequence[str]) -> list[str]:
+    """Rank order of a new round: members of the previous round keep their relative
+    order (so an unchanged group gets unchanged ranks), then newcomers in join order."""
+    kept = [p for p in previous if p in members]
+    return kept + [m for m in members if m not in kept]
+
+
+class _StoreMissing(Exception):
+    def __init__(self, round_: int, message: str) -> None:
+        super().__init__(message)
+        self.round = round_
+
+
+def _now() -> float:
+    return time.monotonic()
+
+
+class EtcdRendezvousHandler(RendezvousHandler):
+    """torchrun's rendezvous on etcd v3.
+
+    Call order (by torchrun's agent): `next_rendezvous()` at start and at every
+    worker-group restart; `num_nodes_waiting()` on every monitor tick while healthy;
+    `shutdown()` at the end (which also closes the rendezvous, as torch's own
+    dynamic rendezvous does); `set_closed()`/`is_closed()` at any time.
+    """
+
+    def __init__(self, settings: RendezvousSettings, node_id: str | None = None) -> None:
+        self.settings = settings
+        self.node_id = node_id or f"{socket.gethostname()}-{os.getpid()}-{uuid.uuid4().hex[:6]}"
+        ns = settings.namespace
+        self._state_key = ns + "state"
+        self._nodes = ns + "nodes/"
+        self._rounds = ns + "rounds/"
+        self._client = EtcdClient(settings.etcd)
+        # Separate, shorter deadlines for the calls made from the agent's monitor loop
+        # and from the keepalive thread: neither may block for the full etcd timeout.
+        self._fast = EtcdClient(dataclasses.replace(
+            settings.etcd, timeout=min(settings.etcd.timeout, max(1.0, settings.poll_interval))))
+        self._keep_client = EtcdClient(dataclasses.replace(
+            settings.etcd, timeout=max(0.5, settings.lease_ttl / 3)))
+        self._lease: int | None = None
+        self._keeper: LeaseKeeper | None = None
+        self._round = -1
+        self._participants: list[str] = []
+        self._store: TCPStore | None = None
+        self._lock = threading.Lock()
+        self._waiting_cache: tuple[float, int] = (-1e9, 0)
+        self._min_seen: dict[int, float] = {}
+
+    def _log(self, msg: str, *args: Any, level: int = logging.INFO) -> None:
+        logger.log(level, "[%s node=%s round=%d] " + msg, self.settings.run_id, self.node_id,
+                   self._round, *args)
+
+    # -- RendezvousHandler ----------------------------------------------------
+
+    def get_backend(self) -> str:
+        return BACKEND_NAME
+
+    def get_run_id(self) -> str:
+        return self.settings.run_id
+
+    @property
+    def use_agent_store(self) -> bool:
+        # Workers connect to the agent's per-round TCPStore: fresh every round.
+        return True
+
+    def next_rendezvous(self) -> RendezvousInfo:
+        s = self.settings
+        start = _now()
+        deadline = start + s.join_timeout
+        unreachable_since: float | None = None
+        while True:
+            try:
+                info = self._try_rendezvous(deadline)
+                self._log("joined as rank %d of %d in %.2fs (store %s:%d)", info.rank,
+                          info.world_size, _now() - start, info.bootstrap_store_info.master_addr,
+                          info.bootstrap_store_info.master_port)
+                return info
+            except EtcdUnavailableError as exc:
+                # Keep trying across an etcd restart, within the etcd timeout.
+                unreachable_since = unreachable_since or _now()
+                if _now() - unreachable_since >= s.etcd_timeout or _now() >= deadline:
+                    raise RendezvousConnectionError(
+                        f"rendezvous for job {s.run_id!r}: {exc}") from None
+                self._log("etcd unreachable (%s); retrying", exc, level=logging.WARNING)
+                time.sleep(0.5)
+            except EtcdAuthError as exc:
+                raise RendezvousConnectionError(
+                    f"rendezvous for job {s.run_id!r}: {exc}") from None
+            except EtcdError as exc:
+                raise RendezvousStateError(f"rendezvous for job {s.run_id!r}: {exc}") from None
+
+    def is_closed(self) -> bool:
+        try:
+            state, _ = self._read(self._client)
+        except EtcdError as exc:
+            raise RendezvousConnectionError(
+                f"rendezvous for job {self.settings.run_id!r}: {exc}") from None
+        return state is not None and state.closed
+
+    def set_closed(self) -> None:
+        while True:
+            try:
+                state, kv = self._read(self._client)
+                new = state or RoundState()
+                if new.closed:
+                    return
+                new.closed = True
+                if self._client.cas(self._state_key, kv.mod_revision if kv else 0,
+                                    new.to_json()):
+                    self._log("rendezvous closed")
+                    return
+            except EtcdError as exc:
+                raise RendezvousConnectionError(
+                    f"closing rendezvous of job {self.settings.run_id!r}: {exc}") from None
+
+    def num_nodes_waiting(self) -> int:
+        """Nodes that want a new round. Besides late joiners, a participant of the
+        current round whose lease expired counts as one: the survivors must re-form
+        without it even if their collectives have not failed yet."""
+        with self._lock:
+            at, cached = self._waiting_cache
+            if _now() - at < self.settings.poll_interval:
+                return cached
+            try:
+                count = self._count_waiting()
+            except EtcdError as exc:
+                # A running job must not die because etcd restarts: report nothing new.
+                self._log("num_nodes_waiting: etcd error (%s); assuming 0", exc,
+                          level=logging.WARNING)
+                count = 0
+            self._waiting_cache = (_now(), count)
+            return count
+
+    def shutdown(self) -> bool:
+        ok = True
+        try:
+            self.set_closed()
+        except RendezvousConnectionError as exc:
+            self._log("shutdown could not close the rendezvous: %s", exc, level=logging.WARNING)
+            ok = False
+        self._release()
+        return ok
+
+    # -- internals ------------------------------------------------------------
+
+    def _release(self) -> None:
+        if self._keeper is not None:
+            self._keeper.stop()
+            self._keeper = None
+        if self._lease is not None:
+            try:
+                self._client.lease_revoke(self._lease)
+            except EtcdError as exc:
+                self._log("could not revoke lease %x (%s); it expires in %.0fs", self._lease,
+                          exc, self.settings.lease_ttl, level=logging.WARNING)
+            self._lease = None
+        self._store = None
+
+    def _read(self, client: EtcdClient) -> tuple[RoundState | None, KeyValue | None]:
+        state, kv, _ = self._read_at(client)
+        return state, kv
+
+    def _read_at(self, client: EtcdClient) -> tuple[RoundState | None, KeyValue | None, int]:
+        kv, revision = client.read(self._state_key)
+        if kv is None:
+            return None, None, revision
+        return RoundState.from_json(kv.value, self._state_key), kv, revision
+
+    def _alive(self, client: EtcdClient) -> tuple[set[str], dict[str, Any]]:
+        kvs, _ = client.get_prefix(self._nodes)
+        info: dict[str, Any] = {}
+        for kv in kvs:
+            try:
+                info[kv.key[len(self._nodes):]] = kv.json()
+            except ValueError:
+                info[kv.key[len(self._nodes):]] = {}
+        return set(info), info
+
+    def _count_waiting(self) -> int:
+        state, _ = self._read(self._fast)
+        if state is None or state.closed or self._round < 0:
+            return 0
+        if state.round > self._round:
+            # A newer round exists: open (someone wants to re-form) or complete without us.
+            return max(1, len(state.members)) if state.phase == "open" else 1
+        alive, _ = self._alive(self._fast)
+        dead = [p for p in self._participants if p not in alive]
+        if dead:
+            self._log("participants %s lost their leases", dead, level=logging.WARNING)
+        return len(dead)
+
+    def _ensure_lease(self) -> None:
+        if self._keeper is not None and self._keeper.lost.is_set():
+            self._log("lease lost (%s); registering again", self._keeper.error,
+                      level=logging.WARNING)
+            self._keeper.stop()
+            self._keeper, self._lease = None, None
+        if self._lease is None:
+            ttl = max(1, round(self.settings.lease_ttl))
+            self._lease = self._client.lease_grant(ttl)
+            self._keeper = LeaseKeeper(self._keep_client, self._lease, ttl,
+                                       name=f"relight-lease-{self.settings.run_id}").start()
+        addr = self._local_addr()
+        self._client.put(self._nodes + self.node_id,
+                         json.dumps({"addr": addr, "host": socket.gethostname(),
+                                     "pid": os.getpid()}), lease=self._lease)
+
+    def _local_addr(self) -> str:
+        if self.settings.local_addr:
+            return self.settings.local_addr
+        # On a loopback-only setup (the embedded etcd, tests) stay on loopback.
+        hosts = {u.split("://", 1)[1].rsplit(":", 1)[0] for u in self.settings.etcd.urls()}
+        if hosts <= {"127.0.0.1", "localhost", "::1", "[::1]"}:
+            return "127.0.0.1"
+        return socket.getfqdn()
+
+    def _cas_state(self, kv: KeyValue | None, new: RoundState) -> bool:
+        return self._client.cas(self._state_key, kv.mod_revision if kv else 0, new.to_json())
+
+    def _try_rendezvous(self, deadline: float) -> RendezvousInfo:
+        s = self.settings
+        self._ensure_lease()
+        prev_round = self._round
+        while True:
+            if _now() >= deadline:
+                raise RendezvousTimeoutError(
+                    f"rendezvous for job {s.run_id!r} on etcd {self._client.endpoint} did not "
+                    f"complete within {s.join_timeout:.0f}s (min_nodes={s.min_nodes}, "
+                    f"max_nodes={s.max_nodes}); check that enough nodes are starting, or raise "
+                    "--rdzv-conf join_timeout")
+            if self._keeper is not None and self._keeper.lost.is_set():
+                self._ensure_lease()
+            state, kv, revision = self._read_at(self._client)
+            if state is not None and state.closed:
+                raise RendezvousClosedError(
+                    f"rendezvous for job {s.run_id!r} is closed (the job finished or was "
+                    f"stopped); start a new job with another --rdzv-id, or delete "
+                    f"{s.namespace} in etcd to reuse this one")
+            try:
+                step = self._step(state, kv, prev_round)
+            except _StoreMissing as exc:
+                # Rank 0 died before publishing the round's store: re-form without it.
+                self._log("%s; opening a new round", exc, level=logging.WARNING)
+                prev_round = exc.round
+                continue
+            if isinstance(step, RendezvousInfo):
+                return step
+            if step == "retry":
+                continue
+            # Wait for any change under the job's namespace, bounded.
+            wait = min(max(0.0, deadline - _now()), step)
+            self._client.wait_for_change(s.namespace, revision, wait)
+
+    def _step(self, state: RoundState | None, kv: KeyValue | None,
+              prev_round: int) -> RendezvousInfo | str | float:
+        """One decision on the current state: a RendezvousInfo when this node's round is
+        complete, "retry" after a CAS (won or lost), or seconds to wait for a change."""
+        s, me = self.settings, self.node_id
+        if state is None:
+            self._cas_state(None, RoundState(round=0, phase="open", members=[me]))
+            return "retry"
+        if state.phase == "complete":
+            if me in state.participants and state.round > prev_round:
+                return self._finish(state)
+            alive, _ = self._alive(self._client)
+            dead = any(p not in alive for p in state.participants)
+            if (me in state.participants or len(state.participants) < s.max_nodes or dead):
+                self._cas_state(kv, RoundState(round=state.round + 1, phase="open",
+                                               members=[me], previous=state.participants))
+                return "retry"
+            return min(s.poll_interval * 5, s.lease_ttl)  # a spare: the group is full
+        # Open round.
+        alive, _ = self._alive(self._client)
+        members = [m for m in state.members if m in alive]
+        if members != state.members:
+            gone = [m for m in state.members if m not in alive]
+            self._log("dropping members without a lease from round %d: %s", state.round, gone)
+            self._cas_state(kv, dataclasses.replace(state, members=members))
+            return "retry"
+        if me not in members:
+            if len(members) >= s.max_nodes:
+                return min(s.poll_interval * 5, s.lease_ttl)  # full: wait as a spare
+            self._cas_state(kv, dataclasses.replace(state, members=[*members, me]))
+            return "retry"
+        if len(members) < s.min_nodes:
+            return s.lease_ttl  # any join or lease expiry wakes us earlier
+        now = _now()
+        since = self._min_seen.setdefault(state.round, now)
+        awaited = [p for p in state.previous if p in alive and p not in members]
+        if len(members) >= s.max_nodes:
+            ready = True
+        elif state.previous:
+            # A re-formed group: go as soon as every live member of the last round is
+            # back; a dead one stops being awaited when its lease expires.
+            ready = not awaited or now - since >= s.rejoin_timeout
+        else:
+            ready = now - since >= s.last_call_timeout
+        if not ready:
+            limit = s.rejoin_timeout if state.previous else s.last_call_timeout
+            return max(0.05, min(since + limit - now, s.lease_ttl))
+        complete = RoundState(round=state.round, phase="complete",
+                              participants=assign_ranks(members, state.previous))
+        if self._cas_state(kv, complete):
+            self._log("round %d complete: %s", state.round, complete.participants)
+        return "retry"
+
+    def _finish(self, state: RoundState) -> RendezvousInfo:
+        s = self.settings
+        rank = state.participants.index(self.node_id)
+        store_key = f"{self._rounds}{state.round}/store"
+        timeout = timedelta(seconds=s.store_timeout)
+        if rank == 0:
+            addr = self._local_addr()
+            store = TCPStore(addr, 0, is_master=True, wait_for_workers=False, timeout=timeout)
+            self._client.put(store_key, json.dumps({"addr": addr, "port": store.port}),
+                             lease=self._lease or 0)
+            self._cleanup_rounds(state.round)
+        else:
+            addr, port = self._await_store(store_key, state)
+            store = TCPStore(addr, port, is_master=False, timeout=timeout)
+        self._store = store  # keep the server (rank 0) alive for the round
+        self._round = state.round
+        self._participants = list(state.participants)
+        self._waiting_cache = (-1e9, 0)
+        self._min_seen = {r: t for r, t in self._min_seen.items() if r > state.round}
+        return RendezvousInfo(store, rank, len(state.participants),
+                              RendezvousStoreInfo(addr, store.port if rank == 0 else port))
+
+    def _await_store(self, store_key: str, state: RoundState) -> tuple[str, int]:
+        s = self.settings
+        deadline = _now() + min(s.join_timeout, max(s.lease_ttl * 3, 30.0))
+        leader = state.participants[0]
+        while _now() < deadline:
+            kv, revision = self._client.read(store_key)
+            if kv is not None:
+                doc = kv.json()
+                return str(doc["addr"]), int(doc["port"])
+            alive, _ = self._alive(self._client)
+            if leader not in alive:
+                break
+            self._client.wait_for_change(self._rounds, revision, 1.0)
+        raise _StoreMissing(state.round, f"rank 0 ({leader}) of round {state.round} never "
+                            f"published its store at {store_key}")
+
+    def _cleanup_rounds(self, current: int) -> None:
+        try:
+            kvs, _ = self._client.get_prefix(self._rounds)
+            stale = {kv.key.split("/")[-2] for kv in kvs
+                     if kv.key.split("/")[-2].isdigit() and int(kv.key.split("/")[-2]) < current}
+            for r in stale:
+                self._client.delete_prefix(f"{self._rounds}{r}/")
+        except EtcdError as exc:  # cleanup is best effort; the next round retries it
+            self._log("could not delete stale rounds: %s", exc, level=logging.WARNING)
+
+
+def create_handler(params: RendezvousParameters) -> EtcdRendezvousHandler:
+    """The creator torchrun calls with its RendezvousParameters."""
+    return EtcdRendezvousHandler(RendezvousSettings.from_parameters(params))
+
+
+def torchrun_handler() -> Callable[[RendezvousParameters], RendezvousHandler]:
+    """Entry point of group `torchrun.handlers`: returns the handler creator."""
+    return create_handler
+
+

@@ -1,0 +1,304 @@
+"""The relight-etcd rendezvous against a real etcd, nodes as threads with their own
+handlers (their own leases, their own TCPStores)."""
+
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import sys
+import time
+
+import pytest
+from torch.distributed.elastic.rendezvous import (
+    RendezvousClosedError,
+    RendezvousConnectionError,
+    RendezvousInfo,
+    RendezvousParameters,
+    RendezvousStateError,
+    RendezvousTimeoutError,
+)
+
+from elastic.etcd_client import EtcdClient, EtcdSettings
+from elastic.etcd_server import free_port
+from elastic.rendezvous import (
+    PASSWORD_ENV,
+    RendezvousSettings,
+    RoundState,
+    assign_ranks,
+    create_handler,
+)
+from tests.elastic.rdzv_util import handler, in_thread, job_id, join_all, shutdown_all
+
+pytestmark = [pytest.mark.etcd, pytest.mark.timeout(90)]
+
+
+def _check_group(results: list, n: int) -> list[RendezvousInfo]:
+    infos = [r for r in results if isinstance(r, RendezvousInfo)]
+    assert len(infos) == n, f"errors: {[r for r in results if not isinstance(r, RendezvousInfo)]}"
+    assert sorted(i.rank for i in infos) == list(range(n))
+    assert {i.world_size for i in infos} == {n}
+    ports = {(i.bootstrap_store_info.master_addr, i.bootstrap_store_info.master_port)
+             for i in infos}
+    assert len(ports) == 1, ports
+    return infos
+
+
+# -- pure parts ----------------------------------------------------------------
+
+def test_assign_ranks_keeps_survivors_order_then_newcomers() -> None:
+    assert assign_ranks(["c", "a", "n1", "b"], ["a", "b", "c"]) == ["a", "b", "c", "n1"]
+    assert assign_ranks(["x", "y"], []) == ["x", "y"]
+    assert assign_ranks(["b", "n"], ["a", "b"]) == ["b", "n"]
+
+
+def test_state_json_roundtrip_and_garbage() -> None:
+    s = RoundState(round=3, phase="complete", participants=["a", "b"])
+    assert RoundState.from_json(s.to_json(), "k") == s
+    with pytest.raises(RendezvousStateError, match="/the/key"):
+        RoundState.from_json(b"\x80\x04pickle", "/the/key")
+    with pytest.raises(RendezvousStateError):
+        RoundState.from_json(b'{"round": 1, "phase": "weird"}', "k")
+
+
+def test_settings_from_parameters(monkeypatch) -> None:
+    params = RendezvousParameters("relight-etcd", "127.0.0.1:1,127.0.0.1:2", "j", 1, 4,
+                                  timeout="120", lease_ttl="3", username="u")
+    with pytest.raises(ValueError, match=PASSWORD_ENV):
+        RendezvousSettings.from_parameters(params)
+    monkeypatch.setenv(PASSWORD_ENV, "s3cret")
+    s = RendezvousSettings.from_parameters(params)
+    assert s.join_timeout == 120 and s.lease_ttl == 3 and s.etcd.password == "s3cret"
+    assert s.etcd.endpoints == ("127.0.0.1:1", "127.0.0.1:2")
+    assert "s3cret" not in repr(s)
+    with pytest.raises(ValueError, match="password"):
+        RendezvousSettings.from_parameters(
+            RendezvousParameters("relight-etcd", "h:1", "j", 1, 1, password="x"))
+
+
+# -- against etcd ----------------------------------------------------------------
+
+def test_single_node(etcd_server) -> None:
+    h = handler(etcd_server.endpoint, job_id(), 1, 1)
+    try:
+        info = h.next_rendezvous()
+        assert (info.rank, info.world_size) == (0, 1)
+        assert h.use_agent_store and h.get_backend() == "relight-etcd"
+        info.store.set("k", "v")
+        assert info.store.get("k") == b"v"
+        assert h.num_nodes_waiting() == 0
+    finally:
+        h.shutdown()
+
+
+@pytest.mark.parametrize("n", [2, 4])
+def test_nodes_join_at_once(etcd_server, n: int) -> None:
+    run = job_id()
+    hs = [handler(etcd_server.endpoint, run, n, n) for _ in range(n)]
+    try:
+        infos = _check_group(join_all(hs), n)
+        # One store for the round, shared by every node.
+        by_rank = {i.rank: i for i in infos}
+        by_rank[0].store.set("hello", "from-0")
+        assert all(i.store.get("hello") == b"from-0" for i in infos)
+        assert all(h.num_nodes_waiting() == 0 for h in hs)
+    finally:
+        shutdown_all(hs)
+
+
+def test_last_call_admits_a_late_node(etcd_server) -> None:
+    run = job_id()
+    early = [handler(etcd_server.endpoint, run, 2, 4, last_call_timeout="2") for _ in range(2)]
+    late = handler(etcd_server.endpoint, run, 2, 4, last_call_timeout="2")
+    try:
+        threads = [in_thread(h.next_rendezvous) for h in early]
+        time.sleep(0.8)  # min reached, last call running
+        t0 = time.monotonic()
+        info = late.next_rendezvous()
+        for t, _ in threads:
+            t.join(30)
+        infos = _check_group([info] + [out[0] for _, out in threads], 3)
+        assert infos[0].rank == 2  # the newcomer after the early joiners
+        assert time.monotonic() - t0 < 5
+    finally:
+        shutdown_all([*early, late])
+
+
+def test_max_nodes_leaves_a_spare_waiting(etcd_server) -> None:
+    run = job_id()
+    hs = [handler(etcd_server.endpoint, run, 1, 2) for _ in range(2)]
+    spare = handler(etcd_server.endpoint, run, 1, 2, join_timeout="2")
+    try:
+        _check_group(join_all(hs), 2)
+        t0 = time.monotonic()
+        with pytest.raises(RendezvousTimeoutError, match="min_nodes=1, max_nodes=2"):
+            spare.next_rendezvous()
+        assert 1.9 < time.monotonic() - t0 < 6
+        # A full group is not disturbed by a spare.
+        assert [h.num_nodes_waiting() for h in hs] == [0, 0]
+    finally:
+        shutdown_all([*hs, spare])
+
+
+def test_late_node_triggers_scale_up_with_stable_ranks(etcd_server) -> None:
+    run = job_id()
+    hs = [handler(etcd_server.endpoint, run, 1, 3) for _ in range(2)]
+    new = handler(etcd_server.endpoint, run, 1, 3)
+    try:
+        first = _check_group(join_all(hs), 2)
+        ranks_before = {h.node_id: i.rank for h, i in zip(hs, first, strict=True)}
+        t, out = in_thread(new.next_rendezvous)
+        deadline = time.monotonic() + 10
+        while not all(h.num_nodes_waiting() > 0 for h in hs):
+            assert time.monotonic() < deadline, "the running group never saw the new node"
+            time.sleep(0.1)
+        second = join_all(hs)
+        t.join(30)
+        infos = _check_group([*second, out[0]], 3)
+        assert {h.node_id: i.rank for h, i in zip(hs, second, strict=True)} == ranks_before
+        assert out[0].rank == 2
+        # A fresh store for the new round: nothing the old round wrote is visible.
+        first[0].store.set("stale", "x")
+        old_port = first[0].bootstrap_store_info.master_port
+        assert infos[0].bootstrap_store_info.master_port != old_port
+        assert not infos[0].store.check(["stale"])
+    finally:
+        shutdown_all([*hs, new])
+
+
+_DYING_NODE = """
+import sys, time
+from tests.elastic.rdzv_util import handler
+h = handler(sys.argv[1], sys.argv[2], 3, 3)
+print(h.node_id, flush=True)
+h.next_rendezvous()
+"""
+
+
+def test_node_dying_mid_rendezvous_is_dropped(etcd_server) -> None:
+    run = job_id()
+    proc = subprocess.Popen([sys.executable, "-c", _DYING_NODE, etcd_server.endpoint, run],
+                            stdout=subprocess.PIPE, text=True, start_new_session=True,
+                            cwd=os.getcwd())
+    client = EtcdClient(EtcdSettings(endpoints=(etcd_server.endpoint,)))
+    others = [handler(etcd_server.endpoint, run, 3, 3) for _ in range(3)]
+    try:
+        dead_id = proc.stdout.readline().strip()
+        deadline = time.monotonic() + 20
+        while True:
+            kv = client.get(f"/relight-test/{run}/state")
+            if kv and dead_id in kv.json()["members"]:
+                break
+            assert time.monotonic() < deadline, "the doomed node never joined"
+            time.sleep(0.1)
+        os.killpg(proc.pid, signal.SIGKILL)
+        proc.wait(10)
+        t0 = time.monotonic()
+        infos = _check_group(join_all(others), 3)
+        # The dead member held a place until its 2 s lease ran out, no longer.
+        assert time.monotonic() - t0 < 2 + 4
+        assert dead_id not in client.get(f"/relight-test/{run}/state").json()["participants"]
+        assert client.get(f"/relight-test/{run}/nodes/{dead_id}") is None
+        assert len(infos) == 3
+    finally:
+        if proc.poll() is None:
+            os.killpg(proc.pid, signal.SIGKILL)
+            proc.wait(10)
+        shutdown_all(others)
+
+
+def test_dead_participant_makes_survivors_reform_smaller(etcd_server) -> None:
+    run = job_id()
+    hs = [handler(etcd_server.endpoint, run, 1, 3) for _ in range(3)]
+    try:
+        _check_group(join_all(hs), 3)
+        victim = hs.pop(1)
+        victim._keeper.stop()  # the node dies: no more keepalives, no revoke
+        victim._keeper = None
+        t0 = time.monotonic()
+        while not all(h.num_nodes_waiting() > 0 for h in hs):
+            assert time.monotonic() - t0 < 8, "survivors never noticed the expired lease"
+            time.sleep(0.1)
+        detect = time.monotonic() - t0
+        infos = _check_group(join_all(hs), 2)
+        assert detect < 2 + 2 and [i.rank for i in infos] == [0, 1]
+    finally:
+        shutdown_all(hs)
+
+
+def test_two_jobs_side_by_side(etcd_server) -> None:
+    a, b = job_id(), job_id()
+    ha = [handler(etcd_server.endpoint, a, 2, 2) for _ in range(2)]
+    hb = [handler(etcd_server.endpoint, b, 2, 2) for _ in range(2)]
+    try:
+        results = join_all(ha + hb)
+        _check_group(results[:2], 2)
+        _check_group(results[2:], 2)
+        ha[0].set_closed()
+        assert ha[1].is_closed() and not hb[0].is_closed()
+        assert all(h.num_nodes_waiting() == 0 for h in hb)
+        with pytest.raises(RendezvousClosedError, match=a):
+            ha[1].next_rendezvous()
+        _check_group(join_all(hb), 2)  # job b re-forms, unaffected
+    finally:
+        shutdown_all(ha + hb)
+
+
+def test_etcd_restart_during_a_run(etcd_restartable) -> None:
+    run = job_id()
+    hs = [handler(etcd_restartable.endpoint, run, 2, 2) for _ in range(2)]
+    try:
+        first = _check_group(join_all(hs), 2)
+        etcd_restartable.kill()
+        time.sleep(1.0)
+        assert [h.num_nodes_waiting() for h in hs] == [0, 0]  # no exception, no false alarm
+        etcd_restartable.start()
+        time.sleep(1.5)  # > one keepalive period: leases refreshed after the restart
+        assert [h.num_nodes_waiting() for h in hs] == [0, 0]
+        assert not any(h._keeper.lost.is_set() for h in hs)
+        second = _check_group(join_all(hs), 2)
+        old_port = first[0].bootstrap_store_info.master_port
+        assert second[0].bootstrap_store_info.master_port != old_port
+    finally:
+        shutdown_all(hs)
+
+
+def test_etcd_down_at_join_is_a_clear_error() -> None:
+    endpoint = f"127.0.0.1:{free_port()}"
+    h = handler(endpoint, job_id(), 1, 1, etcd_timeout="1")
+    t0 = time.monotonic()
+    with pytest.raises(RendezvousConnectionError, match=endpoint):
+        h.next_rendezvous()
+    assert time.monotonic() - t0 < 8
+
+
+def test_closed_rendezvous_refuses_joiners(etcd_server) -> None:
+    run = job_id()
+    h = handler(etcd_server.endpoint, run, 1, 1)
+    h.next_rendezvous()
+    assert h.shutdown() is True  # torchrun's agent calls this at the end: it closes
+    late = handler(etcd_server.endpoint, run, 1, 1)
+    with pytest.raises(RendezvousClosedError, match="another --rdzv-id"):
+        late.next_rendezvous()
+    late.shutdown()
+
+
+def test_tls_and_auth(etcd_secure, tls_certs, monkeypatch) -> None:
+    monkeypatch.setenv(PASSWORD_ENV, "alice-pw")
+    run = job_id()
+    conf = {"prefix": "/relight-secure", "username": "alice", "ca_file": tls_certs.ca,
+            "cert_file": tls_certs.client_cert, "key_file": tls_certs.client_key}
+    hs = [handler(etcd_secure.endpoint, run, 2, 2, **conf) for _ in range(2)]
+    try:
+        _check_group(join_all(hs), 2)
+    finally:
+        shutdown_all(hs)
+    # A prefix alice may not write is refused with a clear error, not a hang.
+    bad = handler(etcd_secure.endpoint, job_id(), 1, 1, **{**conf, "prefix": "/other"})
+    with pytest.raises(RendezvousConnectionError, match="denied"):
+        bad.next_rendezvous()
+    monkeypatch.setenv(PASSWORD_ENV, "wrong")
+    wrong = create_handler(RendezvousParameters(
+        "relight-etcd", etcd_secure.endpoint, job_id(), 1, 1, **conf))
+    with pytest.raises(RendezvousConnectionError, match="alice"):
+        wrong.next_rendezvous()
