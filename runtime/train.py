@@ -33,9 +33,9 @@ import torch.nn.functional as F
 from torch.distributed.fsdp import FSDPModule
 
 from runtime import state as st
-from runtime.config import Config, config_to_dict, load_config
+from runtime.config import Config, ConfigError, config_to_dict, load_config
 from runtime.data import BatchPlan, DataLoader, SyntheticCorpus
-from runtime.mesh import ParallelMesh, build_mesh, plan_layout
+from runtime.mesh import LayoutError, ParallelMesh, build_mesh, plan_layout
 from runtime.metrics import MetricsWriter, flops_per_token, memory_mb, peak_flops
 from runtime.model import Transformer, build_model
 from runtime.optim import LRSchedule, build_optimizer, clip_grad_norm_
@@ -330,7 +330,13 @@ class Trainer:
 def run_training(cfg: Config) -> TrainResult:
     """Train per ``cfg`` on this process's rank (inits and tears down the process group if
     none exists)."""
-    trainer = Trainer(cfg)
+    preexisting = dist.is_initialized()
+    try:
+        trainer = Trainer(cfg)
+    except BaseException:
+        if dist.is_initialized() and not preexisting:
+            dist.destroy_process_group()
+        raise
     try:
         return trainer.run()
     finally:
@@ -348,13 +354,18 @@ def _parse(argv: list[str] | None) -> Config:
 
 
 def main(argv: list[str] | None = None) -> int:
-    """CLI entry point; returns the process exit status."""
+    """CLI entry point; returns the process exit status (2: bad config or layout; the watchdog
+    exits with 75 on a hang)."""
     logging.basicConfig(
         level=os.environ.get("RELIGHT_LOG_LEVEL", "INFO"),
         format="%(asctime)s %(levelname)s %(name)s: %(message)s",
     )
-    cfg = _parse(sys.argv[1:] if argv is None else argv)
-    result = run_training(cfg)
+    try:
+        cfg = _parse(sys.argv[1:] if argv is None else argv)
+        result = run_training(cfg)
+    except (ConfigError, LayoutError) as e:
+        log.error("%s: %s", type(e).__name__, e)
+        return 2
     if result.checkpoint_failures:
         log.warning("run finished with %d failed checkpoint saves", result.checkpoint_failures)
     return 0

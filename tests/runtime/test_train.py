@@ -81,3 +81,13 @@ def test_watchdog_stays_quiet_when_stopped() -> None:
     proc = subprocess.run([sys.executable, "-c", script], cwd=ROOT, capture_output=True,
                           text=True, timeout=60)
     assert proc.returncode == 0, proc.stderr
+
+
+def test_main_reports_a_bad_layout_with_status_2() -> None:
+    proc = subprocess.run(
+        [sys.executable, "-m", "runtime.train", "--config", "configs/tiny.toml",
+         "--parallel.pp=2"],
+        cwd=ROOT, capture_output=True, text=True, timeout=120,
+    )
+    assert proc.returncode == 2, proc.stderr[-2000:]
+    assert "world size 1 is not divisible by pp*dp_replicate*tp = 2*1*1 = 2" in proc.stderr
