@@ -17,6 +17,7 @@ from storage.errors import (
     StoragePermissionError,
     TransientStorageError,
 )
+from storage.fault_env import FaultPlanError, plan_from_json, wrap_store_from_env
 from storage.faulty import FaultLog, FaultPlan, FaultyStore, corrupt_object
 from storage.open import open_store
 from storage.retry import RetryPolicy
@@ -26,6 +27,7 @@ from storage.url import StorageLocation, parse_url
 __all__ = [
     "FaultLog",
     "FaultPlan",
+    "FaultPlanError",
     "FaultyStore",
     "InjectedFaultError",
     "InvalidKeyError",
@@ -43,4 +45,6 @@ __all__ = [
     "corrupt_object",
     "open_store",
     "parse_url",
+    "plan_from_json",
+    "wrap_store_from_env",
 ]

@@ -6,13 +6,17 @@ import os
 from typing import Any
 
 from storage.base import Store
+from storage.fault_env import wrap_store_from_env
 from storage.fsspec_store import LocalStore, S3Store
 from storage.memory_store import MemoryStore
 from storage.retry import RetryPolicy
 from storage.settings import S3Settings
 from storage.url import parse_url
 
-__all__ = ["open_store"]
+__all__ = ["open_store", "FAULT_PLAN_ENV_HOOK"]
+
+FAULT_PLAN_ENV_HOOK = True
+"""`open_store` honours RELIGHT_FAULT_PLAN (see `storage.fault_env`)."""
 
 
 def open_store(
@@ -27,13 +31,19 @@ def open_store(
     S3 settings come from the environment (`AWS_ENDPOINT_URL`, `AWS_REGION`, and the
     credentials) unless `s3` or overrides such as `endpoint_url=` are given. An
     existing `Store` is returned as it is, so APIs can take either.
+
+    When `RELIGHT_FAULT_PLAN` is set (chaos runs), the store is wrapped in a
+    fault-injecting store following that plan.
     """
     if isinstance(url, Store):
         return url
     location = parse_url(url)
+    store: Store
     if location.scheme == "file":
-        return LocalStore(location, retry)
-    if location.scheme == "memory":
-        return MemoryStore(location, retry)
-    settings = s3 or S3Settings.from_env(**s3_overrides)
-    return S3Store(location, settings, retry)
+        store = LocalStore(location, retry)
+    elif location.scheme == "memory":
+        store = MemoryStore(location, retry)
+    else:
+        settings = s3 or S3Settings.from_env(**s3_overrides)
+        store = S3Store(location, settings, retry)
+    return wrap_store_from_env(store)

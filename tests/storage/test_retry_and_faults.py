@@ -133,3 +133,36 @@ def test_fault_plan_validates() -> None:
         FaultPlan(fail_fraction=2.0)
     with pytest.raises(ValueError, match="unknown operations"):
         FaultPlan(ops=("teleport",))
+
+
+def test_open_store_honours_the_fault_plan_env(tmp_path, monkeypatch) -> None:
+    monkeypatch.setenv("RELIGHT_FAULT_PLAN", '{"fail_at": [0], "fail_times": 4}')
+    store = storage.open_store(tmp_path / "env", retry=FAST)
+    assert isinstance(store, FaultyStore)
+    with pytest.raises(TransientStorageError):
+        store.put("k", b"v")
+    store.put("k", b"v")  # the failure outlasted exactly one retry budget
+    monkeypatch.delenv("RELIGHT_FAULT_PLAN")
+    assert not isinstance(storage.open_store(tmp_path / "env"), FaultyStore)
+
+
+def test_fault_plan_file_is_reread_when_it_changes(tmp_path, monkeypatch) -> None:
+    plan_file = tmp_path / "plan.json"
+    plan_file.write_text("")
+    monkeypatch.setenv("RELIGHT_FAULT_PLAN", f"@{plan_file}")
+    store = storage.open_store(tmp_path / "live", retry=RetryPolicy(1))
+    store.put("before", b"ok")
+    plan_file.write_text('{"fail_fraction": 1.0, "ops": ["put"]}')
+    import os
+    import time
+    os.utime(plan_file, ns=(time.time_ns() + 10**9, time.time_ns() + 10**9))
+    time.sleep(0.25)
+    with pytest.raises(InjectedFaultError):
+        store.put("after", b"no")
+
+
+@pytest.mark.parametrize("text,field", [('{"nope": 1}', "nope"), ('{"seed": "x"}', "seed"),
+                                        ("[1]", "JSON object"), ("{", "not valid JSON")])
+def test_bad_fault_plan_json_names_the_problem(text, field) -> None:
+    with pytest.raises(storage.FaultPlanError, match=field):
+        storage.plan_from_json(text)
