@@ -602,6 +602,15 @@ def launch(scenario: Scenario, run_dir: Path, etcd: Any, store_url: str, job_id:
                       checkpoint_events=ckpt_events, store_url=store_url, leaked=leaked)
 
 
+def _reference_scenario(scenario: Scenario) -> Scenario:
+    """The reference: the same world size as the chaos run starts with, on one agent (the
+    layout depends on the world size only, and one agent needs no multi-node rendezvous
+    to be trusted), no faults."""
+    c = scenario.cluster
+    one = replace(c, nodes=1, ranks_per_node=c.world_size, min_nodes=1, max_nodes=1)
+    return replace(scenario, cluster=one, faults=(), mtbf=replace(scenario.mtbf, count=0))
+
+
 def _window_plan(spec: FaultSpec) -> dict[str, Any] | None:
     """Storage latency that holds a save in the phase a waiting fault aims at."""
     if not spec.window_s:
@@ -683,7 +692,8 @@ def run_scenario(scenario: Scenario, out_dir: str | Path, *, seed: int | None = 
             else:
                 ref_deadline = scenario.reference_deadline_s or scenario.deadline_s
                 logger.info("reference run (no faults) ...")
-                ref_outcome = launch(scenario, out / "reference", etcd, url("reference"),
+                ref_outcome = launch(_reference_scenario(scenario), out / "reference", etcd,
+                                     url("reference"),
                                      f"ref-{out.name}", base_env, faults=False,
                                      deadline_s=ref_deadline, seed=scenario.seed)
                 ref_records = ref_outcome.records

@@ -388,6 +388,8 @@ def check_data(ev: RunEvidence) -> InvariantResult:
     ref_pos = {r.step: r.data_position for r in ev.reference} if ev.reference else {}
     if not ev.records:
         problems.append("the run logged no step: no data position to check")
+    if ev.reference is not None and not ev.reference:
+        problems.append("the reference run logged no step: no data position to compare")
     missing = [r.line for r in ev.records if r.data_position is None]
     if missing:
         problems.append(f"{len(missing)} record(s) without data_position (first at line "
@@ -431,9 +433,9 @@ def check_data(ev: RunEvidence) -> InvariantResult:
                                 f"expected +{batch}")
     note = (f" ({len(unlogged)} committed step(s) without a log line: {unlogged[:5]})"
             if unlogged else "")
+    against = "matching the reference" if ev.reference else "(no reference run to match)"
     return _result(6, "no sample consumed twice or skipped", problems,
-                   f"{len(steps)} steps x {batch} samples, contiguous, matching the reference"
-                   + note,
+                   f"{len(steps)} steps x {batch} samples, contiguous, {against}" + note,
                    measured={"samples_per_step": batch, "steps": len(steps),
                              "unlogged_committed_steps": unlogged})
 

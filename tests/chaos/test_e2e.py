@@ -1,0 +1,80 @@
+"""End to end: real etcd, real agents (`relight run`), real training processes, real faults.
+
+`ci-smoke` is what CI runs on every submission: it must pass, and within its 5-minute
+budget. The user-script test runs `examples/user_train.py` (not runtime.train) under the
+same harness, proving the documented contract is enough. Both need runtime/, ckpt/ and
+elastic/ (`elastic.launch`); they are marked slow and never skipped: if a piece is
+missing they fail and say which.
+"""
+
+from __future__ import annotations
+
+import time
+from pathlib import Path
+
+import psutil
+import pytest
+
+from chaos.report import render_markdown
+from chaos.runner import run_scenario
+from chaos.scenario import load_scenario, parse_scenario
+
+ROOT = Path(__file__).resolve().parents[2]
+
+pytestmark = [pytest.mark.slow, pytest.mark.etcd, pytest.mark.multirank]
+
+
+def _ours(out: Path) -> list[psutil.Process]:
+    """Processes still alive whose command line mentions the run directory."""
+    found = []
+    for p in psutil.process_iter(["cmdline", "status"]):
+        try:
+            if p.info["status"] != psutil.STATUS_ZOMBIE and str(out) in " ".join(
+                    p.info["cmdline"] or []):
+                found.append(p)
+        except psutil.NoSuchProcess:
+            pass
+    return found
+
+
+@pytest.mark.timeout(330)
+def test_ci_smoke_passes_within_budget(tmp_path: Path) -> None:
+    scenario = load_scenario(ROOT / "scenarios" / "ci-smoke.toml")
+    out = tmp_path / "ci-smoke"
+    t0 = time.monotonic()
+    result = run_scenario(scenario, out, junit=tmp_path / "junit.xml")
+    elapsed = time.monotonic() - t0
+    assert result.passed, render_markdown(result.report, None)
+    assert elapsed < 300, f"ci-smoke took {elapsed:.0f} s, over its 5-minute budget"
+    rep = result.report
+    assert [f["kind"] for f in rep["faults"] if f["ok"]] == [
+        "kill_worker", "kill_during_persist", "kill_node"]
+    sizes = [a["world_size"] for a in rep["attempts"]]
+    assert sizes[0] == 2 and sizes[-1] == 1, sizes  # resumed at the smaller size
+    assert (tmp_path / "junit.xml").is_file() and (out / "loss.png").is_file()
+    assert not _ours(out), "processes leaked past teardown"
+
+
+@pytest.mark.timeout(330)
+def test_user_script_under_chaos(tmp_path: Path) -> None:
+    scenario = parse_scenario({
+        "name": "user-script",
+        "target_step": 30,
+        "deadline_s": 200,
+        "cluster": {"nodes": 2, "ranks_per_node": 1, "min_nodes": 1, "max_nodes": 2,
+                    "max_restarts": 10, "last_call_s": 1.0},
+        "training": {"command": ["examples/user_train.py"],
+                     "env": {"USER_TRAIN_MIN_STEP_S": "0.3"}},
+        "checkpoint": {"interval": 5},
+        "verify": {"loss_rtol": 1e-4, "weights_rtol": 1e-4, "weights_atol": 1e-6},
+        "faults": [
+            {"kind": "kill_worker", "at_step": 6},
+            {"kind": "kill_during_persist", "during": "persist", "after_step": 12},
+            {"kind": "kill_node", "at_step": 21},
+        ],
+    }, source=str(ROOT / "scenarios" / "user-script.toml"))
+    out = tmp_path / "user-script"
+    result = run_scenario(scenario, out)
+    assert result.passed, render_markdown(result.report, None)
+    assert sum(1 for f in result.report["faults"] if f["ok"]) == 3
+    assert not _ours(out)
