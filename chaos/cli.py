@@ -12,6 +12,7 @@ from __future__ import annotations
 import argparse
 import logging
 import os
+import signal
 import sys
 import time
 from pathlib import Path
@@ -84,6 +85,12 @@ def main(argv: list[str] | None = None) -> int:
     out = Path(args.out or f"runs/chaos/{scenario.name}-seed{seed}")
     from chaos.runner import run_scenario
 
+    def terminate(signum: int, frame: object) -> None:
+        # A CI runner cancelling the job sends SIGTERM: unwind through the runner's
+        # teardown rather than leaving agents and workers behind.
+        raise SystemExit(128 + signum)
+
+    signal.signal(signal.SIGTERM, terminate)
     t0 = time.monotonic()
     try:
         result = run_scenario(scenario, out, seed=seed, junit=args.junit,
