@@ -67,7 +67,6 @@ logger = logging.getLogger(__name__)
 __all__ = ["ChaosRunError", "RunOutcome", "run_scenario"]
 
 REPO_ROOT = Path(__file__).resolve().parents[1]
-INJECT_DIR = Path(__file__).resolve().parent / "inject"
 POLL_S = 0.2
 CKPT_POLL_S = 0.5
 
@@ -454,11 +453,7 @@ def launch(scenario: Scenario, run_dir: Path, etcd: Any, store_url: str, job_id:
     if faults:
         fault_plan = run_dir / "fault-plan.json"
         write_plan_file(fault_plan, None)
-        env[ENV_VAR] = f"@{fault_plan}"
-        # Until storage.open_store honours RELIGHT_FAULT_PLAN itself, a sitecustomize shim
-        # makes it do so in the processes started here (it steps aside once it does).
-        env["PYTHONPATH"] = os.pathsep.join(
-            p for p in (str(INJECT_DIR), str(REPO_ROOT), env.get("PYTHONPATH", "")) if p)
+        env[ENV_VAR] = f"@{fault_plan}"  # storage.open_store follows this file
     (run_dir / "command.json").write_text(json.dumps({"train_argv": train_argv,
                                                       "env": train_env}, indent=1))
     store = open_store(store_url)

@@ -59,19 +59,15 @@ def test_plan_file_switches_faults_on_and_off(tmp_path: Path) -> None:
     assert store.get("a") == b"1" and store.get("c") == b"3"
 
 
-def test_sitecustomize_shim_wraps_open_store_in_a_child(tmp_path: Path) -> None:
+def test_training_processes_follow_the_plan_file(tmp_path: Path) -> None:
+    """What the runner relies on: a child process that merely calls open_store obeys the
+    plan file the harness writes."""
     plan = tmp_path / "plan.json"
     write_plan_file(plan, {"fail_at": [0], "ops": ["put"]})
     target = str(tmp_path / "s")
     code = (f"import storage, json; s = storage.open_store({target!r}); "
             "print(json.dumps([type(s).__name__, s.plan.fail_at == frozenset({0})]))")
-    env = {**os.environ, "RELIGHT_FAULT_PLAN": f"@{plan}",
-           "PYTHONPATH": os.pathsep.join([str(ROOT / "chaos" / "inject"), str(ROOT)])}
+    env = {**os.environ, "RELIGHT_FAULT_PLAN": f"@{plan}"}
     out = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True,
-                         timeout=60, check=True)
+                         timeout=60, check=True, cwd=ROOT)
     assert json.loads(out.stdout.strip().splitlines()[-1]) == ["ReloadingFaultyStore", True]
-    env.pop("RELIGHT_FAULT_PLAN")
-    out = subprocess.run([sys.executable, "-c", "import storage; print(type(storage.open_store"
-                          f"({str(tmp_path / 's')!r})).__name__)"], env=env, capture_output=True,
-                         text=True, timeout=60, check=True)
-    assert out.stdout.strip().splitlines()[-1] == "LocalStore"
