@@ -89,8 +89,9 @@ class SaveOptions:
     """None (default) or "zstd" (level 1) on every inner chunk; see docs/ckpt.md."""
     pack_bytes: int = 512 * 1024
     """Tensors no larger than this are packed into one byte array per writer."""
-    inner_bytes: int = 1 << 20
-    """Target size of the inner (crc32c-checked, separately readable) chunks of a shard."""
+    inner_bytes: int = 256 * 1024
+    """Target size of the inner (crc32c-checked, separately readable) chunks of a shard:
+    the granularity of partial reads when loading into another layout."""
     packed_inner: int = 64 * 1024
     """Inner chunk size of packed arrays."""
     commit_timeout_s: float = 600.0
@@ -100,6 +101,10 @@ class SaveOptions:
     def __post_init__(self) -> None:
         if self.compression not in (None, "zstd"):
             raise ValueError(f"compression must be None or 'zstd', got {self.compression!r}")
+
+
+def _err_json(e: BaseException) -> dict[str, Any]:
+    return {"type": type(e).__name__, "msg": str(e)}
 
 
 def _log_prefix(comm: Comm, step: int | None) -> str:
@@ -227,17 +232,29 @@ def save(
         prev._reported = True  # type: ignore[attr-defined]
         logger.error("%s previous save to %s failed: %s", pre, prev.url, prev.error)
 
-    lay, pieces_of = _rank_layout(flat, comm.rank)
-    digest = layout_digest(lay, [comm.ranks, opts.pack_bytes, opts.inner_bytes,
-                                 opts.packed_inner])
-    committed = comm.is_coordinator and store.exists(COMMIT_KEY)
+    # Any rank's local problem (bad value, unsupported placement, committed target) is
+    # raised on every rank, so no rank is left waiting in a collective or for a commit.
+    error: BaseException | None = None
+    digest = ""
+    lay: RankLayout | None = None
+    pieces_of: dict[str, list[Piece]] = {}
+    try:
+        lay, pieces_of = _rank_layout(flat, comm.rank)
+        digest = layout_digest(lay, [comm.ranks, opts.pack_bytes, opts.inner_bytes,
+                                     opts.packed_inner])
+        if comm.is_coordinator and store.exists(COMMIT_KEY):
+            raise CheckpointExistsError(
+                f"{store.url} already holds a committed checkpoint; saves never overwrite one "
+                "(choose another URL or delete it first)", url=store.url)
+    except Exception as e:  # noqa: BLE001 - re-raised below, after telling the others
+        error = e
     attempt = uuid.uuid4().hex[:16]
-    got = comm.allgather_json([digest, attempt, committed])
+    got = comm.allgather_json([digest, attempt, _err_json(error) if error else None])
+    if error is not None:
+        raise error
+    _raise_first([g[2] for g in got], comm.ranks, store.url)
+    assert lay is not None
     attempt = got[0][1]
-    if got[0][2]:
-        raise CheckpointExistsError(
-            f"{store.url} already holds a committed checkpoint; saves never overwrite one "
-            "(choose another URL or delete it first)", url=store.url)
     key = (tuple(g[0] for g in got), comm.ranks)
     cached = _STATE.cached
     if cached is None or cached.key != key:
@@ -636,10 +653,6 @@ class _Reader:
             else:
                 out.copy_(part)
         return out
-
-
-def _err_json(e: BaseException) -> dict[str, Any]:
-    return {"type": type(e).__name__, "msg": str(e)}
 
 
 def _raise_first(errors: list[Any], ranks: tuple[int, ...], url: str) -> None:

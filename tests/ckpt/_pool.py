@@ -11,6 +11,7 @@ import importlib
 import os
 import queue
 import tempfile
+import time
 import traceback
 from datetime import timedelta
 from typing import Any
@@ -21,9 +22,12 @@ __all__ = ["RankPool", "RankFailure"]
 
 
 class RankFailure(AssertionError):
-    def __init__(self, failures: dict[int, str]) -> None:
+    """Some ranks raised or died; `failures` rank -> traceback, `results` of the others."""
+
+    def __init__(self, failures: dict[int, str], results: dict[int, Any] | None = None) -> None:
         super().__init__("\n".join(f"--- rank {r} ---\n{tb}" for r, tb in sorted(failures.items())))
         self.failures = failures
+        self.results = results or {}
 
 
 def _worker(rank: int, world: int, init: str, inbox: Any, outbox: Any, env: dict) -> None:
@@ -73,25 +77,33 @@ class RankPool:
             self.inboxes[r].put((target, kwargs))
         results: dict[int, Any] = {}
         failures: dict[int, str] = {}
-        for _ in ranks:
+        deadline = time.monotonic() + timeout
+        while len(results) + len(failures) < len(ranks):
             try:
-                rank, ok, value = self.outbox.get(timeout=timeout)
+                rank, ok, value = self.outbox.get(timeout=0.5)
+                (results if ok else failures)[rank] = value
+                continue
             except queue.Empty:
-                dead = [r for r, p in enumerate(self.procs) if not p.is_alive()]
-                raise RankFailure({-1: f"timeout after {timeout} s; dead ranks {dead}"}) from None
-            (results if ok else failures)[rank] = value
+                pass
+            for r in ranks:
+                if r not in results and r not in failures and not self.procs[r].is_alive():
+                    failures[r] = f"rank {r} died (exit code {self.procs[r].exitcode})"
+            if time.monotonic() > deadline:
+                for r in ranks:
+                    if r not in results and r not in failures:
+                        failures[r] = f"no answer after {timeout} s"
         if failures:
-            raise RankFailure(failures)
+            raise RankFailure(failures, results)
         return [results[r] for r in ranks]
 
     def alive(self) -> bool:
         return all(p.is_alive() for p in self.procs)
 
-    def close(self) -> None:
+    def close(self, timeout: float = 10.0) -> None:
         for q, p in zip(self.inboxes, self.procs, strict=True):
             if p.is_alive():
                 q.put(None)
         for p in self.procs:
-            p.join(timeout=10)
+            p.join(timeout=timeout)
             if p.is_alive():
                 p.kill()

@@ -68,6 +68,23 @@ def global_tensor(spec: dict[str, Any], seed: int) -> torch.Tensor:
     return torch.randn(shape, generator=g).to(dt)
 
 
+def _agreed(fn, group):  # noqa: ANN001, ANN202
+    """Run fn; if it fails on any rank of `group`, raise on all of them (so a harness
+    problem on one rank never leaves the others in a collective of the next case)."""
+    err = None
+    try:
+        value = fn()
+    except Exception as e:  # noqa: BLE001
+        err, value = e, None
+    flags = [None] * dist.get_world_size(group)
+    dist.all_gather_object(flags, err is not None, group=group)
+    if err is not None:
+        raise err
+    if any(flags):
+        raise RuntimeError("another rank failed to build the case")
+    return value
+
+
 def _world_of(mesh: list[int]) -> int:
     n = 1
     for s in mesh:
@@ -95,13 +112,14 @@ def save_load(url: str, tensors: list[dict[str, Any]], seed: int,
               load_mesh: list[int], load_pl: list[list[str]],
               async_save: bool = False, broadcast: bool = True,
               values: dict[str, Any] | None = None, options: dict[str, Any] | None = None,
-              ) -> dict[str, Any]:
+              env: dict[str, str] | None = None) -> dict[str, Any]:
+    os.environ.update(env or {})
     rank = dist.get_rank()
     out: dict[str, Any] = {"rank": rank}
     ws, wl = _world_of(save_mesh), _world_of(load_mesh)
     store = storage.open_store(url)
     if rank < ws:
-        sd = build(tensors, save_mesh, save_pl, seed)
+        sd = _agreed(lambda: build(tensors, save_mesh, save_pl, seed), _group(ws))
         if values:
             sd["values"] = dict(values)
         h = ckpt.save(sd, store, async_save=async_save, process_group=_group(ws),
@@ -166,21 +184,32 @@ def manager_restore(root: str, tensors: list[dict[str, Any]], mesh: list[int],
     return {"step": step, "value": sd["step"], "ok": ok}
 
 
-def kill_during_persist(url: str, tensors: list[dict[str, Any]], mesh: list[int],
-                        pl: list[list[str]], victim: int, timeout_s: float) -> dict[str, Any]:
-    """`victim` dies (SIGKILL) right after staging, before persisting; the others must
-    report a failed save and no COMMIT may appear."""
+def crash_save(root: str, tensors: list[dict[str, Any]], mesh: list[int],
+               pl: list[list[str]], victim: int, where: str, timeout_s: float) -> dict[str, Any]:
+    """Commit step 1, then save step 2 during which `victim` is SIGKILLed: in the middle
+    of persisting ("persist") or, as coordinator, right before the marker ("commit").
+    Survivors must see the save fail."""
+    import ckpt.engine as eng
+
     rank = dist.get_rank()
-    sd = build(tensors, mesh, pl, 1)
     opts = ckpt.SaveOptions(commit_timeout_s=timeout_s)
+    mgr = ckpt.CheckpointManager(root, keep_last=3, options=opts)
+    mgr.save(1, build(tensors, mesh, pl, 1), async_save=False)
     if rank == victim:
-        import ckpt.engine as eng
+        if where == "persist":
+            real = eng._SaveJob.persist
 
-        def die(self):  # noqa: ANN001
-            os.kill(os.getpid(), signal.SIGKILL)
+            def persist(self):  # noqa: ANN001
+                real(self)  # this rank's arrays are written, its index is not
+                os.kill(os.getpid(), signal.SIGKILL)
 
-        eng._SaveJob.persist = die
-    h = ckpt.save(sd, url, async_save=True, options=opts)
+            eng._SaveJob.persist = persist
+        else:
+            def manifest(self, indexes):  # noqa: ANN001
+                os.kill(os.getpid(), signal.SIGKILL)
+
+            eng._SaveJob._manifest = manifest
+    h = mgr.save(2, build(tensors, mesh, pl, 2), async_save=True)
     t0 = time.monotonic()
     try:
         h.wait()

@@ -1,0 +1,187 @@
+"""`relight ckpt ...`: list, inspect, verify and garbage-collect checkpoints.
+
+Exit codes: 0 ok; 1 a checkpoint failed verification (or is corrupt); 2 usage error;
+3 no checkpoint found; 4 storage error.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+import time
+from typing import Any
+
+from ckpt.errors import CheckpointError, CheckpointNotFoundError
+from ckpt.format import COMMIT_KEY, MANIFEST_KEY
+from ckpt.manager import KeepEvery, KeepLast, collect_garbage, list_records, step_dir
+from ckpt.manifest import read_manifest
+from ckpt.verify import verify
+from storage import StorageError, Store, open_store
+
+__all__ = ["main"]
+
+EXIT_OK, EXIT_BAD, EXIT_USAGE, EXIT_NOT_FOUND, EXIT_STORAGE = 0, 1, 2, 3, 4
+
+
+def _is_checkpoint(store: Store) -> bool:
+    return store.exists(COMMIT_KEY) or store.exists(MANIFEST_KEY)
+
+
+def _resolve(url: str, step: int | None) -> Store:
+    """The checkpoint store: URL itself, URL/step-N, or the newest committed under URL."""
+    store = open_store(url)
+    if step is not None:
+        return store.child(step_dir(step))
+    if _is_checkpoint(store):
+        return store
+    records = list_records(store)
+    for s in sorted((s for s, r in records.items() if r.committed), reverse=True):
+        child = store.child(step_dir(s))
+        if child.exists(COMMIT_KEY):
+            return child
+    raise CheckpointNotFoundError(f"no committed checkpoint under {store.url}", url=store.url)
+
+
+def _age(created: float | None) -> str:
+    if not created:
+        return "?"
+    s = max(0.0, time.time() - created)
+    for unit, n in (("d", 86400), ("h", 3600), ("m", 60)):
+        if s >= n:
+            return f"{s / n:.1f}{unit}"
+    return f"{s:.0f}s"
+
+
+def _entry(store: Store, step: int | None) -> dict[str, Any]:
+    committed = store.exists(COMMIT_KEY)
+    e: dict[str, Any] = {"step": step, "url": store.url, "committed": committed}
+    if committed:
+        try:
+            m = read_manifest(store).raw
+            e.update(bytes=m.get("bytes"), world_size=m.get("world_size"),
+                     layout=m.get("layout"), created_unix=m.get("created_unix"),
+                     tensors=len(m["tensors"]))
+        except CheckpointError as err:
+            e["error"] = str(err)
+    return e
+
+
+def cmd_ls(args: argparse.Namespace) -> int:
+    store = open_store(args.url)
+    if _is_checkpoint(store):
+        entries = [_entry(store, None)]
+    else:
+        entries = [_entry(store.child(step_dir(s)), s) for s in sorted(list_records(store))]
+    if args.json:
+        print(json.dumps(entries, indent=1))
+    else:
+        print(f"{'STEP':>10}  {'STATE':<11} {'SIZE':>10} {'WORLD':>5} {'AGE':>7}  LAYOUT")
+        for e in entries:
+            state = "committed" if e["committed"] else "uncommitted"
+            if e.get("error"):
+                state = "corrupt"
+            size = f"{e['bytes'] / 2**20:.1f}MiB" if e.get("bytes") is not None else "-"
+            print(f"{e['step'] if e['step'] is not None else '-':>10}  {state:<11} {size:>10} "
+                  f"{e.get('world_size') or '-':>5} {_age(e.get('created_unix')):>7}  "
+                  f"{json.dumps(e.get('layout')) if e.get('layout') else '-'}")
+    if not entries:
+        print(f"no checkpoints under {store.url}", file=sys.stderr)
+        return EXIT_NOT_FOUND
+    return EXIT_OK
+
+
+def cmd_inspect(args: argparse.Namespace) -> int:
+    store = _resolve(args.url, args.step)
+    m = read_manifest(store).raw
+    if args.json:
+        print(json.dumps({k: m[k] for k in m if k != "index"}, indent=1))
+        return EXIT_OK
+    print(f"checkpoint {store.url}")
+    print(f"  step {m.get('step')}  created {m.get('created')}  world {m.get('world_size')}  "
+          f"format v{m.get('version')}  writer {m.get('writer', {}).get('version')}")
+    print(f"  layout {json.dumps(m.get('layout'))}")
+    print(f"  config {json.dumps(m.get('config'))[:200]}")
+    print(f"  {len(m['tensors'])} tensors, {m.get('bytes', 0) / 2**20:.1f} MiB; "
+          f"{len(m['values'])} values")
+    for name, t in sorted(m["tensors"].items()):
+        print(f"  {name:<50} {t['dtype']:<9} {str(tuple(t['shape'])):<20} {t['storage']:<7} "
+              f"{t.get('placements', '')}")
+    return EXIT_OK
+
+
+def cmd_verify(args: argparse.Namespace) -> int:
+    store = _resolve(args.url, args.step)
+    report = verify(store, read_data=not args.quick)
+    if args.json:
+        print(json.dumps(report.to_json(), indent=1))
+    else:
+        print(f"{'OK' if report.ok else 'FAILED'} {store.url}: step {report.step}, "
+              f"{report.tensors} tensors, {report.objects} objects, {report.bytes} bytes read")
+        for p in report.problems:
+            print(f"  - {p}")
+    return EXIT_OK if report.ok else EXIT_BAD
+
+
+def cmd_gc(args: argparse.Namespace) -> int:
+    store = open_store(args.url)
+    policies: list[Any] = [KeepLast(args.keep_last)]
+    if args.keep_every:
+        policies.append(KeepEvery(args.keep_every))
+    deleted = collect_garbage(store, policies, args.grace_s)
+    if args.json:
+        print(json.dumps({"deleted": deleted}))
+    else:
+        print(f"deleted {len(deleted)} checkpoint(s): {deleted}")
+    return EXIT_OK
+
+
+def build_parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(prog="relight ckpt", description=__doc__,
+                                formatter_class=argparse.RawDescriptionHelpFormatter)
+    sub = p.add_subparsers(dest="cmd", required=True)
+    ls = sub.add_parser("ls", help="steps under a run root: committed or not, size, layout, age")
+    ls.add_argument("url")
+    ls.set_defaults(fn=cmd_ls)
+    ins = sub.add_parser("inspect", help="tensors, shapes, dtypes, layout of one checkpoint")
+    ins.add_argument("url")
+    ins.add_argument("--step", type=int)
+    ins.set_defaults(fn=cmd_inspect)
+    ver = sub.add_parser("verify", help="every chunk present and its checksum right")
+    ver.add_argument("url")
+    ver.add_argument("--step", type=int)
+    ver.add_argument("--quick", action="store_true", help="check objects exist, skip reading")
+    ver.set_defaults(fn=cmd_verify)
+    gc = sub.add_parser("gc", help="delete old and stale checkpoints")
+    gc.add_argument("url")
+    gc.add_argument("--keep-last", type=int, required=True)
+    gc.add_argument("--keep-every", type=int)
+    gc.add_argument("--grace-s", type=float, default=3600.0,
+                    help="uncommitted checkpoints younger than this are left alone")
+    gc.set_defaults(fn=cmd_gc)
+    for sp in (ls, ins, ver, gc):
+        sp.add_argument("--json", action="store_true", help="machine-readable output")
+    return p
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = build_parser()
+    try:
+        args = parser.parse_args(argv)
+    except SystemExit as e:
+        return EXIT_USAGE if e.code else EXIT_OK
+    try:
+        return int(args.fn(args))
+    except CheckpointNotFoundError as e:
+        print(f"error: {e}", file=sys.stderr)
+        return EXIT_NOT_FOUND
+    except CheckpointError as e:
+        print(f"error: {e}", file=sys.stderr)
+        return EXIT_BAD
+    except (StorageError, ValueError) as e:
+        print(f"error: {e}", file=sys.stderr)
+        return EXIT_STORAGE
+
+
+if __name__ == "__main__":
+    sys.exit(main())
