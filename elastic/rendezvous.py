@@ -62,11 +62,32 @@ __all__ = [
     "RoundState",
     "assign_ranks",
     "create_handler",
+    "record_event",
     "torchrun_handler",
 ]
 
 BACKEND_NAME = "relight-etcd"
 PASSWORD_ENV = "RELIGHT_ETCD_PASSWORD"
+EVENTS_ENV = "RELIGHT_EVENTS_FILE"
+"""If set, each rendezvous appends JSON lines (`rdzv_start`, `rdzv_done`) with wall-clock
+times to this file: how recovery time splits into detection and re-rendezvous."""
+
+
+def record_event(kind: str, **fields: Any) -> None:
+    """Append one JSON line to $RELIGHT_EVENTS_FILE (no-op when unset; never raises)."""
+    path = os.environ.get(EVENTS_ENV)
+    if not path:
+        return
+    line = json.dumps({"ev": kind, "t": time.time(), "pid": os.getpid(), **fields})
+    try:
+        # One write() of one line with O_APPEND: lines from processes do not interleave.
+        fd = os.open(path, os.O_WRONLY | os.O_APPEND | os.O_CREAT, 0o644)
+        try:
+            os.write(fd, (line + "\n").encode())
+        finally:
+            os.close(fd)
+    except OSError as exc:
+        logger.warning("could not append to %s=%s: %s", EVENTS_ENV, path, exc)
 
 
 @dataclass(frozen=True, kw_only=True, slots=True)
@@ -279,9 +300,12 @@ class EtcdRendezvousHandler(RendezvousHandler):
         start = _now()
         deadline = start + s.join_timeout
         unreachable_since: float | None = None
+        record_event("rdzv_start", run_id=s.run_id, node=self.node_id, after_round=self._round)
         while True:
             try:
                 info = self._try_rendezvous(deadline)
+                record_event("rdzv_done", run_id=s.run_id, node=self.node_id, round=self._round,
+                             rank=info.rank, world=info.world_size)
                 self._log("joined as rank %d of %d in %.2fs (store %s:%d)", info.rank,
                           info.world_size, _now() - start, info.bootstrap_store_info.master_addr,
                           info.bootstrap_store_info.master_port)

@@ -142,8 +142,8 @@ def test_max_nodes_leaves_a_spare_waiting(etcd_server) -> None:
 
 def test_late_node_triggers_scale_up_with_stable_ranks(etcd_server) -> None:
     run = job_id()
-    hs = [handler(etcd_server.endpoint, run, 1, 3) for _ in range(2)]
-    new = handler(etcd_server.endpoint, run, 1, 3)
+    hs = [handler(etcd_server.endpoint, run, 2, 3) for _ in range(2)]
+    new = handler(etcd_server.endpoint, run, 2, 3)
     try:
         first = _check_group(join_all(hs), 2)
         ranks_before = {h.node_id: i.rank for h, i in zip(hs, first, strict=True)}
@@ -209,7 +209,8 @@ def test_node_dying_mid_rendezvous_is_dropped(etcd_server) -> None:
 
 def test_dead_participant_makes_survivors_reform_smaller(etcd_server) -> None:
     run = job_id()
-    hs = [handler(etcd_server.endpoint, run, 1, 3) for _ in range(3)]
+    # A long last call: the three must form one group even on a slow machine.
+    hs = [handler(etcd_server.endpoint, run, 1, 3, last_call_timeout="3") for _ in range(3)]
     try:
         _check_group(join_all(hs), 3)
         victim = hs.pop(1)
