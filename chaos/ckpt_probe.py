@@ -39,6 +39,8 @@ class StepDir:
     indexes: int
     """Per-rank index objects present (of the newest attempt)."""
     manifest: bool
+    attempt: str | None = None
+    """The newest save attempt seen for this step (a re-save of a step is a new attempt)."""
 
 
 class CheckpointProbe:
@@ -82,8 +84,14 @@ class CheckpointProbe:
             order += sorted(a for a in d["idx"] if a not in order)
             current = next((a for a in reversed(order) if a in d["idx"]), None)
             out[d["step"]] = StepDir(d["step"], prefix, d["commit"],
-                                     d["idx"].get(current, 0) if current else 0, d["manifest"])
+                                     d["idx"].get(current, 0) if current else 0, d["manifest"],
+                                     current)
         return out
+
+    def commits(self) -> set[tuple[int, str | None]]:
+        """(step, attempt) of every committed checkpoint: a step saved again after a
+        fallback shows up as a new pair, so its new commit is seen as one."""
+        return {(d.step, d.attempt) for d in self.scan().values() if d.committed}
 
     def _fresh_pending(self, max_age_s: float) -> set[int]:
         """Steps whose save started less than `max_age_s` ago and has not committed (the

@@ -95,6 +95,8 @@ or prevent a checkpoint, so the resume falls back one further."""
 
 RESTARTING = frozenset(
     {
+        FaultKind.CORRUPT_CHECKPOINT,  # only with kill_after: measured when it restarts
+        FaultKind.TRUNCATE_CHECKPOINT,
         FaultKind.KILL_WORKER,
         FaultKind.KILL_NODE,
         FaultKind.STOP_WORKER,
@@ -416,9 +418,19 @@ class Injector:
 
     def _corrupt_checkpoint(self, spec: Any, event: FaultEvent) -> None:
         self._damage(event, "flip")
+        self._kill_after(spec, event)
 
     def _truncate_checkpoint(self, spec: Any, event: FaultEvent) -> None:
         self._damage(event, "truncate")
+        self._kill_after(spec, event)
+
+    def _kill_after(self, spec: Any, event: FaultEvent) -> None:
+        if not getattr(spec, "kill_after", False):
+            return
+        node, w = self._worker(spec)
+        os.kill(w.pid, signal.SIGKILL)
+        event.node, event.pids = node, [w.pid]
+        event.detail.update(killed_rank=w.rank)
 
 
 def draw_mtbf_schedule(

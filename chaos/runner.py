@@ -474,7 +474,7 @@ def launch(scenario: Scenario, run_dir: Path, etcd: Any, store_url: str, job_id:
     events: list[FaultEvent] = []
     recoveries: list[_Recovery] = []
     ckpt_events: list[CheckpointEvent] = []
-    committed: set[int] = set()
+    committed: set[tuple[int, str | None]] = set()
     offset, line_no, high = 0, 0, -1
     first_step_time: float | None = None
     started = time.time()
@@ -509,10 +509,10 @@ def launch(scenario: Scenario, run_dir: Path, etcd: Any, store_url: str, job_id:
                 obs.flush()
                 if now_m >= next_ckpt_poll:
                     next_ckpt_poll = now_m + CKPT_POLL_S
-                    steps = set(cluster.probe.committed_steps())
-                    for s in sorted(steps - committed):
-                        ckpt_events.append(CheckpointEvent(s, now, "commit"))
-                    committed = steps
+                    seen = cluster.probe.commits()
+                    for step, _ in sorted(seen - committed, key=lambda c: c[0]):
+                        ckpt_events.append(CheckpointEvent(step, now, "commit"))
+                    committed |= seen
                 workers = cluster.workers()
                 cluster.track_all()
                 for rc in list(recoveries):
@@ -557,8 +557,9 @@ def launch(scenario: Scenario, run_dir: Path, etcd: Any, store_url: str, job_id:
                                                FaultKind.TRUNCATE_CHECKPOINT):
                         ckpt_events.append(CheckpointEvent(ev.detail["checkpoint_step"],
                                                            ev.time, "damage"))
-                        committed.discard(ev.detail["checkpoint_step"])
-                    if ev.ok and spec.kind in RESTARTING:
+                    if ev.ok and spec.kind in RESTARTING and (
+                        spec.kind not in (FaultKind.CORRUPT_CHECKPOINT,
+                                          FaultKind.TRUNCATE_CHECKPOINT) or spec.kill_after):
                         recoveries.append(_Recovery(ev, before))
                     phase_cache = None
                     if spec.during in ("persist", "before_commit"):
@@ -579,8 +580,8 @@ def launch(scenario: Scenario, run_dir: Path, etcd: Any, store_url: str, job_id:
                     break
                 time.sleep(POLL_S)
         # One last look: the final commit may land as the agents exit.
-        for s in sorted(set(cluster.probe.committed_steps()) - committed):
-            ckpt_events.append(CheckpointEvent(s, time.time(), "commit"))
+        for step, _ in sorted(cluster.probe.commits() - committed, key=lambda c: c[0]):
+            ckpt_events.append(CheckpointEvent(step, time.time(), "commit"))
         for p in pending:
             events.append(FaultEvent(index=p.index, kind=p.spec.kind, trigger=p.trigger,
                                      time=time.time(), step=high, ok=False,

@@ -254,6 +254,9 @@ class FaultSpec:
     """storage_*: operations affected (empty: all)."""
     key_contains: str = ""
     """storage_*: only keys containing this (empty: all)."""
+    kill_after: bool = False
+    """corrupt/truncate_checkpoint: SIGKILL a worker right after the damage, so the next
+    restore meets the damaged checkpoint as the newest one and must fall back."""
     window_s: float = 2.0
     """during = persist/before_commit: while the fault waits, the harness delays each rank's
     index write (persist) or the coordinator's manifest write (before_commit) by this
