@@ -9,18 +9,25 @@ match `reference(steps)` exactly, even after a resize.
 
 Checkpoints are plain JSON written atomically by rank 0 (temp file + rename) every
 `--ckpt-every` steps. Every process appends JSON-line events (start, resume, step,
-done) to `{out}/events.jsonl` for the tests to measure recovery. With
-TORCHELASTIC_TIMER_FILE set (the agent's FileTimerServer), each step runs under a
-watchdog timer: a stopped or stuck worker is SIGKILLed by the agent's watchdog.
+done, watchdog) to `{out}/events.jsonl` for the tests to measure recovery.
+
+`--watchdog S` starts a progress watchdog thread: no completed step for S seconds
+means a peer hangs (this worker is blocked in a collective). It SIGKILLs sibling
+workers of the same agent that are stopped (state T: a SIGSTOPped process ignores
+the agent's SIGTERM until SIGKILL, which would cost the agent's 30 s shutdown
+grace), then exits with code 70, so the agent restarts the group at once.
+torch's own FileTimerServer is not used: on expiry it SIGKILLs the agent too,
+which turns a hung worker into a lost node.
 """
 
 from __future__ import annotations
 
 import argparse
-import contextlib
 import glob
 import json
 import os
+import signal
+import threading
 import time
 from datetime import timedelta
 
@@ -87,6 +94,44 @@ def save(out: str, name: str, step: int, w: torch.Tensor) -> None:
     os.replace(tmp, os.path.join(out, name))
 
 
+def stopped_siblings() -> list[int]:
+    """Pids of processes with our parent (the agent) that are stopped (state T)."""
+    me, parent, found = os.getpid(), os.getppid(), []
+    for entry in os.listdir("/proc"):
+        if not entry.isdigit() or int(entry) == me:
+            continue
+        try:
+            with open(f"/proc/{entry}/stat") as f:
+                fields = f.read().rsplit(")", 1)[1].split()
+        except OSError:
+            continue
+        if fields[0] in ("T", "t") and int(fields[1]) == parent:
+            found.append(int(entry))
+    return found
+
+
+class Watchdog:
+    """Exits the process when no step completes for `limit` seconds."""
+
+    def __init__(self, out: str, limit: float, rank: int) -> None:
+        self.out, self.limit, self.rank = out, limit, rank
+        self.last = time.monotonic()
+        threading.Thread(target=self._run, daemon=True).start()
+
+    def progress(self) -> None:
+        self.last = time.monotonic()
+
+    def _run(self) -> None:
+        while True:
+            time.sleep(min(0.2, self.limit / 4))
+            if time.monotonic() - self.last > self.limit:
+                victims = stopped_siblings()
+                for pid in victims:
+                    os.kill(pid, signal.SIGKILL)
+                event(self.out, "watchdog", rank=self.rank, killed=victims)
+                os._exit(70)
+
+
 def main() -> None:
     p = argparse.ArgumentParser()
     p.add_argument("--out", required=True)
@@ -108,35 +153,26 @@ def main() -> None:
     event(out, "start", rank=rank, world=world, restart=restart, t_proc=t_start,
           group_rank=int(os.environ.get("GROUP_RANK", "0")))
 
-    timer_client = None
-    if args.watchdog > 0 and os.environ.get("TORCHELASTIC_TIMER_FILE"):
-        from torch.distributed.elastic.timer import FileTimerClient
-
-        timer_client = FileTimerClient(os.environ["TORCHELASTIC_TIMER_FILE"])
-
     step, w = latest_checkpoint(out)
     event(out, "resume", rank=rank, world=world, restart=restart, step=step)
     per_rank = BATCH // world
     if per_rank * world != BATCH:
         raise SystemExit(f"world size {world} must divide the global batch {BATCH}")
     stop_file = os.path.join(out, "STOP")
+    watchdog = Watchdog(out, args.watchdog, rank) if args.watchdog > 0 else None
     while step < args.steps:
-        guard = contextlib.nullcontext()
-        if timer_client is not None:
-            from torch.distributed.elastic.timer import expires
-
-            guard = expires(after=args.watchdog, client=timer_client)
-        with guard:
-            step += 1
-            base = (step - 1) * BATCH + rank * per_rank
-            mine = torch.stack([grad_of(w, base + j) for j in range(per_rank)])
-            stop = float(rank == 0 and os.path.exists(stop_file))
-            payload = torch.cat([mine.flatten(), torch.tensor([stop], dtype=torch.float64)])
-            gathered = [torch.empty_like(payload) for _ in range(world)]
-            dist.all_gather(gathered, payload)
-            grads = [g[:-1].view(per_rank, DIM)[j] for g in gathered for j in range(per_rank)]
-            w = apply(w, grads)
-            time.sleep(args.step_sleep)
+        step += 1
+        base = (step - 1) * BATCH + rank * per_rank
+        mine = torch.stack([grad_of(w, base + j) for j in range(per_rank)])
+        stop = float(rank == 0 and os.path.exists(stop_file))
+        payload = torch.cat([mine.flatten(), torch.tensor([stop], dtype=torch.float64)])
+        gathered = [torch.empty_like(payload) for _ in range(world)]
+        dist.all_gather(gathered, payload)
+        grads = [g[:-1].view(per_rank, DIM)[j] for g in gathered for j in range(per_rank)]
+        w = apply(w, grads)
+        time.sleep(args.step_sleep)
+        if watchdog is not None:
+            watchdog.progress()
         event(out, "step", rank=rank, world=world, restart=restart, step=step)
         if rank == 0 and step % args.ckpt_every == 0:
             save(out, f"ckpt-{step:08d}.json", step, w)
