@@ -445,7 +445,6 @@ def launch(scenario: Scenario, run_dir: Path, etcd: Any, store_url: str, job_id:
     """Run the job once (with or without faults); always tears the nodes down."""
     run_dir.mkdir(parents=True, exist_ok=True)
     metrics = run_dir / "metrics.jsonl"
-    observed = run_dir / "metrics.observed.jsonl"
     train_argv, train_env = training_command(scenario, store_url, metrics)
     env = {**os.environ, **base_env, **train_env}
     env.pop(ENV_VAR, None)
@@ -456,146 +455,191 @@ def launch(scenario: Scenario, run_dir: Path, etcd: Any, store_url: str, job_id:
         env[ENV_VAR] = f"@{fault_plan}"  # storage.open_store follows this file
     (run_dir / "command.json").write_text(json.dumps({"train_argv": train_argv,
                                                       "env": train_env}, indent=1))
-    store = open_store(store_url)
-    cluster = Cluster(scenario, run_dir, etcd, store, job_id, train_argv, env, fault_plan)
-    rng = random.Random(f"victims:{seed}")
-    injector = Injector(cluster, rng)
-    pending: list[_Pending] = []
+    cluster = Cluster(scenario, run_dir, etcd, open_store(store_url), job_id, train_argv, env,
+                      fault_plan)
+    loop = _Watch(scenario, cluster, Injector(cluster, random.Random(f"victims:{seed}")),
+                  metrics, run_dir / "metrics.observed.jsonl")
     if faults:
-        for i, spec in enumerate(scenario.faults):
-            trig = (f"step>={spec.at_step}" if spec.at_step is not None else
-                    f"t>={spec.at_time_s}s" if spec.at_time_s is not None else
-                    f"during={spec.during}")
-            pending.append(_Pending(i, spec, trig))
-        m = scenario.mtbf
-        for t, kind in draw_mtbf_schedule(m.kinds, m.count, m.mean_s, m.start_s, seed):
-            pending.append(_Pending(len(pending), _mtbf_spec(kind, m), f"mtbf t>={t}s", t))
-    records: list[StepRecord] = []
-    events: list[FaultEvent] = []
-    recoveries: list[_Recovery] = []
-    ckpt_events: list[CheckpointEvent] = []
-    committed: set[tuple[int, str | None]] = set()
-    offset, line_no, high = 0, 0, -1
-    first_step_time: float | None = None
+        loop.schedule_faults(seed)
     started = time.time()
-    deadline = time.monotonic() + deadline_s
-    finished, detail = False, ""
-    next_ckpt_poll = 0.0
     try:
         for _ in range(scenario.cluster.nodes):
             cluster.start_node()
-        with open(observed, "a") as obs:
-            while True:
-                now_m, now = time.monotonic(), time.time()
-                lines, offset = _metrics_tail(metrics, offset)
-                new_at = None
-                for line in lines:
-                    line_no += 1
-                    try:
-                        obj = json.loads(line)
-                    except json.JSONDecodeError:
-                        continue
-                    if isinstance(obj, dict):
-                        obj.setdefault("seen", now)
-                        obs.write(json.dumps(obj) + "\n")
-                        parsed = parse_metrics([json.dumps(obj)]).records
-                        if parsed:
-                            rec = parsed[0]
-                            records.append(replace(rec, line=line_no))
-                            high = max(high, rec.step)
-                            new_at = rec.time if new_at is None else new_at
-                            if first_step_time is None:
-                                first_step_time = now
-                obs.flush()
-                if now_m >= next_ckpt_poll:
-                    next_ckpt_poll = now_m + CKPT_POLL_S
-                    seen = cluster.probe.commits()
-                    for step, _ in sorted(seen - committed, key=lambda c: c[0]):
-                        ckpt_events.append(CheckpointEvent(step, now, "commit"))
-                    committed |= seen
-                workers = cluster.workers()
-                cluster.track_all()
-                for rc in list(recoveries):
-                    if rc.update(workers, scenario.cluster.ranks_per_node, now, new_at):
-                        recoveries.remove(rc)
-                cluster.run_due()
-                # faults due now
-                phase_cache: dict[str, Any] | None = None
-                arm: dict[str, Any] | None = None
-                for p in list(pending):
-                    spec = p.spec
-                    due = False
-                    if p.at_time_s is not None and (
-                        first_step_time is None or now - first_step_time < p.at_time_s
-                    ):
-                        continue
-                    if spec.at_step is not None:
-                        due = high >= spec.at_step
-                    elif spec.at_time_s is not None:
-                        due = first_step_time is not None and now - first_step_time >= (
-                            spec.at_time_s)
-                    elif spec.during is not None and high >= max(spec.after_step, 1):
-                        if spec.during in ("persist", "before_commit") and arm is None:
-                            arm = _window_plan(spec)
-                        if spec.during in ("persist", "before_commit"):
-                            if phase_cache is None:
-                                phase_cache = cluster.checkpoint_phase()
-                            due = phase_cache["phase"] == spec.during
-                        elif spec.during == "restore":
-                            # A restarted group is up and has not logged a step yet.
-                            due = any(rc.event.rendezvous_at is not None
-                                      and rc.event.first_step_at is None for rc in recoveries)
-                        else:
-                            due = True
-                    if not due:
-                        continue
-                    pending.remove(p)
-                    before = cluster.workers()
-                    ev = injector.inject(spec, p.index, p.trigger, high)
-                    events.append(ev)
-                    if ev.ok and spec.kind in (FaultKind.CORRUPT_CHECKPOINT,
-                                               FaultKind.TRUNCATE_CHECKPOINT):
-                        ckpt_events.append(CheckpointEvent(ev.detail["checkpoint_step"],
-                                                           ev.time, "damage"))
-                    if ev.ok and spec.kind in RESTARTING and (
-                        spec.kind not in (FaultKind.CORRUPT_CHECKPOINT,
-                                          FaultKind.TRUNCATE_CHECKPOINT) or spec.kill_after):
-                        recoveries.append(_Recovery(ev, before))
-                    phase_cache = None
-                    if spec.during in ("persist", "before_commit"):
-                        arm = None
-                cluster.arm(arm)
-                if cluster.all_exited():
-                    codes = cluster.exit_codes()
-                    kept = {i: c for i, c in codes.items() if not cluster.nodes[i].removed}
-                    finished = bool(kept) and all(c == 0 for c in kept.values())
-                    detail = f"agents exited {kept}" + (
-                        f" (removed nodes: {sorted(set(codes) - set(kept))})"
-                        if len(kept) != len(codes) else "")
-                    break
-                if time.monotonic() > deadline:
-                    detail = (f"deadline of {deadline_s:.0f} s passed at step {high}; live "
-                              f"agents {cluster.live_nodes()}")
-                    logger.error("%s", detail)
-                    break
-                time.sleep(POLL_S)
-        # One last look: the final commit may land as the agents exit.
-        for step, _ in sorted(cluster.probe.commits() - committed, key=lambda c: c[0]):
-            ckpt_events.append(CheckpointEvent(step, time.time(), "commit"))
-        for p in pending:
-            events.append(FaultEvent(index=p.index, kind=p.spec.kind, trigger=p.trigger,
-                                     time=time.time(), step=high, ok=False,
-                                     error="never fired: the run ended first"))
+        finished, detail = loop.run(time.monotonic() + deadline_s, deadline_s)
     finally:
         leaked = cluster.teardown()
         if fault_plan is not None:
             write_plan_file(fault_plan, None)
+        loop.close()
     ended = time.time()
     (run_dir / "actions.json").write_text(json.dumps(cluster.actions, indent=1))
-    events.sort(key=lambda e: e.index)
-    return RunOutcome(records=records, finished=finished and not leaked, detail=detail,
+    events = sorted(loop.events, key=lambda e: e.index)
+    return RunOutcome(records=loop.records, finished=finished and not leaked, detail=detail,
                       started_at=started, ended_at=ended, faults=events,
-                      checkpoint_events=ckpt_events, store_url=store_url, leaked=leaked)
+                      checkpoint_events=loop.ckpt_events, store_url=store_url, leaked=leaked)
+
+
+class _Watch:
+    """The loop of one launch: tail the metrics, poll commits, watch workers, fire faults.
+    Step-triggered faults fire as soon as their step's line is read, not a poll later."""
+
+    def __init__(self, scenario: Scenario, cluster: Cluster, injector: Injector,
+                 metrics: Path, observed: Path) -> None:
+        self.scenario = scenario
+        self.cluster = cluster
+        self.injector = injector
+        self.metrics = metrics
+        self.observed = open(observed, "a")  # noqa: SIM115 - closed in close()
+        self.pending: list[_Pending] = []
+        self.records: list[StepRecord] = []
+        self.events: list[FaultEvent] = []
+        self.recoveries: list[_Recovery] = []
+        self.ckpt_events: list[CheckpointEvent] = []
+        self.committed: set[tuple[int, str | None]] = set()
+        self.offset = self.line_no = 0
+        self.high = -1
+        self.first_step_time: float | None = None
+        self.next_ckpt_poll = 0.0
+
+    def close(self) -> None:
+        self.observed.close()
+
+    def schedule_faults(self, seed: int) -> None:
+        for i, spec in enumerate(self.scenario.faults):
+            trig = (f"step>={spec.at_step}" if spec.at_step is not None else
+                    f"t>={spec.at_time_s}s" if spec.at_time_s is not None else
+                    f"during={spec.during}")
+            self.pending.append(_Pending(i, spec, trig))
+        m = self.scenario.mtbf
+        for t, kind in draw_mtbf_schedule(m.kinds, m.count, m.mean_s, m.start_s, seed):
+            self.pending.append(_Pending(len(self.pending), _mtbf_spec(kind, m),
+                                         f"mtbf t>={t}s", t))
+
+    def run(self, deadline: float, deadline_s: float) -> tuple[bool, str]:
+        while True:
+            now = time.time()
+            new_at = self._read_metrics(now)
+            self._poll_commits(now)
+            workers = self.cluster.workers()
+            self.cluster.track_all()
+            for rc in list(self.recoveries):
+                if rc.update(workers, self.scenario.cluster.ranks_per_node, now, new_at):
+                    self.recoveries.remove(rc)
+            self.cluster.run_due()
+            self._fire(now)
+            if self.cluster.all_exited():
+                codes = self.cluster.exit_codes()
+                kept = {i: c for i, c in codes.items() if not self.cluster.nodes[i].removed}
+                detail = f"agents exited {kept}" + (
+                    f" (removed nodes: {sorted(set(codes) - set(kept))})"
+                    if len(kept) != len(codes) else "")
+                finished = bool(kept) and all(c == 0 for c in kept.values())
+                break
+            if time.monotonic() > deadline:
+                detail = (f"deadline of {deadline_s:.0f} s passed at step {self.high}; live "
+                          f"agents {self.cluster.live_nodes()}")
+                logger.error("%s", detail)
+                finished = False
+                break
+            time.sleep(POLL_S)
+        # One last look: the final commit may land as the agents exit.
+        self._poll_commits(time.time(), force=True)
+        self._read_metrics(time.time())
+        for p in self.pending:
+            self.events.append(FaultEvent(index=p.index, kind=p.spec.kind, trigger=p.trigger,
+                                          time=time.time(), step=self.high, ok=False,
+                                          error="never fired: the run ended first"))
+        return finished, detail
+
+    def _read_metrics(self, now: float) -> float | None:
+        """New metrics lines -> records; fires step-triggered faults line by line. Returns
+        the time of the first new record (or None)."""
+        lines, self.offset = _metrics_tail(self.metrics, self.offset)
+        new_at = None
+        for line in lines:
+            self.line_no += 1
+            try:
+                obj = json.loads(line)
+            except json.JSONDecodeError:
+                continue
+            if not isinstance(obj, dict):
+                continue
+            obj.setdefault("seen", now)
+            self.observed.write(json.dumps(obj) + "\n")
+            parsed = parse_metrics([json.dumps(obj)]).records
+            if not parsed:
+                continue
+            rec = replace(parsed[0], line=self.line_no)
+            self.records.append(rec)
+            self.high = max(self.high, rec.step)
+            new_at = rec.time if new_at is None else new_at
+            if self.first_step_time is None:
+                self.first_step_time = now
+            self._fire(now, steps_only=True)
+        self.observed.flush()
+        return new_at
+
+    def _poll_commits(self, now: float, force: bool = False) -> None:
+        if not force and time.monotonic() < self.next_ckpt_poll:
+            return
+        self.next_ckpt_poll = time.monotonic() + CKPT_POLL_S
+        seen = self.cluster.probe.commits()
+        for step, _ in sorted(seen - self.committed, key=lambda c: c[0]):
+            self.ckpt_events.append(CheckpointEvent(step, now, "commit"))
+        self.committed |= seen
+
+    def _due(self, p: _Pending, now: float, phase: dict[str, Any] | None) -> bool:
+        spec = p.spec
+        if p.at_time_s is not None and (
+            self.first_step_time is None or now - self.first_step_time < p.at_time_s
+        ):
+            return False
+        if spec.at_step is not None:
+            return self.high >= spec.at_step
+        if spec.at_time_s is not None:
+            return self.first_step_time is not None and (
+                now - self.first_step_time >= spec.at_time_s)
+        if spec.during is None or self.high < max(spec.after_step, 1):
+            return False
+        if spec.during in ("persist", "before_commit"):
+            return phase is not None and phase["phase"] == spec.during
+        if spec.during == "restore":
+            # A restarted group is up and has not logged a step yet.
+            return any(rc.event.rendezvous_at is not None and rc.event.first_step_at is None
+                       for rc in self.recoveries)
+        return True
+
+    def _fire(self, now: float, steps_only: bool = False) -> None:
+        waiting_phase = [p for p in self.pending if p.spec.during in ("persist", "before_commit")
+                         and self.high >= max(p.spec.after_step, 1)]
+        phase = None
+        if waiting_phase and not steps_only:
+            phase = self.cluster.checkpoint_phase()
+        for p in list(self.pending):
+            if steps_only and p.spec.at_step is None:
+                continue
+            if not self._due(p, now, phase):
+                continue
+            self.pending.remove(p)
+            self._inject(p)
+            phase = None
+        if not steps_only:
+            # Hold the next save in the phase the first waiting fault aims at.
+            waiting = [p for p in self.pending if p.spec.during in ("persist", "before_commit")
+                       and self.high >= max(p.spec.after_step, 1)]
+            self.cluster.arm(_window_plan(waiting[0].spec) if waiting else None)
+
+    def _inject(self, p: _Pending) -> None:
+        spec = p.spec
+        before = self.cluster.workers()
+        ev = self.injector.inject(spec, p.index, p.trigger, self.high)
+        self.events.append(ev)
+        damage = spec.kind in (FaultKind.CORRUPT_CHECKPOINT, FaultKind.TRUNCATE_CHECKPOINT)
+        if ev.ok and damage:
+            self.ckpt_events.append(CheckpointEvent(ev.detail["checkpoint_step"], ev.time,
+                                                    "damage"))
+        if ev.ok and spec.kind in RESTARTING and (not damage or spec.kill_after):
+            self.recoveries.append(_Recovery(ev, before))
 
 
 def _reference_scenario(scenario: Scenario) -> Scenario:
