@@ -83,11 +83,8 @@ def test_watchdog_stays_quiet_when_stopped() -> None:
     assert proc.returncode == 0, proc.stderr
 
 
-def test_main_reports_a_bad_layout_with_status_2() -> None:
-    proc = subprocess.run(
-        [sys.executable, "-m", "runtime.train", "--config", "configs/tiny.toml",
-         "--parallel.pp=2"],
-        cwd=ROOT, capture_output=True, text=True, timeout=120,
-    )
-    assert proc.returncode == 2, proc.stderr[-2000:]
-    assert "world size 1 is not divisible by pp*dp_replicate*tp = 2*1*1 = 2" in proc.stderr
+@pytest.mark.multirank
+def test_main_reports_a_bad_layout_with_status_2(rank_pool: RankPool) -> None:
+    rc = rank_pool.run("tests.runtime.cases:cli", 1, argv=[
+        "--config", str(ROOT / "configs/tiny.toml"), "--parallel.pp=2"])
+    assert rc == [2]
