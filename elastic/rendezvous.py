@@ -16,7 +16,31 @@ is bounded: by the join timeout, by the lease TTL of whoever is awaited, or by t
 etcd timeout.
 """
 
+# ruff: noqa: E402 - `torchrun_handler` must be defined before torch is imported (see it)
 from __future__ import annotations
+
+from collections.abc import Callable
+from typing import TYPE_CHECKING, Any
+
+if TYPE_CHECKING:
+    from torch.distributed.elastic.rendezvous import RendezvousHandler, RendezvousParameters
+
+
+def torchrun_handler() -> Callable[[RendezvousParameters], RendezvousHandler]:
+    """Entry point of group `torchrun.handlers`: returns the handler creator.
+
+    Defined before this module imports torch on purpose: torch registers out-of-tree
+    handlers while its rendezvous package is first imported, which can happen in the
+    middle of importing this very module; the partially imported module must already
+    have this function, and the creator it returns looks `create_handler` up only
+    when torchrun calls it.
+    """
+
+    def create(params: RendezvousParameters) -> RendezvousHandler:
+        return create_handler(params)
+
+    return create
+
 
 import dataclasses
 import json
@@ -26,10 +50,9 @@ import socket
 import threading
 import time
 import uuid
-from collections.abc import Callable, Sequence
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 from datetime import timedelta
-from typing import Any
 
 from torch.distributed import TCPStore
 from torch.distributed.elastic.rendezvous import (
@@ -591,10 +614,5 @@ class EtcdRendezvousHandler(RendezvousHandler):
 def create_handler(params: RendezvousParameters) -> EtcdRendezvousHandler:
     """The creator torchrun calls with its RendezvousParameters."""
     return EtcdRendezvousHandler(RendezvousSettings.from_parameters(params))
-
-
-def torchrun_handler() -> Callable[[RendezvousParameters], RendezvousHandler]:
-    """Entry point of group `torchrun.handlers`: returns the handler creator."""
-    return create_handler
 
 

@@ -303,3 +303,16 @@ def test_tls_and_auth(etcd_secure, tls_certs, monkeypatch) -> None:
         "relight-etcd", etcd_secure.endpoint, job_id(), 1, 1, **conf))
     with pytest.raises(RendezvousConnectionError, match="alice"):
         wrong.next_rendezvous()
+
+
+def test_entry_point_registers_when_elastic_rendezvous_is_imported_first() -> None:
+    # torch registers out-of-tree handlers while its rendezvous package is imported,
+    # which may happen in the middle of importing elastic.rendezvous itself.
+    code = ("import elastic.rendezvous\n"
+            "from torch.distributed.elastic.rendezvous import registry\n"
+            "from torch.distributed.elastic.rendezvous import RendezvousParameters as P\n"
+            "h = registry.get_rendezvous_handler(P('relight-etcd', '127.0.0.1:1', 'j', 1, 1))\n"
+            "print(type(h).__name__)")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
+                         timeout=60, cwd=os.getcwd())
+    assert out.stdout.strip() == "EtcdRendezvousHandler", out.stderr[-2000:]

@@ -1,0 +1,83 @@
+"""`relight run` (elastic.launch.main): embedded etcd, torchrun underneath."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from elastic.launch import LaunchError, main, split_command
+from tests.elastic.agents import ROOT
+
+pytestmark = [pytest.mark.etcd, pytest.mark.multirank, pytest.mark.timeout(120)]
+
+
+def relight_run(*argv: str, cwd: Path) -> subprocess.CompletedProcess:
+    code = "import sys; from elastic.launch import main; sys.exit(main(sys.argv[1:]))"
+    env = {**os.environ, "PYTHONPATH": str(ROOT), "OMP_NUM_THREADS": "1"}
+    return subprocess.run([sys.executable, "-c", code, *argv], cwd=cwd, env=env,
+                          capture_output=True, text=True, timeout=100)
+
+
+def etcd_processes_in(run_dir: Path) -> list[str]:
+    found = []
+    for pid in filter(str.isdigit, os.listdir("/proc")):
+        try:
+            cmdline = Path(f"/proc/{pid}/cmdline").read_bytes().replace(b"\0", b" ").decode()
+        except OSError:
+            continue
+        if "etcd" in cmdline and str(run_dir) in cmdline:
+            found.append(pid)
+    return found
+
+
+def test_split_command() -> None:
+    assert split_command(["python", "-m", "runtime.train", "--x"]) == [
+        "--module", "runtime.train", "--x"]
+    assert split_command([sys.executable, "-u", "train.py", "a"]) == ["train.py", "a"]
+    assert split_command(["./bin/train", "a"]) == ["--no-python", "./bin/train", "a"]
+    with pytest.raises(LaunchError, match="after '--'"):
+        split_command([])
+    with pytest.raises(LaunchError, match="-X"):
+        split_command(["python3", "-X", "dev", "t.py"])
+
+
+def test_run_with_embedded_etcd(tmp_path) -> None:
+    out = tmp_path / "out"
+    out.mkdir()
+    run_dir = tmp_path / "run"
+    res = relight_run("--nproc-per-node=2", "--run-dir", str(run_dir), "--",
+                      sys.executable, "-m", "tests.elastic.scripts.allreduce", str(out),
+                      cwd=ROOT)
+    assert res.returncode == 0, res.stderr[-3000:]
+    assert "embedded etcd at 127.0.0.1:" in res.stderr
+    seen = [json.loads((out / f"rank{r}.json").read_text()) for r in range(2)]
+    assert {s["world"] for s in seen} == {2} and {s["sum"] for s in seen} == {3.0}
+    assert (run_dir / "etcd" / "data").is_dir()  # etcd kept its data in the run dir
+    assert [json.loads(line)["ev"] for line in
+            (run_dir / "events.jsonl").read_text().splitlines()] == ["rdzv_start", "rdzv_done"]
+    assert etcd_processes_in(run_dir) == []  # and was stopped at the end
+
+
+def test_failing_command_returns_nonzero_and_stops_etcd(tmp_path) -> None:
+    run_dir = tmp_path / "run"
+    res = relight_run("--max-restarts=1", "--run-dir", str(run_dir), "--", "false",
+                      cwd=tmp_path)
+    assert res.returncode == 1, res.stderr[-3000:]
+    assert "false" in res.stderr  # torchrun's failure summary names the command
+    events = [json.loads(line)["ev"] for line in
+              (run_dir / "events.jsonl").read_text().splitlines()]
+    assert events.count("rdzv_done") == 2  # the first try and one restart
+    assert etcd_processes_in(run_dir) == []
+
+
+def test_usage_errors(capsys) -> None:
+    assert main(["--nproc-per-node=2"]) == 2
+    assert "after '--'" in capsys.readouterr().err
+    assert main(["--standalone", "--", "true"]) == 2
+    assert "--standalone" in capsys.readouterr().err
+    assert main(["--", "python", "-X", "dev", "t.py"]) == 2
