@@ -31,6 +31,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 import numpy as np
+import tensorstore as ts
 import torch
 from torch.distributed.tensor import DTensor
 
@@ -73,7 +74,7 @@ from ckpt.plan import (
     plan_load,
     plan_save,
 )
-from ckpt.tsio import from_numpy, map_ts_error, open_array, put_metadata, to_numpy
+from ckpt.tsio import map_ts_error, open_array, put_metadata, to_numpy
 from storage import ObjectNotFoundError, Store, open_store
 
 logger = logging.getLogger(__name__)
@@ -321,7 +322,7 @@ def save(
         handle._thread = th
         th.start()
     else:
-        job.run()
+        job.run(comm)
         handle.wait()
     return handle
 
@@ -408,7 +409,7 @@ class _SaveJob:
                     f"{what} not done after {self.opts.commit_timeout_s:.0f} s (a rank died "
                     "or is stuck?)")
             time.sleep(delay)
-            delay = min(delay * 1.5, 0.25)
+            delay = min(delay * 1.5, 0.05)
 
     def _all_indexes(self) -> dict[int, dict[str, Any]] | None:
         keys = set(self.store.list(f"{INDEX_PREFIX}{self.attempt}/"))
@@ -490,51 +491,93 @@ class _SaveJob:
                 url=self.store.url)
         return None
 
-    def run(self) -> None:
+    def _commit(self, indexes: dict[int, dict[str, Any]]) -> None:
+        """Coordinator: manifest, then the commit marker, then the post-commit hook."""
+        try:
+            manifest = self._manifest(indexes)
+            raw = json.dumps(manifest, indent=1).encode()
+            self.store.put(MANIFEST_KEY, raw)
+            self.store.put(COMMIT_KEY, json.dumps({
+                "attempt": self.attempt, "manifest_bytes": len(raw),
+                "manifest_crc32c": crc32c(raw), "step": self.meta["step"],
+                "created": manifest["created"]}).encode())
+            logger.info("%s committed %s (%d tensors, %.3f s)", self.pre, self.store.url,
+                        len(manifest["tensors"]), time.perf_counter() - self.t0)
+        except BaseException as e:
+            try:
+                self.store.put(f"{ABORT_PREFIX}{self.attempt}.json",
+                               json.dumps({"reason": str(e)}).encode())
+            except Exception:  # noqa: BLE001
+                logger.warning("%s could not write the abort note", self.pre)
+            raise
+        if self.on_commit is not None:
+            try:
+                self.on_commit(manifest)
+            except Exception as e:  # noqa: BLE001 - the checkpoint is committed
+                logger.error("%s post-commit hook failed: %s", self.pre, e)
+
+    def _persist_and_index(self) -> BaseException | None:
+        try:
+            nbytes = self.persist()
+            self.handle.bytes_written = nbytes
+            self.store.put(self._index_key(self.rank), json.dumps({
+                "rank": self.rank, "attempt": self.attempt, "bytes": nbytes,
+                "values": self.values, "time": time.time()}).encode())
+            return None
+        except BaseException as e:  # noqa: BLE001 - reported by the caller
+            logger.error("%s persisting to %s failed: %s", self.pre, self.store.url, e)
+            try:
+                self.store.put(self._index_key(self.rank, error=True), json.dumps(
+                    {"rank": self.rank, "error": f"{type(e).__name__}: {e}"}).encode())
+            except Exception:  # noqa: BLE001 - storage may be what failed
+                logger.warning("%s could not record the failure in storage", self.pre)
+            return e
+
+    def _run_sync(self, comm: Comm) -> None:
+        """Synchronous save: the foreground thread may use collectives instead of polling."""
+        local = self._persist_and_index()
+        status = comm.allgather_json(
+            {"err": f"{type(local).__name__}: {local}" if local else None,
+             "values": self.values if not local else {}})
+        if local is not None:
+            raise local
+        failures = {r: s["err"] for r, s in zip(comm.ranks, status, strict=True) if s["err"]}
+        if failures:
+            raise CheckpointSaveError(
+                f"save to {self.store.url} failed on rank(s) {sorted(failures)}: {failures}",
+                url=self.store.url, failures=failures)
+        err: BaseException | None = None
+        if comm.is_coordinator:
+            try:
+                self._commit({r: {"values": s["values"]}
+                              for r, s in zip(comm.ranks, status, strict=True)})
+            except BaseException as e:  # noqa: BLE001 - shared below, then raised
+                err = e
+        outcome = comm.allgather_json(str(err) if err else None)
+        if err is not None:
+            raise err
+        if outcome[0]:
+            raise CheckpointSaveError(
+                f"save to {self.store.url}: the coordinator failed to commit: {outcome[0]}",
+                url=self.store.url, failures={comm.coordinator: outcome[0]})
+
+    def _run_async(self) -> None:
+        local = self._persist_and_index()
+        if local is not None:
+            raise local
+        if self.rank == self.plan.coordinator:
+            self._commit(self._poll(self._all_indexes, "waiting for every rank's index"))
+        else:
+            self._poll(self._committed, "waiting for the commit marker")
+
+    def run(self, comm: Comm | None = None) -> None:
         error: BaseException | None = None
         try:
-            try:
-                nbytes = self.persist()
-                self.handle.bytes_written = nbytes
-                self.store.put(self._index_key(self.rank), json.dumps({
-                    "rank": self.rank, "attempt": self.attempt, "bytes": nbytes,
-                    "values": self.values, "time": time.time()}).encode())
-            except BaseException as e:
-                logger.error("%s persisting to %s failed: %s", self.pre, self.store.url, e)
-                try:
-                    self.store.put(self._index_key(self.rank, error=True), json.dumps(
-                        {"rank": self.rank, "error": f"{type(e).__name__}: {e}"}).encode())
-                except Exception:  # noqa: BLE001 - storage may be what failed
-                    logger.warning("%s could not record the failure in storage", self.pre)
-                raise
-            if self.rank == self.plan.coordinator:
-                try:
-                    indexes = self._poll(self._all_indexes, "waiting for every rank's index")
-                    manifest = self._manifest(indexes)
-                    raw = json.dumps(manifest, indent=1).encode()
-                    self.store.put(MANIFEST_KEY, raw)
-                    self.store.put(COMMIT_KEY, json.dumps({
-                        "attempt": self.attempt, "manifest_bytes": len(raw),
-                        "manifest_crc32c": crc32c(raw), "step": self.meta["step"],
-                        "created": manifest["created"]}).encode())
-                    logger.info("%s committed %s (%d tensors, %.3f s)", self.pre,
-                                self.store.url, len(manifest["tensors"]),
-                                time.perf_counter() - self.t0)
-                except BaseException as e:
-                    try:
-                        self.store.put(f"{ABORT_PREFIX}{self.attempt}.json",
-                                       json.dumps({"reason": str(e)}).encode())
-                    except Exception:  # noqa: BLE001
-                        logger.warning("%s could not write the abort note", self.pre)
-                    raise
-                if self.on_commit is not None:
-                    try:
-                        self.on_commit(manifest)
-                    except Exception as e:  # noqa: BLE001 - the checkpoint is committed
-                        logger.error("%s post-commit hook failed: %s", self.pre, e)
+            if comm is not None:
+                self._run_sync(comm)
             else:
-                self._poll(self._committed, "waiting for the commit marker")
-        except BaseException as e:
+                self._run_async()
+        except BaseException as e:  # noqa: BLE001 - surfaced through the handle
             if not isinstance(e, CheckpointError):
                 err = CheckpointSaveError(
                     f"save to {self.store.url} failed on rank {self.rank}: "
@@ -588,13 +631,17 @@ def _chunk_bytes(off, shape, chunks, item) -> int:
 
 
 class _Reader:
-    """Issues the tensorstore reads for one region of one tensor; `result()` assembles."""
+    """Issues the tensorstore reads for one region of one tensor. With `out` (a tensor
+    of the region's shape, e.g. the target's own local view) tensorstore decodes
+    straight into it; `result()` waits and returns the filled tensor."""
 
-    def __init__(self, store: Store, m: Manifest, name: str, box, dtype: torch.dtype) -> None:
+    def __init__(self, store: Store, m: Manifest, name: str, box, dtype: torch.dtype,
+                 out: torch.Tensor | None = None) -> None:
         self.store, self.m, self.name = store, m, name
         self.off, self.shape = box
-        self.dtype = dtype
-        self.parts: list[tuple[Any, tuple[slice, ...], Callable[[np.ndarray], torch.Tensor],
+        self.out = out if out is not None and out.device.type == "cpu" else \
+            torch.empty(self.shape, dtype=dtype)
+        self.parts: list[tuple[Any, tuple[slice, ...], Callable[[Any], torch.Tensor] | None,
                                str]] = []
         self.bytes = 0
         t = m.tensors[name]
@@ -603,34 +650,29 @@ class _Reader:
             if t["storage"] == "grid":
                 arr = open_array(store, t["array"], m.meta_of(name), read=True).result()
                 region = _box_slices(self.off, self.shape, (0,) * len(self.off))
-                fut = (arr[region] if region else arr).read()
-                self.parts.append((fut, tuple(slice(None) for _ in self.shape), from_numpy,
-                                   t["array"]))
+                self._direct(arr[region] if region else arr, (), t["array"])
                 self.bytes += _chunk_bytes(self.off, self.shape, t["inner"], item) \
                     if self.shape else item
                 return
             for p in t["pieces"]:
                 inter = _intersect(self.off, self.shape, p["offset"], p["shape"])
                 if inter is None:
-                    if numel(self.shape) or numel(p["shape"]):
-                        continue
-                    inter = (tuple(self.off), tuple(self.shape))
+                    continue
                 dst = _box_slices(inter[0], inter[1], self.off)
                 src = _box_slices(inter[0], inter[1], p["offset"])
                 arr = open_array(store, p["array"], m.meta_of(name, p), read=True).result()
                 if t["storage"] == "pieces":
-                    fut = (arr[src] if src else arr).read()
-                    self.parts.append((fut, dst, from_numpy, p["array"]))
+                    self._direct(arr[src] if src else arr, dst, p["array"])
                     self.bytes += _chunk_bytes(inter[0], inter[1], p["inner"], item) \
                         if inter[1] else item
                 else:
                     nb = numel(p["shape"]) * item
                     bo = p["byte_offset"]
                     fut = arr[bo: bo + nb].read()
-                    pshape, tdt = tuple(p["shape"]), dtype
+                    pshape = tuple(p["shape"])
 
-                    def convert(a, pshape=pshape, tdt=tdt, src=src):
-                        full = torch.from_numpy(a.copy()).view(tdt).reshape(pshape)
+                    def convert(a, pshape=pshape, src=src):
+                        full = torch.from_numpy(a).view(self.out.dtype).reshape(pshape)
                         return full[src] if src else full
                     self.parts.append((fut, dst, convert, p["array"]))
                     pi = m.raw["packed_inner"]
@@ -640,19 +682,24 @@ class _Reader:
         except Exception as e:  # noqa: BLE001
             raise map_ts_error(e, store.url, name, t.get("array") or "pieces") from e
 
+    def _direct(self, src: Any, dst: tuple[slice, ...], obj: str) -> None:
+        view = self.out[dst] if dst else self.out
+        target = ts.array(to_numpy(view), copy=False, write=True)
+        self.parts.append((target.write(src), dst, None, obj))
+
     def result(self) -> torch.Tensor:
-        out = torch.empty(self.shape, dtype=self.dtype)
         for fut, dst, convert, obj in self.parts:
             try:
                 a = fut.result()
             except Exception as e:  # noqa: BLE001
                 raise map_ts_error(e, self.store.url, self.name, obj) from e
-            part = convert(a)
-            if dst:
-                out[dst] = part
-            else:
-                out.copy_(part)
-        return out
+            if convert is not None:
+                part = convert(a)
+                if dst:
+                    self.out[dst] = part
+                else:
+                    self.out.copy_(part)
+        return self.out
 
 
 def _raise_first(errors: list[Any], ranks: tuple[int, ...], url: str) -> None:
@@ -742,15 +789,18 @@ def load(
     }
     plan: LoadPlan = plan_load(all_needs, broadcast=broadcast)
 
-    # Read what this rank reads; report failures on every rank before exchanging.
+    # Read what this rank reads, straight into its tensors; report failures on every
+    # rank before exchanging.
+    views = {(name, (p.offset, p.shape)): p for name, ps in local.items() for p in ps}
     got: dict[tuple[str, Any], torch.Tensor] = {}
     nbytes = 0
     try:
         readers = []
         for task in plan.tasks:
             if task.reader == comm.rank:
-                dt = flat.tensors[task.name].tensor.dtype
-                r = _Reader(store, m, task.name, task.box, dt)
+                t = flat.tensors[task.name].tensor
+                piece = views[(task.name, task.box)]
+                r = _Reader(store, m, task.name, task.box, t.dtype, local_view(t, piece))
                 readers.append((task, r))
                 nbytes += r.bytes
         for task, r in readers:
@@ -764,29 +814,32 @@ def load(
         raise error
     _raise_first(errs, comm.ranks, store.url)
 
-    sends, recvs = [], []
+    sends, recvs, copies = [], [], []
     for tag, task in enumerate(plan.tasks):
         if task.reader == comm.rank:
+            data = got[(task.name, task.box)]
             for peer in task.receivers:
-                sends.append((got[(task.name, task.box)], peer, tag))
+                sends.append((data if data.is_contiguous() else data.contiguous(), peer, tag))
         elif comm.rank in task.receivers:
-            dt = flat.tensors[task.name].tensor.dtype
-            buf = torch.empty(task.box[1], dtype=dt)
-            got[(task.name, task.box)] = buf
+            t = flat.tensors[task.name].tensor
+            view = local_view(t, views[(task.name, task.box)])
+            if view.is_contiguous():
+                buf = view
+            else:
+                buf = torch.empty(task.box[1], dtype=t.dtype, device=view.device)
+                copies.append((view, buf))
             recvs.append((buf, task.reader, tag))
     comm.exchange(sends, recvs)
-
-    needed = 0
-    for name, pieces in local.items():
-        t = flat.tensors[name].tensor
-        for p in pieces:
-            data = got.get((name, (p.offset, p.shape)))
-            if data is None:
-                continue  # empty piece
-            view = local_view(t, p)
-            with torch.no_grad():
-                view.copy_(data.to(view.device) if view.is_cuda else data)
-            needed += data.numel() * data.element_size()
+    with torch.no_grad():
+        for view, buf in copies:
+            view.copy_(buf)
+        for (name, box), data in got.items():  # read into a host buffer (CUDA targets)
+            t = flat.tensors[name].tensor
+            view = local_view(t, views[(name, box)])
+            if view.data_ptr() != data.data_ptr():
+                view.copy_(data)
+    needed = sum(numel(p.shape) * flat.tensors[n].tensor.element_size()
+                 for n, ps in local.items() for p in ps)
     for name, ref in flat.values.items():
         set_value(ref, m.values[name])
     for obj, sub, _name in reversed(flat.statefuls):

@@ -98,6 +98,22 @@ def local_pieces(t: torch.Tensor, name: str = "") -> tuple[tuple[int, ...], list
     if coord is None:
         return shape, []
     local = t._local_tensor
+    key = (shape, tuple(mesh.shape), tuple(coord), tuple(repr(p) for p in t.placements),
+           tuple(local.shape))
+    cached = _CACHE.get(key)
+    if cached is not None:
+        return shape, cached
+    pieces = _dtensor_pieces(t, shape, mesh, coord, local, name)
+    if len(_CACHE) > 100_000:
+        _CACHE.clear()
+    _CACHE[key] = pieces
+    return shape, pieces
+
+
+_CACHE: dict[tuple, list[Piece]] = {}
+
+
+def _dtensor_pieces(t, shape, mesh, coord, local, name) -> list[Piece]:  # noqa: ANN001
     dims = _dim_indices(shape, tuple(mesh.shape), list(coord), t.placements, name)
     per_dim: list[list[tuple[int, int, int]]] = []
     for d, extent in enumerate(shape):
@@ -112,7 +128,7 @@ def local_pieces(t: torch.Tensor, name: str = "") -> tuple[tuple[int, ...], list
         else:
             per_dim.append([(0, extent, 0)])
     if any(len(r) == 0 for r in per_dim) or any(s == 0 for s in local.shape):
-        return shape, []
+        return []
     pieces = []
     for combo in itertools.product(*per_dim):
         pieces.append(Piece(
@@ -120,7 +136,7 @@ def local_pieces(t: torch.Tensor, name: str = "") -> tuple[tuple[int, ...], list
             shape=tuple(n for _, n, _ in combo),
             local_start=tuple(s for s, _, _ in combo),
         ))
-    return shape, pieces
+    return pieces
 
 
 def local_view(t: torch.Tensor, piece: Piece) -> torch.Tensor:

@@ -47,7 +47,9 @@ def _mesh(shape: tuple[int, ...]) -> DeviceMesh:
     n = 1
     for s in shape:
         n *= s
-    return DeviceMesh("cpu", torch.arange(n).reshape(shape))
+    # No process groups for the mesh: cases build DTensors from every rank's full copy
+    # (src_data_rank=None) and the engine uses its own group, so none are needed.
+    return DeviceMesh("cpu", torch.arange(n).reshape(shape), _init_backend=False)
 
 
 def prepare(sizes: list[int], meshes: list[list[int]]) -> bool:
@@ -103,7 +105,8 @@ def build(tensors: list[dict[str, Any]], mesh: list[int], placements: list[list[
         if pl == ["plain"]:
             sd[spec["name"]] = full
         else:
-            sd[spec["name"]] = distribute_tensor(full, dm, [_placement(p) for p in pl])
+            sd[spec["name"]] = distribute_tensor(full, dm, [_placement(p) for p in pl],
+                                                 src_data_rank=None)
     return sd
 
 

@@ -1,0 +1,342 @@
+"""Checkpoint benchmark: Relight's ckpt vs torch.distributed.checkpoint (DCP), side by side.
+
+    python -m benchmarks.ckpt --mb 512 --ranks 4 --storage file|s3 --json OUT.json
+
+Both systems get the same state on the same gloo ranks: fp32 parameters plus two Adam
+moments, FSDP-style Shard(0) DTensors over `--ranks`. Phases alternate between the two
+systems (ABBA order over `--rounds`), and each figure is the median over rounds:
+
+- save_s: synchronous save, barrier to barrier, slowest rank;
+- stall_s / async_total_s: async save, until the call returns / until it is durable;
+- load_s: load into the same layout; reshard_load_s: load into dp2 x tp2
+  (Shard(0), Shard(1)) DTensors;
+- bytes_written: bytes of the objects under the checkpoint prefix after the save;
+- bytes_read_reshard: bytes the ranks read during the reshard load: /proc/self/io rchar
+  deltas summed over ranks (read()/pread() syscalls; on S3 this also counts socket reads
+  done with read(), see docs/ckpt.md), plus Relight's own chunk accounting in "extra";
+- peak_rss_mb: the highest RSS any rank reached during that system's phases, sampled
+  every 5 ms, minus the rank's RSS before the benchmark phases started.
+
+The "extra" section has figures the issue does not name (direct vs broadcast reads
+of replicated regions, staging buffer size, objects per checkpoint).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+import sys
+import tempfile
+import threading
+import time
+import uuid
+from datetime import timedelta
+from typing import Any
+
+HIDDEN = 2048
+
+
+def _rchar() -> int:
+    try:
+        with open("/proc/self/io") as f:
+            for line in f:
+                if line.startswith("rchar:"):
+                    return int(line.split()[1])
+    except OSError:
+        pass
+    return 0
+
+
+class RssSampler:
+    """Peak RSS of this process over a window, sampled in a thread."""
+
+    def __init__(self) -> None:
+        import psutil
+
+        self.proc = psutil.Process()
+        self.peak = 0
+        self.on = False
+        self.stop = False
+        threading.Thread(target=self._run, daemon=True).start()
+
+    def _run(self) -> None:
+        while not self.stop:
+            if self.on:
+                self.peak = max(self.peak, self.proc.memory_info().rss)
+            time.sleep(0.005)
+
+    def window(self, on: bool) -> None:
+        if on:
+            self.peak = self.proc.memory_info().rss
+        self.on = on
+
+
+def _layers(mb: int, ranks: int) -> tuple[int, int]:
+    """(number of weight matrices, rows of each) so params + 2 moments ~ mb MiB."""
+    n = max(1, mb // 48)
+    rows = int(mb * 2**20 / 3 / (n * HIDDEN * 4))
+    rows -= rows % (ranks * 4)
+    return n, max(rows, ranks * 4)
+
+
+def _state(mesh: Any, n: int, rows: int, placements: Any, bias_pl: Any, fill: bool) -> dict:
+    import torch
+    from torch.distributed.tensor import distribute_tensor
+
+    def make(shape, pl, seed):
+        g = torch.Generator().manual_seed(seed)
+        full = torch.randn(shape, generator=g) if fill else torch.zeros(shape)
+        return distribute_tensor(full, mesh, pl)
+
+    model, optim = {}, {}
+    for i in range(n):
+        w, b = f"layers.{i}.weight", f"layers.{i}.bias"
+        model[w] = make((rows, HIDDEN), placements, 3 * i)
+        model[b] = make((rows,), bias_pl, 3 * i + 100000)
+        optim[w] = {"exp_avg": make((rows, HIDDEN), placements, 3 * i + 1),
+                    "exp_avg_sq": make((rows, HIDDEN), placements, 3 * i + 2)}
+        optim[b] = {"exp_avg": make((rows,), bias_pl, 3 * i + 200000),
+                    "exp_avg_sq": make((rows,), bias_pl, 3 * i + 300000)}
+    return {"model": model, "optim": {"state": optim}}
+
+
+def _prefix_bytes(url: str) -> tuple[int, int]:
+    import storage
+
+    store = storage.open_store(url)
+    keys = store.list()
+    return sum(store.size(k) for k in keys), len(keys)
+
+
+def _worker(rank: int, world: int, init: str, args: dict, out_q: Any) -> None:
+    os.environ.update(args["env"])
+    import torch
+    import torch.distributed as dist
+    import torch.distributed.checkpoint as dcp
+    from torch.distributed.device_mesh import DeviceMesh
+    from torch.distributed.tensor import Replicate, Shard
+
+    import ckpt
+    import storage
+
+    torch.set_num_threads(max(1, (os.cpu_count() or 2) // world))
+    dist.init_process_group("gloo", init_method=init, rank=rank, world_size=world,
+                            timeout=timedelta(seconds=600))
+    mesh = DeviceMesh("cpu", torch.arange(world))
+    mesh2 = DeviceMesh("cpu", torch.arange(world).reshape(2, world // 2))
+    n, rows = _layers(args["mb"], world)
+    src = _state(mesh, n, rows, [Shard(0)], [Shard(0)], True)
+    sampler = RssSampler()
+    base_rss = sampler.proc.memory_info().rss
+    base = args["base"]
+    s3 = args["storage"] == "s3"
+    results: dict[str, dict[str, list[float]]] = {"relight": {}, "dcp": {}}
+    extra: dict[str, list[float]] = {}
+    peak = {"relight": 0, "dcp": 0}
+
+    def rec(system: str, key: str, value: float) -> None:
+        results[system].setdefault(key, []).append(value)
+
+    def timed(fn) -> float:  # noqa: ANN001
+        dist.barrier()
+        t0 = time.perf_counter()
+        fn()
+        dist.barrier()
+        t = torch.tensor([time.perf_counter() - t0])
+        dist.all_reduce(t, op=dist.ReduceOp.MAX)
+        return float(t)
+
+    def maxed(x: float) -> float:
+        t = torch.tensor([x])
+        dist.all_reduce(t, op=dist.ReduceOp.MAX)
+        return float(t)
+
+    def summed(x: float) -> float:
+        t = torch.tensor([x], dtype=torch.float64)
+        dist.all_reduce(t)
+        return float(t)
+
+    def dcp_writer(path: str):  # noqa: ANN202
+        if s3:
+            from torch.distributed.checkpoint._fsspec_filesystem import FsspecWriter
+
+            return FsspecWriter(path, client_kwargs={"endpoint_url": args["env"]
+                                                     ["AWS_ENDPOINT_URL"]})
+        return dcp.FileSystemWriter(path)
+
+    def dcp_reader(path: str):  # noqa: ANN202
+        if s3:
+            from torch.distributed.checkpoint._fsspec_filesystem import FsspecReader
+
+            return FsspecReader(path, client_kwargs={"endpoint_url": args["env"]
+                                                     ["AWS_ENDPOINT_URL"]})
+        return dcp.FileSystemReader(path)
+
+    def run_system(system: str, r: int) -> None:
+        url = f"{base}/{system}-{r}"
+        sampler.window(True)
+        if system == "relight":
+            opts = ckpt.SaveOptions(compression=args["compression"])
+            store = storage.open_store(url + "-sync")
+            rec(system, "save_s", timed(lambda: ckpt.save(src, store, options=opts)))
+            h_box = {}
+
+            def start() -> None:
+                h_box["h"] = ckpt.save(src, url + "-async", async_save=True, options=opts)
+            dist.barrier()
+            t0 = time.perf_counter()
+            start()
+            stall = time.perf_counter() - t0
+            h_box["h"].wait()
+            dist.barrier()
+            total = time.perf_counter() - t0
+            rec(system, "stall_s", maxed(stall))
+            rec(system, "async_total_s", maxed(total))
+            same = _state(mesh, n, rows, [Shard(0)], [Shard(0)], False)
+            rec(system, "load_s", timed(lambda: ckpt.load(same, store)))
+            del same
+            tgt = _state(mesh2, n, rows, [Shard(0), Shard(1)], [Shard(0), Replicate()], False)
+            c0, s0 = _rchar(), store.stats.snapshot()["bytes_read"]
+            rec(system, "reshard_load_s", timed(lambda: ckpt.load(tgt, store)))
+            rec(system, "bytes_read_reshard", summed(_rchar() - c0))
+            extra.setdefault("relight_reshard_chunk_bytes", []).append(
+                summed(store.stats.snapshot()["bytes_read"] - s0))
+            del tgt
+            rep = _state(mesh2, n, rows, [Replicate(), Shard(1)], [Replicate(), Replicate()],
+                         False)
+            extra.setdefault("relight_replicated_load_broadcast_s", []).append(
+                timed(lambda: ckpt.load(rep, store, broadcast=True)))
+            extra.setdefault("relight_replicated_load_direct_s", []).append(
+                timed(lambda: ckpt.load(rep, store, broadcast=False)))
+            del rep
+            if rank == 0:
+                nb, objs = _prefix_bytes(url + "-sync")
+                extra.setdefault("relight_objects", []).append(objs)
+            else:
+                nb = 0
+            rec(system, "bytes_written", summed(nb))
+            from ckpt.engine import _STATE
+
+            staged = _STATE.cached.staging.numel() if _STATE.cached.staging is not None else 0
+            extra.setdefault("relight_staging_over_shard_bytes", []).append(
+                maxed(staged / (3 * rows * (HIDDEN + 1) * 4 * n / world)))
+        else:
+            path = url + "-sync"
+            rec(system, "save_s", timed(lambda: dcp.save(src, storage_writer=dcp_writer(path))))
+            dist.barrier()
+            t0 = time.perf_counter()
+            fut = dcp.async_save(src, storage_writer=dcp_writer(url + "-async"))
+            stall = time.perf_counter() - t0
+            (fut.upload_completion if hasattr(fut, "upload_completion") else fut).result()
+            dist.barrier()
+            total = time.perf_counter() - t0
+            rec(system, "stall_s", maxed(stall))
+            rec(system, "async_total_s", maxed(total))
+            same = _state(mesh, n, rows, [Shard(0)], [Shard(0)], False)
+            rec(system, "load_s", timed(lambda: dcp.load(same, storage_reader=dcp_reader(path))))
+            del same
+            tgt = _state(mesh2, n, rows, [Shard(0), Shard(1)], [Shard(0), Replicate()], False)
+            c0 = _rchar()
+            rec(system, "reshard_load_s",
+                timed(lambda: dcp.load(tgt, storage_reader=dcp_reader(path))))
+            rec(system, "bytes_read_reshard", summed(_rchar() - c0))
+            del tgt
+            rep = _state(mesh2, n, rows, [Replicate(), Shard(1)], [Replicate(), Replicate()],
+                         False)
+            extra.setdefault("dcp_replicated_load_s", []).append(
+                timed(lambda: dcp.load(rep, storage_reader=dcp_reader(path))))
+            del rep
+            nb = _prefix_bytes(path)[0] if rank == 0 else 0
+            rec(system, "bytes_written", summed(nb))
+        sampler.window(False)
+        peak[system] = max(peak[system], sampler.peak - base_rss)
+
+    for r in range(args["rounds"]):
+        order = ["dcp", "relight"] if r % 2 == 0 else ["relight", "dcp"]
+        for system in order:
+            run_system(system, r)
+            if rank == 0:
+                print(f"round {r} {system}: " + ", ".join(
+                    f"{k}={v[-1]:.3f}" for k, v in results[system].items()), flush=True)
+    for system in peak:
+        results[system]["peak_rss_mb"] = [maxed(peak[system] / 2**20)]
+    sampler.stop = True
+    if rank == 0:
+        out_q.put({"results": results, "extra": extra, "layers": n, "rows": rows})
+    dist.destroy_process_group()
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(description=__doc__,
+                                formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--mb", type=int, default=512)
+    p.add_argument("--ranks", type=int, default=4)
+    p.add_argument("--storage", choices=["file", "s3"], default="file")
+    p.add_argument("--rounds", type=int, default=3)
+    p.add_argument("--dir", default=None, help="where file checkpoints go (default: a temp dir)")
+    p.add_argument("--compression", choices=["none", "zstd"], default="none")
+    p.add_argument("--json", dest="json_out", default=None)
+    a = p.parse_args(argv)
+    if a.ranks % 2:
+        p.error("--ranks must be even (the reshard target is dp2 x tp(ranks/2))")
+    import torch.multiprocessing as mp
+
+    server = None
+    env: dict[str, str] = {}
+    tmp = tempfile.mkdtemp(prefix="bench-ckpt-", dir=a.dir)
+    if a.storage == "s3":
+        from chaos.s3_server import S3Server
+
+        server = S3Server(os.path.join(tmp, "s3")).start()
+        env = server.env()
+        base = server.url(f"bench-{uuid.uuid4().hex[:8]}")
+        os.environ.update(env)
+    else:
+        base = os.path.join(tmp, "ck")
+    args = {"mb": a.mb, "storage": a.storage, "rounds": a.rounds, "base": base, "env": env,
+            "compression": None if a.compression == "none" else a.compression}
+    ctx = mp.get_context("spawn")
+    q = ctx.Queue()
+    init = f"file://{tmp}/rdzv"
+    procs = [ctx.Process(target=_worker, args=(r, a.ranks, init, args, q))
+             for r in range(a.ranks)]
+    try:
+        for pr in procs:
+            pr.start()
+        got = q.get(timeout=3600)
+        for pr in procs:
+            pr.join(timeout=60)
+    finally:
+        for pr in procs:
+            if pr.is_alive():
+                pr.kill()
+        if server is not None:
+            server.stop()
+        import shutil
+
+        shutil.rmtree(tmp, ignore_errors=True)
+    fields = ["stall_s", "async_total_s", "save_s", "load_s", "reshard_load_s",
+              "bytes_written", "bytes_read_reshard", "peak_rss_mb"]
+    out: dict[str, Any] = {}
+    for system in ("relight", "dcp"):
+        out[system] = {f: statistics.median(got["results"][system][f]) for f in fields}
+    out["ratios"] = {f: out["dcp"][f] / out["relight"][f] for f in fields if f.endswith("_s")
+                     and out["relight"][f] > 0}
+    out["extra"] = {k: statistics.median(v) for k, v in got["extra"].items()}
+    out["extra"]["all_rounds"] = got["results"]
+    out["config"] = {"mb": a.mb, "ranks": a.ranks, "storage": a.storage, "rounds": a.rounds,
+                     "layers": got["layers"], "rows": got["rows"], "hidden": HIDDEN,
+                     "compression": a.compression, "cpus": os.cpu_count(),
+                     "command": "python -m benchmarks.ckpt " + " ".join(argv or sys.argv[1:])}
+    text = json.dumps(out, indent=1)
+    if a.json_out:
+        with open(a.json_out, "w") as f:
+            f.write(text)
+    print(json.dumps({k: out[k] for k in ("relight", "dcp", "ratios")}, indent=1))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
