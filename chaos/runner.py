@@ -147,18 +147,19 @@ def _toml_value(v: Any) -> str:
 
 
 def agent_command(scenario: Scenario, endpoint: str, job_id: str, nnodes: str,
-                  train_argv: list[str]) -> list[str]:
-    """One node's agent: `relight run` (the launcher's `main(argv)` in a fresh python) on
-    the harness's etcd, or plain torchrun with c10d for `cluster.rendezvous = "c10d"`."""
+                  train_argv: list[str], node_dir: Path) -> list[str]:
+    """One node's agent: `relight run` (the launcher's `main(argv)` in a fresh python) or
+    plain torchrun, on the harness's etcd (`relight-etcd`) or torchrun's `c10d`."""
     c = scenario.cluster
-    if c.rendezvous == "c10d":
-        head = [sys.executable, "-m", "torch.distributed.run", "--rdzv-backend=c10d"]
+    if c.launcher == "torchrun":
+        head = [sys.executable, "-m", "torch.distributed.run"]
     else:
         head = [sys.executable, "-c",
                 "import sys; from elastic.launch import main; sys.exit(main(sys.argv[1:]))",
-                "--rdzv-backend=relight-etcd"]
+                f"--run-dir={node_dir}"]
     return [
         *head,
+        f"--rdzv-backend={c.rendezvous}",
         f"--nnodes={nnodes}",
         f"--nproc-per-node={c.ranks_per_node}",
         f"--rdzv-endpoint={endpoint}",
@@ -166,7 +167,7 @@ def agent_command(scenario: Scenario, endpoint: str, job_id: str, nnodes: str,
         f"--rdzv-conf=join_timeout={c.rdzv_timeout_s:g},last_call_timeout={c.last_call_s:g}",
         f"--max-restarts={c.max_restarts}",
         f"--monitor-interval={c.monitor_interval_s:g}",
-        *(["--no-python"] if c.rendezvous == "c10d" else ["--"]),
+        *(["--no-python"] if c.launcher == "torchrun" else ["--"]),
         *train_argv,
     ]
 
@@ -216,8 +217,9 @@ class Cluster:
         log_dir = self.run_dir / "nodes"
         log_dir.mkdir(parents=True, exist_ok=True)
         log_path = log_dir / f"node-{index}.log"
+        node_dir = log_dir / f"node-{index}"
         argv = agent_command(self.scenario, self.endpoint, self.job_id, self.nnodes,
-                             self.train_argv)
+                             self.train_argv, node_dir)
         with open(log_path, "ab") as fh:
             proc = subprocess.Popen(argv, stdout=fh, stderr=subprocess.STDOUT, env=self.env,
                                     cwd=REPO_ROOT, start_new_session=True)

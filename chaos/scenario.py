@@ -103,6 +103,9 @@ class ClusterSpec:
     """Rendezvous join timeout handed to the backend (`--rdzv-conf join_timeout=`)."""
     last_call_s: float = 2.0
     """Rendezvous last-call window after min nodes joined."""
+    launcher: str = "relight"
+    """`relight` (each node runs `relight run`, i.e. `elastic.launch.main`) or `torchrun`
+    (plain `python -m torch.distributed.run`, same options)."""
     rendezvous: str = "relight-etcd"
     """`relight-etcd` (nodes run `relight run` against the harness's etcd) or `c10d`
     (plain torchrun with its c10d rendezvous: the baseline Relight is compared with)."""
@@ -126,6 +129,8 @@ class ClusterSpec:
         _check(self.monitor_interval_s > 0, "cluster.monitor_interval_s", "must be > 0")
         _check(self.rdzv_timeout_s > 0, "cluster.rdzv_timeout_s", "must be > 0")
         _check(self.last_call_s >= 0, "cluster.last_call_s", "must be >= 0")
+        _check(self.launcher in ("relight", "torchrun"), "cluster.launcher",
+               f"must be relight or torchrun, got {self.launcher!r}")
         _check(self.rendezvous in ("relight-etcd", "c10d"), "cluster.rendezvous",
                f"must be relight-etcd or c10d, got {self.rendezvous!r}")
 
