@@ -217,10 +217,14 @@ class CheckpointConfig:
     """Persist in the background; training blocks only for staging."""
     resume: bool = True
     """Restore from the newest committed checkpoint under ``url`` at start."""
+    restore_step: int = 0
+    """Restore this committed step instead of the newest (e.g. to roll back past a loss
+    spike); 0 means the newest one that loads."""
 
     def __post_init__(self) -> None:
         _require(self.every >= 1, "checkpoint.every must be >= 1")
         _require(self.keep_last >= 1, "checkpoint.keep_last must be >= 1")
+        _require(self.restore_step >= 0, "checkpoint.restore_step must be >= 0")
 
 
 @dataclass(kw_only=True, slots=True)

@@ -182,7 +182,7 @@ class Trainer:
         sd = self.state_dict(with_optimizer=True)
         t0 = time.perf_counter()
         # step=None: the newest committed step that loads cleanly (older ones if damaged).
-        restored = self.ckpt_mgr.restore(sd)
+        restored = self.ckpt_mgr.restore(sd, step=c.restore_step or None)
         self.load_state_dict(sd)
         if self.step != restored:
             raise st.StateError(

@@ -67,6 +67,19 @@ def test_resume_same_layout_is_bitwise_exact(rank_pool: RankPool, straight: dict
     assert_states_equal(state, straight["state"])
 
 
+def test_checkpoint_persisted_while_training_goes_on_restores_exactly(
+        rank_pool: RankPool, straight: dict, tmp_path: Path) -> None:
+    """Step 5 is saved asynchronously while steps 6-8 update the same tensors: the checkpoint
+    must hold step 5's values (the runtime hands the engine live tensors)."""
+    root = tmp_path / "ckpt"
+    rank_pool.run("tests.runtime.cases:train", 4,
+                  overrides=RUN + [f"--checkpoint.url={root}", "--train.stop_at=8"])
+    results = rank_pool.run("tests.runtime.cases:train", 4, overrides=RUN + [
+        f"--checkpoint.url={root}", "--checkpoint.restore_step=5"], dump=True)
+    assert results[0]["restored_step"] == 5
+    assert_states_equal(merged_state(results), straight["state"])
+
+
 @pytest.mark.parametrize(("overrides", "world"), [
     pytest.param(["--parallel.tp=2"], 4, id="fsdp4-to-dp2xtp2"),
     pytest.param(["--parallel.pp=2"], 4, id="fsdp4-to-pp2xdp2"),
