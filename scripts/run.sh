@@ -7,4 +7,4 @@ cd "$(dirname "$0")/.."
 bash scripts/bootstrap.sh
 exec .venv/bin/relight run --nproc-per-node="${NPROC:-2}" --run-dir=runs/local -- \
   .venv/bin/python -m runtime.train --config configs/tiny.toml \
-  --checkpoint.url=runs/local/ckpt --metrics.path=runs/local/metrics.jsonl "$@"
+  --checkpoint.url=runs/local/ckpt --train.metrics_path=runs/local/metrics.jsonl "$@"
