@@ -18,7 +18,12 @@ from typing import Any
 
 import torch
 
+# Imported here, not on first use: the first import costs seconds on a loaded machine, and
+# paid in the middle of a fault injection it would delay the fault by as much.
+import ckpt
 from chaos.verifier import WeightsComparison
+from ckpt.format import DTYPES
+from ckpt.manifest import read_manifest
 from storage import StorageError, Store
 
 logger = logging.getLogger(__name__)
@@ -131,8 +136,6 @@ class CheckpointProbe:
 
     def newest_committed_chunk(self) -> tuple[int, str]:
         """(step, key) of one data chunk of a real tensor in the newest committed checkpoint."""
-        from ckpt.manifest import read_manifest
-
         steps = self.committed_steps()
         if not steps:
             raise LookupError(f"no committed checkpoint under {self.store.url} yet")
@@ -152,8 +155,6 @@ class CheckpointProbe:
 
     def verify_all(self) -> dict[int, str | None]:
         """Every committed checkpoint: step -> None when it verifies, else the problems."""
-        import ckpt
-
         out: dict[int, str | None] = {}
         for step, d in sorted(self.scan().items()):
             if not d.committed:
@@ -164,16 +165,11 @@ class CheckpointProbe:
 
     def read_state(self, step: int) -> dict[str, Any]:
         """The committed checkpoint `step` as {name: full tensor or JSON value}."""
-        import ckpt
-        from ckpt.manifest import read_manifest
-
         d = self.scan().get(step)
         if d is None or not d.committed:
             raise LookupError(f"no committed checkpoint {step} under {self.store.url}")
         store = self.store.child(d.prefix)
         manifest = read_manifest(store)
-        from ckpt.format import DTYPES
-
         # The target state dict mirrors the saved one's nesting (each tensor's `path`), at
         # global shape, so the engine reads every tensor whole.
         sd: dict[str, Any] = {}
