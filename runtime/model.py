@@ -18,7 +18,7 @@ import zlib
 import torch
 import torch.nn.functional as F
 from torch import nn
-from torch.distributed.tensor import DTensor
+from torch.distributed.tensor import DTensor, distribute_tensor
 from torch.utils.checkpoint import checkpoint
 
 from runtime.config import ModelConfig
@@ -248,18 +248,36 @@ class Transformer(nn.Module):
 
     @torch.no_grad()
     def init_weights(self, seed: int) -> None:
-        """Deterministic init keyed by parameter name, so any subset of the model (a pipeline
-        stage) gets the same values the full model would."""
+        """Deterministic init keyed by parameter name and independent of the layout: each
+        parameter's full value comes from a generator seeded by ``(seed, name)``, and a sharded
+        parameter (DTensor, any placement) keeps its own shard of it. So a pipeline stage, a TP
+        shard or an FSDP shard holds exactly what the single-process model would, and only one
+        full parameter exists at a time (the model itself can be built on the meta device)."""
         out_std = self.cfg.init_std / math.sqrt(2 * self.cfg.n_layers)
         for name, p in self.named_parameters():
             if name.endswith("norm.weight"):
-                p.fill_(1.0)
-                continue
-            gen = torch.Generator().manual_seed((seed * 1_000_003 + zlib.crc32(name.encode()))
-                                                & 0x7FFF_FFFF_FFFF_FFFF)
-            std = out_std if name.endswith(("wo.weight", "w2.weight", "experts.w2")) else (
-                self.cfg.init_std)
-            p.copy_(torch.randn(p.shape, generator=gen) * std)
+                full = torch.ones(p.shape)
+            else:
+                gen = torch.Generator().manual_seed(
+                    (seed * 1_000_003 + zlib.crc32(name.encode())) & 0x7FFF_FFFF_FFFF_FFFF)
+                std = out_std if name.endswith(("wo.weight", "w2.weight", "experts.w2")) else (
+                    self.cfg.init_std)
+                full = torch.randn(p.shape, generator=gen) * std
+            full = full.to(device=p.device, dtype=p.dtype)
+            if isinstance(p, DTensor):
+                # src_data_rank=None: every rank computed the same full value; keep the local
+                # shard without communication.
+                local = distribute_tensor(full, p.device_mesh, p.placements,
+                                          src_data_rank=None).to_local()
+                p.to_local().copy_(local)
+            else:
+                p.copy_(full)
+
+    def init_buffers(self) -> None:
+        """(Re)compute non-persistent buffers, e.g. after ``to_empty`` from the meta device."""
+        device = self.rope.device
+        self.rope = rotary_tables(self.cfg.dim // self.cfg.n_heads, self.cfg.max_seq_len).to(
+            device)
 
     def moe_layers(self) -> list[MoE]:
         return [m for m in self.modules() if isinstance(m, MoE)]
@@ -270,7 +288,8 @@ class Transformer(nn.Module):
 
 
 def build_model(cfg: ModelConfig, seed: int) -> Transformer:
-    """The full model on CPU with its deterministic init (parallelize it afterwards)."""
+    """The full model on CPU with its deterministic init (for tools and tests; the trainer
+    builds on the meta device, parallelizes, then materialises only its shards)."""
     model = Transformer(cfg)
     model.init_weights(seed)
     return model

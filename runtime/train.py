@@ -37,7 +37,7 @@ from runtime.config import Config, ConfigError, config_to_dict, load_config
 from runtime.data import BatchPlan, DataLoader, SyntheticCorpus
 from runtime.mesh import LayoutError, ParallelMesh, build_mesh, plan_layout
 from runtime.metrics import MetricsWriter, flops_per_token, memory_mb, peak_flops
-from runtime.model import Transformer, build_model
+from runtime.model import Transformer
 from runtime.optim import LRSchedule, build_optimizer, clip_grad_norm_
 from runtime.parallel.pp import build_pipeline
 from runtime.parallelize import parallelize
@@ -112,8 +112,13 @@ class Trainer:
         self.log = _RankStep(log, {"rank": self.rank, "step": 0})
         self.layout = plan_layout(self.world, cfg)
         self.pmesh: ParallelMesh = build_mesh(self.layout, self.device.type)
-        self.model: Transformer = build_model(cfg.model, cfg.train.seed).to(self.device)
+        # Build on the meta device, shard, then materialise: no rank ever holds the full model.
+        with torch.device("meta"):
+            self.model: Transformer = Transformer(cfg.model)
         parallelize(self.model, self.pmesh, cfg)
+        self.model.to_empty(device=self.device)
+        self.model.init_buffers()
+        self.model.init_weights(cfg.train.seed)
         self.params = [p for p in self.model.parameters() if p.requires_grad]
         self.optimizer = build_optimizer(self.params, cfg.optim)
         self.lr = LRSchedule(cfg.optim.lr, cfg.optim.warmup_steps, cfg.train.steps,
