@@ -119,7 +119,7 @@ def test_last_call_admits_a_late_node(etcd_server) -> None:
             t.join(30)
         infos = _check_group([info] + [out[0] for _, out in threads], 3)
         assert infos[0].rank == 2  # the newcomer after the early joiners
-        assert time.monotonic() - t0 < 5
+        assert time.monotonic() - t0 < 8
     finally:
         shutdown_all([*early, late])
 
@@ -133,7 +133,7 @@ def test_max_nodes_leaves_a_spare_waiting(etcd_server) -> None:
         t0 = time.monotonic()
         with pytest.raises(RendezvousTimeoutError, match="min_nodes=1, max_nodes=2"):
             spare.next_rendezvous()
-        assert 1.9 < time.monotonic() - t0 < 6
+        assert 1.9 < time.monotonic() - t0 < 10
         # A full group is not disturbed by a spare.
         assert [h.num_nodes_waiting() for h in hs] == [0, 0]
     finally:
@@ -196,7 +196,7 @@ def test_node_dying_mid_rendezvous_is_dropped(etcd_server) -> None:
         t0 = time.monotonic()
         infos = _check_group(join_all(others), 3)
         # The dead member held a place until its 2 s lease ran out, no longer.
-        assert time.monotonic() - t0 < 2 + 4
+        assert time.monotonic() - t0 < 2 + 8
         assert dead_id not in client.get(f"/relight-test/{run}/state").json()["participants"]
         assert client.get(f"/relight-test/{run}/nodes/{dead_id}") is None
         assert len(infos) == 3
@@ -218,11 +218,14 @@ def test_dead_participant_makes_survivors_reform_smaller(etcd_server) -> None:
         victim._keeper = None
         t0 = time.monotonic()
         while not all(h.num_nodes_waiting() > 0 for h in hs):
-            assert time.monotonic() - t0 < 8, "survivors never noticed the expired lease"
+            assert time.monotonic() - t0 < 15, "survivors never noticed the expired lease"
             time.sleep(0.1)
         detect = time.monotonic() - t0
         infos = _check_group(join_all(hs), 2)
-        assert detect < 2 + 2 and [i.rank for i in infos] == [0, 1]
+        assert [i.rank for i in infos] == [0, 1]
+        # The 2 s lease, etcd's expiry sweep, one poll: bounded (with slack for a
+        # loaded 2-core machine), not the join timeout.
+        assert detect < 2 + 6, detect
     finally:
         shutdown_all(hs)
 
