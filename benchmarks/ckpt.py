@@ -129,21 +129,32 @@ def _worker(rank: int, world: int, init: str, args: dict, out_q: Any) -> None:
     n, rows = _layers(args["mb"], world)
     src = _state(mesh, n, rows, [Shard(0)], [Shard(0)], True)
     sampler = RssSampler()
-    base_rss = sampler.proc.memory_info().rss
     base = args["base"]
     s3 = args["storage"] == "s3"
     results: dict[str, dict[str, list[float]]] = {"relight": {}, "dcp": {}}
     extra: dict[str, list[float]] = {}
     peak = {"relight": 0, "dcp": 0}
 
+    def win(system: str, on: bool) -> None:
+        """Extra memory a phase needs: peak RSS during it minus RSS when it started
+        (targets are allocated before the window opens)."""
+        if on:
+            sampler.window(True)
+            win.start = sampler.proc.memory_info().rss  # type: ignore[attr-defined]
+        else:
+            sampler.window(False)
+            peak[system] = max(peak[system], sampler.peak - win.start)  # type: ignore
+
     def rec(system: str, key: str, value: float) -> None:
         results[system].setdefault(key, []).append(value)
 
-    def timed(fn) -> float:  # noqa: ANN001
+    def timed(fn, system: str) -> float:  # noqa: ANN001
         dist.barrier()
+        win(system, True)
         t0 = time.perf_counter()
         fn()
         dist.barrier()
+        win(system, False)
         t = torch.tensor([time.perf_counter() - t0])
         dist.all_reduce(t, op=dist.ReduceOp.MAX)
         return float(t)
@@ -176,30 +187,31 @@ def _worker(rank: int, world: int, init: str, args: dict, out_q: Any) -> None:
 
     def run_system(system: str, r: int) -> None:
         url = f"{base}/{system}-{r}"
-        sampler.window(True)
         if system == "relight":
             opts = ckpt.SaveOptions(compression=args["compression"])
             store = storage.open_store(url + "-sync")
-            rec(system, "save_s", timed(lambda: ckpt.save(src, store, options=opts)))
+            rec(system, "save_s", timed(lambda: ckpt.save(src, store, options=opts), system))
             h_box = {}
 
             def start() -> None:
                 h_box["h"] = ckpt.save(src, url + "-async", async_save=True, options=opts)
             dist.barrier()
+            win(system, True)
             t0 = time.perf_counter()
             start()
             stall = time.perf_counter() - t0
             h_box["h"].wait()
             dist.barrier()
             total = time.perf_counter() - t0
+            win(system, False)
             rec(system, "stall_s", maxed(stall))
             rec(system, "async_total_s", maxed(total))
             same = _state(mesh, n, rows, [Shard(0)], [Shard(0)], False)
-            rec(system, "load_s", timed(lambda: ckpt.load(same, store)))
+            rec(system, "load_s", timed(lambda: ckpt.load(same, store), system))
             del same
             tgt = _state(mesh2, n, rows, [Shard(0), Shard(1)], [Shard(0), Replicate()], False)
             c0, s0 = _rchar(), store.stats.snapshot()["bytes_read"]
-            rec(system, "reshard_load_s", timed(lambda: ckpt.load(tgt, store)))
+            rec(system, "reshard_load_s", timed(lambda: ckpt.load(tgt, store), system))
             rec(system, "bytes_read_reshard", summed(_rchar() - c0))
             extra.setdefault("relight_reshard_chunk_bytes", []).append(
                 summed(store.stats.snapshot()["bytes_read"] - s0))
@@ -207,9 +219,9 @@ def _worker(rank: int, world: int, init: str, args: dict, out_q: Any) -> None:
             rep = _state(mesh2, n, rows, [Replicate(), Shard(1)], [Replicate(), Replicate()],
                          False)
             extra.setdefault("relight_replicated_load_broadcast_s", []).append(
-                timed(lambda: ckpt.load(rep, store, broadcast=True)))
+                timed(lambda: ckpt.load(rep, store, broadcast=True), system))
             extra.setdefault("relight_replicated_load_direct_s", []).append(
-                timed(lambda: ckpt.load(rep, store, broadcast=False)))
+                timed(lambda: ckpt.load(rep, store, broadcast=False), system))
             del rep
             if rank == 0:
                 nb, objs = _prefix_bytes(url + "-sync")
@@ -224,34 +236,36 @@ def _worker(rank: int, world: int, init: str, args: dict, out_q: Any) -> None:
                 maxed(staged / (3 * rows * (HIDDEN + 1) * 4 * n / world)))
         else:
             path = url + "-sync"
-            rec(system, "save_s", timed(lambda: dcp.save(src, storage_writer=dcp_writer(path))))
+            rec(system, "save_s", timed(lambda: dcp.save(src, storage_writer=dcp_writer(path)),
+                                        system))
             dist.barrier()
+            win(system, True)
             t0 = time.perf_counter()
             fut = dcp.async_save(src, storage_writer=dcp_writer(url + "-async"))
             stall = time.perf_counter() - t0
             (fut.upload_completion if hasattr(fut, "upload_completion") else fut).result()
             dist.barrier()
             total = time.perf_counter() - t0
+            win(system, False)
             rec(system, "stall_s", maxed(stall))
             rec(system, "async_total_s", maxed(total))
             same = _state(mesh, n, rows, [Shard(0)], [Shard(0)], False)
-            rec(system, "load_s", timed(lambda: dcp.load(same, storage_reader=dcp_reader(path))))
+            rec(system, "load_s", timed(lambda: dcp.load(same, storage_reader=dcp_reader(path)),
+                                        system))
             del same
             tgt = _state(mesh2, n, rows, [Shard(0), Shard(1)], [Shard(0), Replicate()], False)
             c0 = _rchar()
             rec(system, "reshard_load_s",
-                timed(lambda: dcp.load(tgt, storage_reader=dcp_reader(path))))
+                timed(lambda: dcp.load(tgt, storage_reader=dcp_reader(path)), system))
             rec(system, "bytes_read_reshard", summed(_rchar() - c0))
             del tgt
             rep = _state(mesh2, n, rows, [Replicate(), Shard(1)], [Replicate(), Replicate()],
                          False)
             extra.setdefault("dcp_replicated_load_s", []).append(
-                timed(lambda: dcp.load(rep, storage_reader=dcp_reader(path))))
+                timed(lambda: dcp.load(rep, storage_reader=dcp_reader(path)), system))
             del rep
             nb = _prefix_bytes(path)[0] if rank == 0 else 0
             rec(system, "bytes_written", summed(nb))
-        sampler.window(False)
-        peak[system] = max(peak[system], sampler.peak - base_rss)
 
     for r in range(args["rounds"]):
         order = ["dcp", "relight"] if r % 2 == 0 else ["relight", "dcp"]

@@ -65,6 +65,19 @@ class Comm:
         self._wait(dist.all_gather(out, buf, group=self.group, async_op=True))
         return [bytes(o[:n].cpu().numpy().tobytes()) for o, n in zip(out, lens, strict=True)]
 
+    def allgather_fixed(self, payload: bytes, width: int) -> list[bytes]:
+        """One all-gather of a fixed-width payload (the cheap per-save handshake)."""
+        if len(payload) > width:
+            raise ValueError(f"payload of {len(payload)} bytes exceeds width {width}")
+        if not self.active or self.size == 1:
+            return [payload.ljust(width, b"\0")]
+        buf = torch.zeros(width, dtype=torch.uint8, device=self.device)
+        if payload:
+            buf[: len(payload)] = torch.frombuffer(bytearray(payload), dtype=torch.uint8)
+        out = [torch.zeros(width, dtype=torch.uint8, device=self.device) for _ in range(self.size)]
+        self._wait(dist.all_gather(out, buf, group=self.group, async_op=True))
+        return [bytes(o.cpu().numpy().tobytes()) for o in out]
+
     def allgather_json(self, obj: Any) -> list[Any]:
         blobs = self.allgather_bytes(json.dumps(obj, separators=(",", ":")).encode())
         return [json.loads(b) for b in blobs]

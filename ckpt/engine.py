@@ -21,19 +21,18 @@ from __future__ import annotations
 
 import json
 import logging
-import math
 import os
 import threading
 import time
 import uuid
 from collections.abc import Callable, Mapping
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from typing import Any
 
 import numpy as np
 import tensorstore as ts
 import torch
-from torch.distributed.tensor import DTensor
 
 from ckpt.comm import Comm
 from ckpt.errors import (
@@ -250,10 +249,14 @@ def save(
     except Exception as e:  # noqa: BLE001 - re-raised below, after telling the others
         error = e
     attempt = uuid.uuid4().hex[:16]
-    got = comm.allgather_json([digest, attempt, _err_json(error) if error else None])
-    if error is not None:
-        raise error
-    _raise_first([g[2] for g in got], comm.ranks, store.url)
+    # One fixed-size all-gather per save: layout digest, attempt id, "I failed" flag.
+    hand = comm.allgather_fixed(f"{digest:32}{attempt}{'E' if error else '-'}".encode(), 49)
+    got = [(h[:32].decode(), h[32:48].decode(), h[48:49] == b"E") for h in hand]
+    if any(g[2] for g in got):
+        errors = comm.allgather_json(_err_json(error) if error else None)
+        if error is not None:
+            raise error
+        _raise_first(errors, comm.ranks, store.url)
     assert lay is not None
     attempt = got[0][1]
     key = (tuple(g[0] for g in got), comm.ranks)
@@ -385,10 +388,14 @@ class _SaveJob:
             futures.append(arr.write(self.packed))
             metas.append((path, meta))
             nbytes += size
-        for f in futures:
-            f.result()
-        for path, meta in metas:
-            put_metadata(self.store, path, meta)
+        # zarr.json objects are small and independent: publish them concurrently while
+        # tensorstore finishes the chunks (each put is a durable, atomic publish).
+        with ThreadPoolExecutor(max_workers=8, thread_name_prefix="ckpt-meta") as pool:
+            done = [pool.submit(put_metadata, self.store, path, meta) for path, meta in metas]
+            for f in futures:
+                f.result()
+            for d in done:
+                d.result()
         self.store.stats.record_write(nbytes, ops=len(futures))
         return nbytes
 
@@ -630,13 +637,17 @@ def _chunk_bytes(off, shape, chunks, item) -> int:
     return n
 
 
+PACKED_WHOLE_READ = 32 << 20
+
+
 class _Reader:
     """Issues the tensorstore reads for one region of one tensor. With `out` (a tensor
     of the region's shape, e.g. the target's own local view) tensorstore decodes
     straight into it; `result()` waits and returns the filled tensor."""
 
     def __init__(self, store: Store, m: Manifest, name: str, box, dtype: torch.dtype,
-                 out: torch.Tensor | None = None) -> None:
+                 out: torch.Tensor | None = None,
+                 packed_cache: dict[str, Any] | None = None) -> None:
         self.store, self.m, self.name = store, m, name
         self.off, self.shape = box
         self.out = out if out is not None and out.device.type == "cpu" else \
@@ -668,15 +679,25 @@ class _Reader:
                 else:
                     nb = numel(p["shape"]) * item
                     bo = p["byte_offset"]
-                    fut = arr[bo: bo + nb].read()
                     pshape = tuple(p["shape"])
+                    size = m.raw["packed"][p["array"]]
+                    if packed_cache is not None and size <= PACKED_WHOLE_READ:
+                        # Small packed arrays are fetched once per load, whole: many small
+                        # tensors would otherwise each cost a request.
+                        if p["array"] not in packed_cache:
+                            packed_cache[p["array"]] = arr.read()
+                            self.bytes += size
+                        fut, lo = packed_cache[p["array"]], bo
+                    else:
+                        fut, lo = arr[bo: bo + nb].read(), 0
+                        pi = m.raw["packed_inner"]
+                        self.bytes += ((bo + nb - 1) // pi - bo // pi + 1) * pi if nb else 0
 
-                    def convert(a, pshape=pshape, src=src):
-                        full = torch.from_numpy(a).view(self.out.dtype).reshape(pshape)
+                    def convert(a, pshape=pshape, src=src, lo=lo, nb=nb):
+                        full = torch.from_numpy(a[lo: lo + nb]).view(self.out.dtype)
+                        full = full.reshape(pshape)
                         return full[src] if src else full
                     self.parts.append((fut, dst, convert, p["array"]))
-                    pi = m.raw["packed_inner"]
-                    self.bytes += ((bo + nb - 1) // pi - bo // pi + 1) * pi if nb else 0
         except CheckpointError:
             raise
         except Exception as e:  # noqa: BLE001
@@ -796,11 +817,13 @@ def load(
     nbytes = 0
     try:
         readers = []
+        packed_cache: dict[str, Any] = {}
         for task in plan.tasks:
             if task.reader == comm.rank:
                 t = flat.tensors[task.name].tensor
                 piece = views[(task.name, task.box)]
-                r = _Reader(store, m, task.name, task.box, t.dtype, local_view(t, piece))
+                r = _Reader(store, m, task.name, task.box, t.dtype, local_view(t, piece),
+                            packed_cache)
                 readers.append((task, r))
                 nbytes += r.bytes
         for task, r in readers:
@@ -846,9 +869,3 @@ def load(
         obj.load_state_dict(sub)
     return LoadInfo(store.url, m.step, m.raw.get("config"), nbytes, needed)
 
-
-def is_dtensor(t: Any) -> bool:
-    return isinstance(t, DTensor)
-
-
-_ = math  # kept for callers computing sizes

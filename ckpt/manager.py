@@ -23,7 +23,6 @@ from typing import Any, Protocol
 from ckpt.comm import Comm
 from ckpt.engine import SaveHandle, SaveOptions, load, save
 from ckpt.errors import (
-    CheckpointError,
     CheckpointNotFoundError,
     CorruptCheckpointError,
     UnsupportedVersionError,
@@ -288,5 +287,3 @@ class CheckpointManager:
             and self._handle.step is not None else set()
         return collect_garbage(self.store, self.policies, self.gc_grace_s, protect)
 
-
-_ = CheckpointError

@@ -8,6 +8,7 @@ is off, so a missing chunk is an error instead of silent zeros.
 from __future__ import annotations
 
 import json
+import os
 import threading
 from typing import Any
 
@@ -26,10 +27,13 @@ _CTX: Any = None
 
 
 def _default_context() -> Any:
+    """One tensorstore Context per process for file/memory stores. Few I/O threads: many
+    ranks share a host's cores, and page-cache I/O is CPU work (RELIGHT_TS_IO_THREADS)."""
     global _CTX
     with _CTX_LOCK:
         if _CTX is None:
-            _CTX = ts.Context({"file_io_concurrency": {"limit": 32}})
+            threads = int(os.environ.get("RELIGHT_TS_IO_THREADS", "8"))
+            _CTX = ts.Context({"file_io_concurrency": {"limit": threads}})
         return _CTX
 
 
