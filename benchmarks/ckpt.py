@@ -14,8 +14,9 @@ systems (ABBA order over `--rounds`), and each figure is the median over rounds:
 - bytes_read_reshard: bytes the ranks read during the reshard load: /proc/self/io rchar
   deltas summed over ranks (read()/pread() syscalls; on S3 this also counts socket reads
   done with read(), see docs/ckpt.md), plus Relight's own chunk accounting in "extra";
-- peak_rss_mb: the highest RSS any rank reached during that system's phases, sampled
-  every 5 ms, minus the rank's RSS before the benchmark phases started.
+- peak_rss_mb: extra host memory: the largest rise of a rank's RSS during any timed
+  phase of that system (targets are allocated before a phase starts), sampled every 5 ms;
+- ratios: dcp/relight per round (the systems ran back to back), median over rounds.
 
 The "extra" section has figures the issue does not name (direct vs broadcast reads
 of replicated regions, staging buffer size, objects per checkpoint).
@@ -336,13 +337,21 @@ def main(argv: list[str] | None = None) -> int:
     out: dict[str, Any] = {}
     for system in ("relight", "dcp"):
         out[system] = {f: statistics.median(got["results"][system][f]) for f in fields}
-    out["ratios"] = {f: out["dcp"][f] / out["relight"][f] for f in fields if f.endswith("_s")
-                     and out["relight"][f] > 0}
-    out["extra"] = {k: statistics.median(v) for k, v in got["extra"].items()}
+    # Ratios per round (the two systems ran back to back), then the median over rounds:
+    # robust to load on the machine drifting between rounds.
+    per_round = {
+        f: [d / r for d, r in zip(got["results"]["dcp"][f], got["results"]["relight"][f],
+                                  strict=True) if r > 0]
+        for f in fields if f.endswith("_s")
+    }
+    out["ratios"] = {f: statistics.median(v) for f, v in per_round.items() if v}
+    out["extra"] = {"ratios_per_round": per_round}
+    out["extra"].update({k: statistics.median(v) for k, v in got["extra"].items()})
     out["extra"]["all_rounds"] = got["results"]
     out["config"] = {"mb": a.mb, "ranks": a.ranks, "storage": a.storage, "rounds": a.rounds,
                      "layers": got["layers"], "rows": got["rows"], "hidden": HIDDEN,
                      "compression": a.compression, "cpus": os.cpu_count(),
+                     "loadavg_after": os.getloadavg(),
                      "command": "python -m benchmarks.ckpt " + " ".join(argv or sys.argv[1:])}
     text = json.dumps(out, indent=1)
     if a.json_out:

@@ -208,14 +208,16 @@ def save(
     layout: dict[str, Any] | None = None,
     process_group: Any = None,
     options: SaveOptions | None = None,
-    on_commit: Callable[[Manifest | dict[str, Any]], None] | None = None,
+    on_commit: Callable[[dict[str, Any]], None] | None = None,
+    on_start: Callable[[], None] | None = None,
 ) -> SaveHandle:
     """Save `state_dict` as one checkpoint at `url`; every rank of the group calls.
 
     With `async_save` only the staging copy blocks; the returned handle's `wait()`
     raises any failure. `config` (JSON) and `layout` (JSON, how the run was
     parallelized) go into the manifest. `on_commit(manifest_dict)` runs on the
-    coordinator right after the commit marker is written (in the background thread).
+    coordinator right after the commit marker is written, `on_start()` on the coordinator
+    before anything is persisted (both in the background thread when asynchronous).
     """
     opts = options or SaveOptions()
     t0 = time.perf_counter()
@@ -317,6 +319,7 @@ def save(
     handle = SaveHandle(store.url, step)
     job = _SaveJob(store, plan, attempt, comm.rank, staged, packed_buf, values, opts,
                    dict(step=step, config=config, layout=layout), handle, on_commit, pre)
+    job.on_start = on_start if comm.is_coordinator else None
     handle.stall_s = time.perf_counter() - t0
     handle.waited_s = waited
     _STATE.inflight = handle
@@ -523,8 +526,12 @@ class _SaveJob:
             except Exception as e:  # noqa: BLE001 - the checkpoint is committed
                 logger.error("%s post-commit hook failed: %s", self.pre, e)
 
+    on_start: Callable[[], None] | None = None
+
     def _persist_and_index(self) -> BaseException | None:
         try:
+            if self.on_start is not None:
+                self.on_start()
             nbytes = self.persist()
             self.handle.bytes_written = nbytes
             self.store.put(self._index_key(self.rank), json.dumps({

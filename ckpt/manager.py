@@ -196,8 +196,7 @@ class CheckpointManager:
             if self.last_wait_s > 0.001:
                 logger.info("save of step %d waited %.3f s for step %s", step,
                             self.last_wait_s, prev.step)
-        comm = Comm(self.process_group)
-        if comm.is_coordinator:
+        def on_start() -> None:
             self.store.put(f"{RECORDS}{step:012d}.pending", str(time.time()).encode())
 
         def on_commit(manifest: dict[str, Any]) -> None:
@@ -215,7 +214,8 @@ class CheckpointManager:
             state_dict, self.store.child(step_dir(step)), async_save=async_save, step=step,
             config=config if config is not None else self.config,
             layout=layout if layout is not None else self.layout,
-            process_group=self.process_group, options=self.options, on_commit=on_commit)
+            process_group=self.process_group, options=self.options, on_commit=on_commit,
+            on_start=on_start)
         return self._handle
 
     def wait(self) -> None:
