@@ -78,3 +78,24 @@ def test_user_script_under_chaos(tmp_path: Path) -> None:
     assert result.passed, render_markdown(result.report, None)
     assert sum(1 for f in result.report["faults"] if f["ok"]) == 3
     assert not _ours(out)
+
+
+@pytest.mark.timeout(330)
+def test_harness_catches_a_broken_resume(tmp_path: Path) -> None:
+    """A real run whose resume skips a batch: the whole pipeline (logs, store, verifier)
+    must fail it, on the data invariant."""
+    scenario = parse_scenario({
+        "name": "broken-resume",
+        "target_step": 20,
+        "deadline_s": 200,
+        "cluster": {"nodes": 1, "ranks_per_node": 2, "max_restarts": 5, "last_call_s": 1.0},
+        "training": {"command": ["tests/chaos/scripts/broken_resume_train.py"],
+                     "env": {"USER_TRAIN_MIN_STEP_S": "0.3"}},
+        "checkpoint": {"interval": 5},
+        "faults": [{"kind": "kill_worker", "at_step": 8}],
+    }, source=str(ROOT / "scenarios" / "broken-resume.toml"))
+    result = run_scenario(scenario, tmp_path / "broken")
+    broken = {inv["number"] for inv in result.report["invariants"] if not inv["ok"]}
+    assert not result.passed
+    assert 6 in broken, result.report["invariants"]
+    assert {0, 1}.isdisjoint(broken), "the run itself should have finished with its fault"
