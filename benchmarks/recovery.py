@@ -1,0 +1,319 @@
+"""Recovery benchmark: kill one worker, time until the job completes a step again.
+
+    python -m benchmarks.recovery --json OUT.json [--state-mib 256] [--kills 3]
+
+Two arms run the same job side by side in one invocation (the same state,
+the same step, the same kill schedule):
+
+- `baseline`: torchrun, c10d rendezvous, `--max-restarts`, DCP `async_save` every
+  `--ckpt-every` steps, restore with `dcp.load` from the newest `.metadata`;
+- `relight`: torchrun with `--rdzv-backend=relight-etcd` on a real etcd started here,
+  checkpoints with Relight's `ckpt.CheckpointManager` (async), restore with
+  `CheckpointManager.restore`.
+
+The job: a float32 state of `--state-mib` MiB, sharded over the ranks as a DTensor
+(Shard(0) on a 1-D CPU mesh), gloo. A step adds to the local shard and all-reduces a
+scalar. One worker (rank 1) is SIGKILLed `--kills` times per job (`--jobs` fresh jobs per
+arm), each time once the running generation has completed `--ckpt-every + 2` steps.
+Recovery = kill -> first completed step of the restarted group. The breakdown comes
+from events the workers (and, for relight, the rendezvous) write with wall-clock times:
+
+- `to_process_s`: kill -> first line of the new worker (detection, rendezvous, spawn);
+  for relight also `detect_s` (kill -> next_rendezvous call) and `rendezvous_s`;
+- `import_s`, `init_pg_s`, `restore_s`, `first_step_s`: the new worker's phases
+  (latest rank for each).
+
+A kill whose group does not step again within `--recovery-timeout` (or whose agent
+gives up) counts as a failed recovery (listed in `failures`; that job then stops).
+Checkpoints go to a local directory (`--workdir`); S3 is not wired here.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import shutil
+import signal
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+from typing import Any
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+# -- the worker ---------------------------------------------------------------------
+
+def _event(out: Path, ev: str, **fields: Any) -> None:
+    line = json.dumps({"ev": ev, "t": time.time(), "pid": os.getpid(), **fields})
+    fd = os.open(out / "events.jsonl", os.O_WRONLY | os.O_APPEND | os.O_CREAT, 0o644)
+    try:
+        os.write(fd, (line + "\n").encode())
+    finally:
+        os.close(fd)
+
+
+def worker(args: argparse.Namespace, t_top: float) -> None:
+    import torch
+    import torch.distributed as dist
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.tensor import DTensor, Shard
+
+    t_import = time.time()
+    out = Path(args.out)
+    from datetime import timedelta
+
+    dist.init_process_group("gloo", timeout=timedelta(seconds=60))
+    rank, world = dist.get_rank(), dist.get_world_size()
+    restart = int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0"))
+    t_pg = time.time()
+    mesh = init_device_mesh("cpu", (world,))
+    numel = args.state_mib * 2**20 // 4
+    local = torch.full((numel // world,), float(rank), dtype=torch.float32)
+    state = {"w": DTensor.from_local(local, mesh, [Shard(0)], run_check=False),
+             "step": torch.zeros(1, dtype=torch.int64)}
+    ckpt_root = out / "ckpt"
+
+    if args.arm == "baseline":
+        import torch.distributed.checkpoint as dcp
+
+        done = sorted(p for p in ckpt_root.glob("step_*") if (p / ".metadata").exists())
+        if done:
+            dcp.load(state, checkpoint_id=str(done[-1]))
+        pending = None
+
+        def save(step: int) -> None:
+            nonlocal pending
+            if pending is not None:
+                pending.result()
+            pending = dcp.async_save(state, checkpoint_id=str(ckpt_root / f"step_{step:08d}"))
+    else:
+        import ckpt
+
+        mgr = ckpt.CheckpointManager(str(ckpt_root), keep_last=2)
+        if mgr.latest_step() is not None:
+            mgr.restore(state)
+
+        def save(step: int) -> None:
+            mgr.save(step, state, async_save=True)
+
+    step = int(state["step"].item())
+    t_restored = time.time()
+    _event(out, "start", rank=rank, world=world, restart=restart, resumed=step, t_top=t_top,
+           t_import=t_import, t_pg=t_pg, t_restored=t_restored)
+    stop_file = out / "STOP"
+    while True:
+        step += 1
+        state["w"].to_local().add_(1e-3)
+        flag = torch.tensor([float(rank == 0 and stop_file.exists())])
+        dist.all_reduce(flag)
+        time.sleep(args.step_sleep)
+        state["step"].fill_(step)
+        _event(out, "step", rank=rank, restart=restart, step=step)
+        if step % args.ckpt_every == 0:
+            save(step)
+        if flag.item() > 0:
+            break
+    if args.arm == "baseline":
+        if pending is not None:
+            pending.result()
+    else:
+        mgr.wait()
+    dist.destroy_process_group()
+
+
+# -- the driver ---------------------------------------------------------------------
+
+def _events(out: Path) -> list[dict[str, Any]]:
+    path = out / "events.jsonl"
+    if not path.exists():
+        return []
+    evs = []
+    for line in path.read_text().splitlines():
+        try:
+            evs.append(json.loads(line))
+        except ValueError:
+            pass
+    return evs
+
+
+def _kill_all(agent: subprocess.Popen, out: Path) -> None:
+    for e in _events(out):
+        if e["ev"] == "start":
+            try:
+                os.kill(e["pid"], signal.SIGKILL)
+            except ProcessLookupError:
+                pass
+    if agent.poll() is None:
+        try:
+            os.killpg(agent.pid, signal.SIGKILL)
+        except ProcessLookupError:
+            pass
+        agent.wait(10)
+
+
+def run_arm(arm: str, args: argparse.Namespace, work: Path) -> dict[str, Any]:
+    from elastic.etcd_server import EtcdServer, free_port
+
+    out = work / arm
+    shutil.rmtree(out, ignore_errors=True)
+    out.mkdir(parents=True)
+    etcd = None
+    if arm == "baseline":
+        rdzv = ["--rdzv-backend=c10d", f"--rdzv-endpoint=127.0.0.1:{free_port()}"]
+    else:
+        etcd = EtcdServer(out / "etcd" / "data").start()
+        rdzv = ["--rdzv-backend=relight-etcd", f"--rdzv-endpoint={etcd.endpoint}",
+                "--rdzv-conf=lease_ttl=5,last_call_timeout=1"]
+    cmd = [sys.executable, "-m", "torch.distributed.run", *rdzv, "--rdzv-id=bench",
+           "--nnodes=1", f"--nproc-per-node={args.nproc}", f"--max-restarts={args.kills + 1}",
+           "--monitor-interval=0.1", "--module", "benchmarks.recovery", "--worker",
+           "--arm", arm, "--out", str(out), "--state-mib", str(args.state_mib),
+           "--ckpt-every", str(args.ckpt_every), "--step-sleep", str(args.step_sleep)]
+    env = {**os.environ, "PYTHONPATH": str(ROOT), "OMP_NUM_THREADS": "1",
+           "RELIGHT_EVENTS_FILE": str(out / "events.jsonl")}
+    log = open(out / "agent.log", "wb")  # noqa: SIM115 - the child owns it
+    agent = subprocess.Popen(cmd, cwd=ROOT, env=env, stdout=log, stderr=subprocess.STDOUT,
+                             start_new_session=True)
+    log.close()
+    result: dict[str, Any] = {"recovery_s": [], "breakdown": [], "failures": [],
+                              "kill_steps": []}
+    try:
+        for k in range(args.kills):
+            gen = _wait_generation(out, k, args, agent)
+            if gen is None:
+                result["failures"].append({"kill": k, "why": "generation never stepped"})
+                break
+            victim, kill_step = gen
+            t_kill = time.time()
+            os.kill(victim, signal.SIGKILL)
+            result["kill_steps"].append(kill_step)
+            first = _wait(lambda k=k: [e for e in _events(out) if e["ev"] == "step"
+                                       and e["restart"] == k + 1], args.recovery_timeout)
+            if not first or agent.poll() is not None:
+                result["failures"].append({"kill": k, "why": "no step after the kill",
+                                           "agent_rc": agent.poll()})
+                break
+            result["recovery_s"].append(min(e["t"] for e in first) - t_kill)
+            result["breakdown"].append(_breakdown(out, k + 1, t_kill))
+        (out / "STOP").write_text("")
+        try:
+            agent.wait(args.recovery_timeout)
+        except subprocess.TimeoutExpired:
+            result["failures"].append({"why": "job did not stop"})
+        result["agent_rc"] = agent.poll()
+    finally:
+        _kill_all(agent, out)
+        if etcd is not None:
+            etcd.stop()
+    rec = result["recovery_s"]
+    result["median_s"] = statistics.median(rec) if rec else None
+    return result
+
+
+def _wait(pred: Any, timeout: float) -> Any:
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        value = pred()
+        if value:
+            return value
+        time.sleep(0.05)
+    return None
+
+
+def _wait_generation(out: Path, k: int, args: argparse.Namespace,
+                     agent: subprocess.Popen) -> tuple[int, int] | None:
+    def ready() -> tuple[int, int] | None:
+        evs = _events(out)
+        starts = [e for e in evs if e["ev"] == "start" and e["restart"] == k]
+        if len(starts) < args.nproc:
+            return None
+        first = max(e["resumed"] for e in starts)
+        done = [e["step"] for e in evs if e["ev"] == "step" and e["restart"] == k
+                and e["rank"] == 1]
+        if done and max(done) >= first + args.ckpt_every + 2:
+            return next(e["pid"] for e in starts if e["rank"] == 1), max(done)
+        return None
+
+    return _wait(lambda: agent.poll() is None and ready(), args.recovery_timeout)
+
+
+def _breakdown(out: Path, gen: int, t_kill: float) -> dict[str, float]:
+    evs = _events(out)
+    starts = [e for e in evs if e["ev"] == "start" and e["restart"] == gen]
+    steps = [e["t"] for e in evs if e["ev"] == "step" and e["restart"] == gen]
+    b = {
+        "to_process_s": max(e["t_top"] for e in starts) - t_kill,
+        "import_s": max(e["t_import"] - e["t_top"] for e in starts),
+        "init_pg_s": max(e["t_pg"] - e["t_import"] for e in starts),
+        "restore_s": max(e["t_restored"] - e["t_pg"] for e in starts),
+        "first_step_s": min(steps) - max(e["t_restored"] for e in starts),
+    }
+    rdzv = [e for e in evs if e["ev"] == "rdzv_start" and e["t"] > t_kill]
+    done = [e for e in evs if e["ev"] == "rdzv_done" and e["t"] > t_kill]
+    if rdzv and done:
+        b["detect_s"] = rdzv[0]["t"] - t_kill
+        b["rendezvous_s"] = done[0]["t"] - rdzv[0]["t"]
+    return {k: round(v, 4) for k, v in b.items()}
+
+
+def main(argv: list[str] | None = None) -> int:
+    t_top = time.time()
+    p = argparse.ArgumentParser(prog="python -m benchmarks.recovery",
+                                description=__doc__.split("\n\n")[0] if __doc__ else None)
+    p.add_argument("--json", help="write the results here")
+    p.add_argument("--state-mib", type=int, default=256)
+    p.add_argument("--kills", type=int, default=3, help="kills per job")
+    p.add_argument("--jobs", type=int, default=1, help="fresh jobs per arm")
+    p.add_argument("--nproc", type=int, default=2)
+    p.add_argument("--ckpt-every", type=int, default=5)
+    p.add_argument("--step-sleep", type=float, default=0.05)
+    p.add_argument("--recovery-timeout", type=float, default=180.0)
+    p.add_argument("--arms", default="baseline,relight")
+    p.add_argument("--workdir", default=None)
+    p.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)
+    p.add_argument("--arm", help=argparse.SUPPRESS)
+    p.add_argument("--out", help=argparse.SUPPRESS)
+    args = p.parse_args(argv)
+    if args.worker:
+        worker(args, t_top)
+        return 0
+    work = Path(args.workdir or tempfile.mkdtemp(prefix="relight-recovery-"))
+    results: dict[str, Any] = {
+        "config": {k: v for k, v in vars(args).items() if k not in ("worker", "arm", "out")},
+        "machine": {"cpus": os.cpu_count(), "loadavg_before": os.getloadavg()},
+    }
+    for arm in args.arms.split(","):
+        merged: dict[str, Any] = {"recovery_s": [], "breakdown": [], "failures": [],
+                                  "kill_steps": [], "agent_rc": []}
+        for job in range(args.jobs):
+            print(f"[recovery] {arm} job {job}: {args.kills} kills, {args.state_mib} MiB",
+                  file=sys.stderr)
+            one = run_arm(arm, args, work / f"job{job}")
+            for key in ("recovery_s", "breakdown", "failures", "kill_steps"):
+                merged[key] += [dict(f, job=job) for f in one[key]] if key == "failures" \
+                    else one[key]
+            merged["agent_rc"].append(one["agent_rc"])
+            print(f"[recovery] {arm} job {job}: recovery_s={one['recovery_s']} "
+                  f"failures={one['failures']}", file=sys.stderr)
+        rec = merged["recovery_s"]
+        merged["median_s"] = statistics.median(rec) if rec else None
+        merged["recovered"] = f"{len(rec)} of {len(rec) + len(merged['failures'])} kills"
+        results[arm] = merged
+    results["machine"]["loadavg_after"] = os.getloadavg()
+    base = results.get("baseline", {}).get("median_s")
+    mine = results.get("relight", {}).get("median_s")
+    results["ratio"] = (mine / base) if base and mine else None
+    text = json.dumps(results, indent=1)
+    if args.json:
+        Path(args.json).write_text(text)
+    print(text)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
