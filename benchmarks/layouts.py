@@ -3,7 +3,8 @@
 Every layout trains the same model on the same global batch; "dp4" (plain replicated data
 parallelism) is the "just add devices" baseline. Per layout it measures, on every rank:
 
-* step time (median of the timed steps) and tokens/s of the global batch,
+* step time (median of the timed steps) and tokens/s of the global batch, and the CPU seconds
+  all ranks spent per step (less sensitive than wall time to other load on the machine),
 * peak RSS during the timed steps (a 5 ms sampling thread; CPU has no allocator peak) and the
   RSS before the model was built (torch itself), so ``peak - base`` is what the layout costs,
 * bytes sent per step: every c10d / functional collective of one step is intercepted with a
@@ -183,17 +184,19 @@ def _rank_main(rank: int, world: int, port: int, overrides: list[str], steps: in
                        for p in trainer.model.parameters())
         trainer.train_step()  # warm-up (first-step setup, pipeline shape inference)
         dist.barrier()
-        times = []
+        times, cpu = [], []
         with _PeakRSS() as peak:
             for _ in range(steps):
-                t0 = time.perf_counter()
+                t0, c0 = time.perf_counter(), time.process_time()
                 rec = trainer.train_step()
                 times.append(time.perf_counter() - t0)
+                cpu.append(time.process_time() - c0)
         counter = _comm_counter()
         with counter:
             trainer.train_step()
         out.put((rank, {
-            "step_times_s": times, "base_rss_mb": base_rss, "peak_rss_mb": peak.peak,
+            "step_times_s": times, "cpu_s_per_step": statistics.median(cpu),
+            "base_rss_mb": base_rss, "peak_rss_mb": peak.peak,
             "sent_bytes": counter.sent, "calls": dict(counter.calls), "loss": rec["loss"],
             "local_param_elems": n_params, "layout": trainer.layout.describe(),
         }))
@@ -240,6 +243,8 @@ def run_layout(name: str, overrides: list[str], *, world: int, steps: int,
         "layout": name,
         "mesh": ranks[0]["layout"],
         "step_time_s": step_time,
+        # CPU seconds of all ranks per step: less sensitive than wall time to other load.
+        "cpu_s_per_step_all_ranks": sum(r["cpu_s_per_step"] for r in ranks),
         "peak_rss_mb_per_rank": [round(r["peak_rss_mb"], 1) for r in ranks],
         "base_rss_mb_per_rank": [round(r["base_rss_mb"], 1) for r in ranks],
         "sent_mb_per_rank": [round(r["sent_bytes"] / 2**20, 2) for r in ranks],
