@@ -68,7 +68,7 @@ def test_watchdog_exits_non_zero_when_no_step_completes() -> None:
     elapsed = time.monotonic() - t0
     assert proc.returncode == 75, proc.stderr
     assert "no step completed" in proc.stderr
-    assert 1.0 < elapsed < 10, elapsed
+    assert 1.0 < elapsed < 30, elapsed
 
 
 def test_watchdog_stays_quiet_when_stopped() -> None:
