@@ -157,6 +157,10 @@ def test_late_node_triggers_scale_up_with_stable_ranks(etcd_server) -> None:
         infos = _check_group([*second, out[0]], 3)
         assert {h.node_id: i.rank for h, i in zip(hs, second, strict=True)} == ranks_before
         assert out[0].rank == 2
+        # Stale rounds are cleaned up: only the current round's store key is left.
+        client = EtcdClient(EtcdSettings(endpoints=(etcd_server.endpoint,)))
+        keys = [kv.key for kv in client.get_prefix(f"/relight-test/{run}/rounds/")[0]]
+        assert keys == [f"/relight-test/{run}/rounds/1/store"], keys
         # A fresh store for the new round: nothing the old round wrote is visible.
         first[0].store.set("stale", "x")
         old_port = first[0].bootstrap_store_info.master_port
