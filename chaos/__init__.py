@@ -1,1 +1,27 @@
-"""chaos"""
+"""chaos: break a training job on purpose and prove it came out right.
+
+    scenario = chaos.load_scenario("scenarios/ci-smoke.toml")
+    from chaos.runner import run_scenario          # starts servers and processes
+    result = run_scenario(scenario, "runs/chaos/ci-smoke")
+    result.passed, result.report["invariants"]
+
+`relight chaos run|report` is the command line (`chaos.cli`). The verifier
+(`chaos.verifier.verify`) is a pure function of the evidence a run leaves: metrics,
+checkpoint commits, injected faults, final states. See docs/chaos.md.
+"""
+
+from chaos.faults import FaultEvent, FaultKind
+from chaos.scenario import Scenario, ScenarioError, load_scenario, parse_scenario
+from chaos.verifier import InvariantResult, RunEvidence, verify
+
+__all__ = [
+    "FaultEvent",
+    "FaultKind",
+    "InvariantResult",
+    "RunEvidence",
+    "Scenario",
+    "ScenarioError",
+    "load_scenario",
+    "parse_scenario",
+    "verify",
+]
