@@ -6,10 +6,13 @@ import json
 from pathlib import Path
 
 import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
 from runtime.config import (
     Config,
     ConfigError,
+    DataConfig,
     ModelConfig,
     ParallelConfig,
     config_from_dict,
@@ -95,3 +98,24 @@ def test_ep_needs_experts() -> None:
     cfg = Config(parallel=ParallelConfig(ep=2))
     with pytest.raises(LayoutError, match=r"ep=2 but the model has no experts"):
         plan_layout(2, cfg)
+
+
+@given(world=st.integers(1, 64), tp=st.sampled_from([1, 2, 4]), pp=st.integers(1, 5),
+       ep=st.sampled_from([1, 2, 4, 8]), rep=st.integers(1, 4),
+       shard=st.sampled_from([-1, 1, 2, 4, 8]))
+@settings(max_examples=300, deadline=None)
+def test_any_layout_either_fits_the_world_or_is_refused(world: int, tp: int, pp: int, ep: int,
+                                                        rep: int, shard: int) -> None:
+    cfg = Config(model=ModelConfig(n_layers=4, n_heads=4, num_experts=8),
+                 parallel=ParallelConfig(tp=tp, pp=pp, ep=ep, dp_replicate=rep, dp_shard=shard),
+                 data=DataConfig(global_batch_size=64, micro_batch_size=1))
+    try:
+        lay = plan_layout(world, cfg)
+    except LayoutError as e:
+        assert str(e)  # refused with a message
+        return
+    assert lay.pp * lay.dp_replicate * lay.dp_shard * lay.tp == world
+    assert lay.pp <= 4 and 8 % lay.ep == 0
+    assert lay.rep_ep * lay.shard_ep == lay.ep
+    assert lay.dp_replicate % lay.rep_ep == 0 and lay.dp_shard % lay.shard_ep == 0
+    assert (64 // lay.dp) * lay.dp == 64
