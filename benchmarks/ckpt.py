@@ -11,9 +11,10 @@ systems (ABBA order over `--rounds`), and each figure is the median over rounds:
 - load_s: load into the same layout; reshard_load_s: load into dp2 x tp2
   (Shard(0), Shard(1)) DTensors;
 - bytes_written: bytes of the objects under the checkpoint prefix after the save;
-- bytes_read_reshard: bytes the ranks read during the reshard load: /proc/self/io rchar
-  deltas summed over ranks (read()/pread() syscalls; on S3 this also counts socket reads
-  done with read(), see docs/ckpt.md), plus Relight's own chunk accounting in "extra";
+- bytes_read_reshard: bytes the ranks read during the reshard load, summed over ranks:
+  on files the /proc/self/io rchar delta (read()/pread() syscalls, page cache included);
+  on S3 the payload bytes fetched, counted in s3fs (DCP's fsspec reader) and by
+  tensorstore's own kvstore counters (Relight); Relight's chunk accounting is in "extra";
 - peak_rss_mb: extra host memory: the largest rise of a rank's RSS during any timed
   phase of that system (targets are allocated before a phase starts), sampled every 5 ms;
 - ratios: dcp/relight per round (the systems ran back to back), median over rounds.
@@ -37,6 +38,47 @@ from datetime import timedelta
 from typing import Any
 
 HIDDEN = 2048
+
+
+_S3FS_BYTES = [0]
+
+
+def _count_s3fs_reads() -> None:
+    """Count the payload bytes s3fs fetches (DCP's fsspec reader goes through here)."""
+    import s3fs.core
+
+    real = s3fs.core._fetch_range
+
+    def counted(*a, **kw):  # noqa: ANN002, ANN003, ANN202
+        out = real(*a, **kw)
+        _S3FS_BYTES[0] += len(out)
+        return out
+
+    s3fs.core._fetch_range = counted
+    real_cat = s3fs.core.S3FileSystem._cat_file
+
+    async def counted_cat(self, *a, **kw):  # noqa: ANN001, ANN002, ANN003, ANN202
+        out = await real_cat(self, *a, **kw)
+        _S3FS_BYTES[0] += len(out)
+        return out
+
+    s3fs.core.S3FileSystem._cat_file = counted_cat
+
+
+def _ts_bytes_read() -> int:
+    import tensorstore as ts
+
+    total = 0
+    for m in ts.experimental_collect_matching_metrics("/tensorstore/kvstore/"):
+        if m["name"].endswith("/bytes_read"):
+            total += sum(int(v.get("value", 0)) for v in m.get("values", []))
+    return total
+
+
+def _bytes_read_now(s3: bool) -> int:
+    """Bytes read so far: socket payloads on S3 (s3fs + tensorstore counters), read()/pread()
+    syscalls (/proc/self/io rchar) on files."""
+    return _S3FS_BYTES[0] + _ts_bytes_read() if s3 else _rchar()
 
 
 def _rchar() -> int:
@@ -132,6 +174,8 @@ def _worker(rank: int, world: int, init: str, args: dict, out_q: Any) -> None:
     sampler = RssSampler()
     base = args["base"]
     s3 = args["storage"] == "s3"
+    if s3:
+        _count_s3fs_reads()
     results: dict[str, dict[str, list[float]]] = {"relight": {}, "dcp": {}}
     extra: dict[str, list[float]] = {}
     peak = {"relight": 0, "dcp": 0}
@@ -207,13 +251,15 @@ def _worker(rank: int, world: int, init: str, args: dict, out_q: Any) -> None:
             win(system, False)
             rec(system, "stall_s", maxed(stall))
             rec(system, "async_total_s", maxed(total))
+            extra.setdefault("relight_stall_staging_copy_s", []).append(
+                maxed(h_box["h"].stage_s))
             same = _state(mesh, n, rows, [Shard(0)], [Shard(0)], False)
             rec(system, "load_s", timed(lambda: ckpt.load(same, store), system))
             del same
             tgt = _state(mesh2, n, rows, [Shard(0), Shard(1)], [Shard(0), Replicate()], False)
-            c0, s0 = _rchar(), store.stats.snapshot()["bytes_read"]
+            c0, s0 = _bytes_read_now(s3), store.stats.snapshot()["bytes_read"]
             rec(system, "reshard_load_s", timed(lambda: ckpt.load(tgt, store), system))
-            rec(system, "bytes_read_reshard", summed(_rchar() - c0))
+            rec(system, "bytes_read_reshard", summed(_bytes_read_now(s3) - c0))
             extra.setdefault("relight_reshard_chunk_bytes", []).append(
                 summed(store.stats.snapshot()["bytes_read"] - s0))
             del tgt
@@ -255,10 +301,10 @@ def _worker(rank: int, world: int, init: str, args: dict, out_q: Any) -> None:
                                         system))
             del same
             tgt = _state(mesh2, n, rows, [Shard(0), Shard(1)], [Shard(0), Replicate()], False)
-            c0 = _rchar()
+            c0 = _bytes_read_now(s3)
             rec(system, "reshard_load_s",
                 timed(lambda: dcp.load(tgt, storage_reader=dcp_reader(path)), system))
-            rec(system, "bytes_read_reshard", summed(_rchar() - c0))
+            rec(system, "bytes_read_reshard", summed(_bytes_read_now(s3) - c0))
             del tgt
             rep = _state(mesh2, n, rows, [Replicate(), Shard(1)], [Replicate(), Replicate()],
                          False)

@@ -89,7 +89,7 @@ class SaveOptions:
     """None (default) or "zstd" (level 1) on every inner chunk; see docs/ckpt.md."""
     pack_bytes: int = 512 * 1024
     """Tensors no larger than this are packed into one byte array per writer."""
-    inner_bytes: int = 256 * 1024
+    inner_bytes: int = 4 << 20
     """Target size of the inner (crc32c-checked, separately readable) chunks of a shard:
     the granularity of partial reads when loading into another layout."""
     packed_inner: int = 64 * 1024
@@ -123,6 +123,9 @@ class SaveHandle:
         self._done = threading.Event()
         self._error: BaseException | None = None
         self.stall_s = 0.0
+        """Seconds the caller was blocked (wait for the previous save + plan + staging)."""
+        self.stage_s = 0.0
+        """Of which: copying into the staging buffers."""
         self.waited_s = 0.0
         self.total_s = 0.0
         self.bytes_written = 0
@@ -273,6 +276,7 @@ def save(
                     len(plan.tensors), plan.write_bytes.get(comm.rank, 0))
     plan = cached.plan
 
+    t_planned = time.perf_counter()
     # Stage: copy this rank's pieces into (reused) host buffers.
     my_writes = plan.writes_of(comm.rank)
     need_copy = async_save or any(
@@ -322,6 +326,9 @@ def save(
     job.on_start = on_start if comm.is_coordinator else None
     handle.stall_s = time.perf_counter() - t0
     handle.waited_s = waited
+    handle.stage_s = handle.stall_s - (t_planned - t0)
+    logger.debug("%s save stall %.3f s (waited %.3f, plan+handshake %.3f, staging %.3f)",
+                 pre, handle.stall_s, waited, t_planned - t0 - waited, handle.stage_s)
     _STATE.inflight = handle
     if async_save:
         th = threading.Thread(target=job.run, name=f"ckpt-save-{step}", daemon=True)

@@ -71,12 +71,18 @@ def numel(shape: tuple[int, ...] | list[int]) -> int:
     return n
 
 
-def inner_chunk_shape(chunk: tuple[int, ...], item: int, target_bytes: int) -> tuple[int, ...]:
-    """Split an outer chunk into inner chunks of at most ~`target_bytes`, dividing it
-    exactly (zarr's sharding codec requires that). Halving the largest extent first keeps
-    the tiles square-ish, so a reader that needs a column block or a row block of the
-    shard reads little more than that block."""
+def inner_chunk_shape(chunk: tuple[int, ...], item: int, target_bytes: int,
+                      min_split_extent: int = 256) -> tuple[int, ...]:
+    """Split an outer chunk (one save-time shard) into inner chunks that divide it exactly
+    (zarr's sharding codec requires that): first every dim of at least `min_split_extent`
+    is cut once (so a reader wanting half of a shard along any dim, the common
+    dp/tp reshard, reads about half), then the largest extent is halved until a tile is at
+    most `target_bytes`. Few, square-ish tiles keep requests per shard low on S3."""
     inner = list(chunk)
+    for d, e in enumerate(chunk):
+        p = _smallest_factor(e) if e > 1 else 1
+        if e >= min_split_extent and p < e:
+            inner[d] = e // p
     while numel(inner) * item > target_bytes:
         for d in sorted(range(len(inner)), key=lambda d: -inner[d]):
             e = inner[d]

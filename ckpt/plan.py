@@ -154,7 +154,7 @@ def plan_save(
     ranks: tuple[int, ...],
     *,
     pack_bytes: int = 512 * 1024,
-    inner_bytes: int = 256 * 1024,
+    inner_bytes: int = 4 << 20,
     packed_inner: int = 64 * 1024,
 ) -> SavePlan:
     """The global save plan; every rank computes the same one from the same layouts."""

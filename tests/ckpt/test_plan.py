@@ -63,8 +63,11 @@ def test_gaps_and_disagreements_are_refused() -> None:
 def test_inner_chunks_divide_and_bound() -> None:
     for shape in [(546, 2048), (1000, 1536), (7, 3, 5), (97, 1031), (4096,)]:
         inner = inner_chunk_shape(shape, 4, 256 * 1024)
+        assert all(s // i >= 2 for s, i in zip(shape, inner, strict=True) if s >= 256
+                   and s % 2 == 0), (shape, inner)
         assert all(s % i == 0 for s, i in zip(shape, inner, strict=True)), (shape, inner)
     assert inner_chunk_shape((1024, 4096), 4, 1 << 20) == (512, 512)
+    assert inner_chunk_shape((546, 2048), 4, 4 << 20) == (273, 1024)
 
 
 def test_load_plan_one_reader_per_replica_group() -> None:
