@@ -514,8 +514,8 @@ class _Watch:
             self.pending.append(_Pending(i, spec, trig))
         m = self.scenario.mtbf
         for t, kind in draw_mtbf_schedule(m.kinds, m.count, m.mean_s, m.start_s, seed):
-            self.pending.append(_Pending(len(self.pending), _mtbf_spec(kind, m),
-                                         f"mtbf t>={t}s", t))
+            spec = _mtbf_spec(kind, m, self.scenario.checkpoint.interval)
+            self.pending.append(_Pending(len(self.pending), spec, f"mtbf t>={t}s", t))
 
     def run(self, deadline: float, deadline_s: float) -> tuple[bool, str]:
         while True:
@@ -661,8 +661,11 @@ def _window_plan(spec: FaultSpec) -> dict[str, Any] | None:
     return {"latency_s": spec.window_s, "ops": ["put"], "key_contains": key}
 
 
-def _mtbf_spec(kind: FaultKind, m: Any) -> FaultSpec:
-    """A drawn fault: its time gates it; the kinds aimed at a save wait for the next one."""
+def _mtbf_spec(kind: FaultKind, m: Any, interval: int) -> FaultSpec:
+    """A drawn fault: its time gates it; the kinds aimed at a save wait for the next one,
+    and damage waits until there is a committed checkpoint to damage."""
+    if kind in (FaultKind.CORRUPT_CHECKPOINT, FaultKind.TRUNCATE_CHECKPOINT):
+        return FaultSpec(kind=kind, during="training", after_step=interval + 2)
     if kind is FaultKind.KILL_DURING_PERSIST:
         return FaultSpec(kind=kind, during="persist")
     if kind is FaultKind.KILL_COORDINATOR_BEFORE_COMMIT:
