@@ -183,23 +183,30 @@ def run_arm(arm: str, args: argparse.Namespace, work: Path) -> dict[str, Any]:
     result: dict[str, Any] = {"recovery_s": [], "breakdown": [], "failures": [],
                               "kill_steps": []}
     try:
+        gen = 0  # torchrun's restart count of the running generation
         for k in range(args.kills):
-            gen = _wait_generation(out, k, args, agent)
-            if gen is None:
+            ready = _wait_generation(out, gen, args, agent)
+            if ready is None:
                 result["failures"].append({"kill": k, "why": "generation never stepped"})
                 break
-            victim, kill_step = gen
+            victim, kill_step = ready
             t_kill = time.time()
             os.kill(victim, signal.SIGKILL)
             result["kill_steps"].append(kill_step)
-            first = _wait(lambda k=k: [e for e in _events(out) if e["ev"] == "step"
-                                       and e["restart"] == k + 1], args.recovery_timeout)
+            # Any later generation counts: a restart that itself fails (and is
+            # restarted again) shows up as `restarts` > 1 for this kill.
+            first = _wait(lambda g=gen: [e for e in _events(out) if e["ev"] == "step"
+                                         and e["restart"] > g], args.recovery_timeout)
             if not first or agent.poll() is not None:
                 result["failures"].append({"kill": k, "why": "no step after the kill",
-                                           "agent_rc": agent.poll()})
+                                           "agent_rc": agent.poll(), "t_kill": t_kill})
                 break
-            result["recovery_s"].append(min(e["t"] for e in first) - t_kill)
-            result["breakdown"].append(_breakdown(out, k + 1, t_kill))
+            new_gen = min(e["restart"] for e in first)
+            result["recovery_s"].append(min(e["t"] for e in first if e["restart"] == new_gen)
+                                        - t_kill)
+            result["breakdown"].append({**_breakdown(out, new_gen, t_kill),
+                                        "restarts": new_gen - gen})
+            gen = new_gen
         (out / "STOP").write_text("")
         try:
             agent.wait(args.recovery_timeout)
