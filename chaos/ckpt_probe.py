@@ -136,12 +136,22 @@ class CheckpointProbe:
 
     def newest_committed_chunk(self) -> tuple[int, str]:
         """(step, key) of one data chunk of a real tensor in the newest committed checkpoint."""
-        steps = self.committed_steps()
+        dirs = self.scan()
+        steps = sorted(s for s, d in dirs.items() if d.committed)
         if not steps:
             raise LookupError(f"no committed checkpoint under {self.store.url} yet")
-        step = steps[-1]
-        prefix = self.scan()[step].prefix
-        manifest = read_manifest(self.store.child(prefix))
+        # Retention may delete the newest-but-one between the listing and the read (it
+        # removes COMMIT first): take the newest whose manifest still reads.
+        for step in reversed(steps):
+            prefix = dirs[step].prefix
+            try:
+                manifest = read_manifest(self.store.child(prefix))
+                break
+            except (ckpt.CheckpointError, StorageError) as exc:
+                logger.info("checkpoint %d under %s went away while picking one: %s", step,
+                            self.store.url, exc)
+        else:
+            raise LookupError(f"no committed checkpoint under {self.store.url} could be read")
         objects = manifest.expected_objects()
         chunks = sorted(k for k in objects if not k.endswith("zarr.json"))
         if not chunks:

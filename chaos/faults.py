@@ -263,6 +263,10 @@ class Injector:
             event.ok = False
             event.error = str(exc)
             logger.warning("fault #%d %s not injected: %s", index, spec.kind.value, exc)
+        except Exception as exc:  # noqa: BLE001 - a failed injection must not end the run
+            event.ok = False
+            event.error = f"{type(exc).__name__}: {exc}"
+            logger.exception("fault #%d %s failed to inject", index, spec.kind.value)
         else:
             logger.info(
                 "fault #%d %s injected at step %d (%s): node=%s pids=%s %s",
