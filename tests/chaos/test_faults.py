@@ -176,3 +176,13 @@ def test_no_victim_is_reported_not_raised() -> None:
         FaultSpec(kind=FaultKind.KILL_WORKER, at_step=1), 0, "t", 1)
     assert not ev.ok and "no live worker" in ev.error
     assert os.getpid()  # this process was not touched
+
+
+def test_an_injection_that_raises_is_recorded_not_fatal() -> None:
+    class Flaky(FakeCluster):
+        def newest_committed_chunk(self) -> tuple[int, str]:
+            raise RuntimeError("store went away")
+
+    ev = Injector(Flaky(), random.Random(0)).inject(
+        FaultSpec(kind=FaultKind.CORRUPT_CHECKPOINT, at_step=1), 0, "t", 1)
+    assert not ev.ok and ev.error == "RuntimeError: store went away"
