@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import signal
 import tomllib
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -26,6 +27,7 @@ __all__ = [
     "ModelConfig",
     "OptimConfig",
     "ParallelConfig",
+    "PreemptionConfig",
     "TrainConfig",
     "apply_overrides",
     "config_from_dict",
@@ -228,6 +230,60 @@ class CheckpointConfig:
 
 
 @dataclass(kw_only=True, slots=True)
+class PreemptionConfig:
+    """Preemption notices and the emergency checkpoint (see docs/preemption.md)."""
+
+    enabled: bool = True
+    """Turn notices into an emergency checkpoint and exit status 76; false restores the
+    default signal behaviour (SIGTERM kills the process at once)."""
+    signals: str = "SIGTERM"
+    """Comma-separated signals that count as a notice (torchrun forwards SIGTERM from the
+    agent to every local worker); empty: none."""
+    notice_file: str = ""
+    """A notice is a file appearing at this path (checked once per step); empty: off."""
+    metadata: str = ""
+    """Cloud metadata poller: ``aws`` (spot ``instance-action``), ``gcp`` (``preempted``)
+    or empty (off, the default: nothing is ever requested)."""
+    metadata_url: str = ""
+    """Base URL of the metadata service, e.g. ``http://169.254.169.254`` (AWS) or
+    ``http://metadata.google.internal`` (GCP); required when ``metadata`` is set."""
+    poll_interval_s: float = 5.0
+    """Seconds between metadata requests."""
+    request_timeout_s: float = 1.0
+    """Timeout of one metadata request."""
+    grace_s: float = 30.0
+    """Seconds between a notice and the hard kill, when the notice does not say (AWS's
+    instance-action gives its own time; torchrun's default shutdown timeout is 30 s)."""
+    save_margin_s: float = 1.0
+    """Seconds kept free at the end of the grace period (exit, log flush)."""
+    safety_factor: float = 1.5
+    """The emergency save is attempted only if safety_factor * estimated time + margin fits
+    in the remaining grace."""
+    assumed_write_mb_s: float = 100.0
+    """Write rate (MB/s per rank) assumed before this run has timed a save of its own."""
+    step_timeout_s: float = 0.0
+    """After a notice, the step in flight must end within this many seconds, or the process
+    is taken as hung and exits (status 143); 0: 3x the slowest step seen, at least 10 s."""
+
+    def __post_init__(self) -> None:
+        _require(self.metadata in ("", "aws", "gcp"),
+                 f"preemption.metadata must be '', 'aws' or 'gcp', got {self.metadata!r}")
+        _require(not self.metadata or bool(self.metadata_url),
+                 "preemption.metadata_url must be set when preemption.metadata is "
+                 f"{self.metadata!r} (e.g. http://169.254.169.254)")
+        _require(not self.metadata_url or self.metadata_url.startswith(("http://", "https://")),
+                 f"preemption.metadata_url must be an http(s) URL, got {self.metadata_url!r}")
+        for name in ("poll_interval_s", "request_timeout_s", "grace_s", "safety_factor",
+                     "assumed_write_mb_s"):
+            _require(getattr(self, name) > 0, f"preemption.{name} must be > 0")
+        for name in ("save_margin_s", "step_timeout_s"):
+            _require(getattr(self, name) >= 0, f"preemption.{name} must be >= 0")
+        for name in filter(None, (s.strip() for s in self.signals.split(","))):
+            _require(isinstance(getattr(signal, name, None), signal.Signals),
+                     f"preemption.signals: unknown signal {name!r} (e.g. SIGTERM,SIGUSR1)")
+
+
+@dataclass(kw_only=True, slots=True)
 class Config:
     model: ModelConfig = field(default_factory=ModelConfig)
     parallel: ParallelConfig = field(default_factory=ParallelConfig)
@@ -235,6 +291,7 @@ class Config:
     data: DataConfig = field(default_factory=DataConfig)
     train: TrainConfig = field(default_factory=TrainConfig)
     checkpoint: CheckpointConfig = field(default_factory=CheckpointConfig)
+    preemption: PreemptionConfig = field(default_factory=PreemptionConfig)
 
     def __post_init__(self) -> None:
         _require(
@@ -256,6 +313,7 @@ def _section_types() -> dict[str, type]:
         "data": DataConfig,
         "train": TrainConfig,
         "checkpoint": CheckpointConfig,
+        "preemption": PreemptionConfig,
     }
 
 

@@ -12,6 +12,13 @@ Runs as a single process or under torchrun (one process per rank). Order of a ru
 
 A watchdog thread exits the process with status 75 when no step completes in
 ``train.watchdog_timeout_s``.
+
+Preemption (``[preemption]``, docs/preemption.md): every step's one small all-gather also
+carries each rank's notice flag and grace left, so all ranks see a notice at the same step
+boundary. They then finish that step, let the async save in flight commit, agree whether a
+synchronous save of the step fits in the grace left, save and commit it (or say that the
+newest committed checkpoint will be used), and exit with status 76
+(``runtime.preemption.PREEMPTED_EXIT_CODE``).
 """
 
 from __future__ import annotations
@@ -41,9 +48,15 @@ from runtime.model import Transformer
 from runtime.optim import LRSchedule, build_optimizer, clip_grad_norm_
 from runtime.parallel.pp import build_pipeline
 from runtime.parallelize import parallelize
+from runtime.preemption import (
+    PREEMPTED_EXIT_CODE,
+    NoticeWatcher,
+    decide,
+    estimate_save_s,
+)
 from runtime.watchdog import Watchdog
 
-__all__ = ["TrainResult", "Trainer", "main", "run_training"]
+__all__ = ["PREEMPTED_EXIT_CODE", "TrainResult", "Trainer", "main", "run_training"]
 
 log = logging.getLogger(__name__)
 
@@ -63,7 +76,20 @@ class TrainResult:
     restored_step: int | None = None
     layout: str = ""
     world_size: int = 1
+    rank: int = 0
     checkpoint_failures: int = 0
+    preempted: bool = False
+    """The run stopped on a preemption notice before its last step (``main`` exits 76)."""
+    notice_ranks: list[int] = field(default_factory=list)
+    """Ranks that had a notice when the ranks agreed to stop."""
+    emergency_step: int | None = None
+    """Step of the emergency checkpoint committed on the notice (None: none written)."""
+    emergency_save_s: float | None = None
+    """Seconds the synchronous emergency save took on this rank."""
+    emergency_wait_s: float | None = None
+    """Seconds spent letting the async save in flight commit first."""
+    emergency_note: str = ""
+    """Why the emergency save was or was not written."""
 
 
 def _device_and_backend(cfg: Config) -> tuple[str, str]:
@@ -95,6 +121,11 @@ def _all_gather(out: torch.Tensor, inp: torch.Tensor) -> None:
     # torch 2.13 renamed all_gather_into_tensor to all_gather_single.
     fn = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
     fn(out, inp)
+
+
+_ROW = 5
+"""Values per rank in the step's all-gather: loss, reports-loss, memory, notice, grace."""
+_NO_DEADLINE = 1e18
 
 
 def _step_seed(seed: int, step: int) -> int:
@@ -152,6 +183,10 @@ class Trainer:
         self.restored_step: int | None = None
         self.on_grads: Callable[[Trainer], None] | None = None
         """Called after backward, before clipping, each step (tests inspect gradients)."""
+        self.watcher: NoticeWatcher | None = None
+        self._last_handle: Any = None
+        self._save_timings: list[tuple[int, float]] = []
+        """(bytes written, seconds to commit) of this run's saves on this rank."""
 
     # ---- state ---------------------------------------------------------------------------
 
@@ -203,14 +238,111 @@ class Trainer:
         last = self.step in (self.cfg.train.steps, self.cfg.train.stop_at)
         if self.ckpt_mgr is None or (self.step % c.every and not last):
             return 0.0, True
+        self._note_save_timing()
         t0 = time.perf_counter()
         try:
-            self.ckpt_mgr.save(self.step, self.state_dict(), async_save=c.async_save)
+            self._last_handle = self.ckpt_mgr.save(self.step, self.state_dict(),
+                                                   async_save=c.async_save)
         except Exception:  # a failed save must not stop training; older checkpoints remain
             self.log.exception("checkpoint save at step %d failed; training continues",
                                self.step)
             return time.perf_counter() - t0, False
         return time.perf_counter() - t0, True
+
+    def _note_save_timing(self) -> None:
+        h, self._last_handle = self._last_handle, None
+        if h is not None and h.done() and h.error is None and h.total_s > 0:
+            self._save_timings.append((int(h.bytes_written), float(h.total_s)))
+
+    # ---- preemption ----------------------------------------------------------------------
+
+    def _notice_row(self) -> tuple[float, float]:
+        """(1.0 if this rank has a notice, seconds of grace left) for the step's gather."""
+        w = self.watcher
+        if w is None:
+            return 0.0, _NO_DEADLINE
+        w.check()
+        if not w.board.pending:
+            return 0.0, _NO_DEADLINE
+        return 1.0, w.board.deadline_unix() - time.time()
+
+    def _local_state_bytes(self, sd: dict[str, Any]) -> int:
+        total = 0
+
+        def walk(v: Any) -> None:
+            nonlocal total
+            if isinstance(v, dict):
+                for x in v.values():
+                    walk(x)
+            elif isinstance(v, list | tuple):
+                for x in v:
+                    walk(x)
+            elif isinstance(v, torch.Tensor):
+                t = v.to_local() if hasattr(v, "to_local") else v
+                total += t.numel() * t.element_size()
+
+        walk(sd)
+        return total
+
+    def emergency_checkpoint(self, remaining_s: float, result: TrainResult) -> None:
+        """Every rank, at the same step boundary after the ranks agreed on a notice: let the
+        async save in flight commit, agree whether a synchronous save of this step fits in
+        the grace left, and write it (a collective save; it commits before returning)."""
+        pcfg = self.cfg.preemption
+        if self.watcher is not None:
+            self.watcher.phase = "emergency"
+        deadline = time.monotonic() + remaining_s
+        mgr = self.ckpt_mgr
+        if mgr is None:
+            result.emergency_note = "checkpoint.url is not set: nothing to save"
+            self.log.warning("preemption: %s", result.emergency_note)
+            return
+        t0 = time.perf_counter()
+        try:
+            mgr.wait()  # the async save in flight commits first (or fails on its own)
+        except Exception:
+            self.log.exception("preemption: the checkpoint in flight failed; the emergency "
+                               "save goes on")
+        result.emergency_wait_s = time.perf_counter() - t0
+        self._note_save_timing()
+        sd = self.state_dict()
+        nbytes = self._local_state_bytes(sd)
+        est = estimate_save_s(nbytes, self._save_timings, pcfg.assumed_write_mb_s)
+        # The go / no-go must be the same on every rank: decide from gathered values.
+        mine = torch.tensor([est, deadline - time.monotonic()], dtype=torch.float64,
+                            device=self.device)
+        both = torch.empty(self.world * 2, dtype=torch.float64, device=self.device)
+        _all_gather(both, mine)
+        both = both.view(self.world, 2).cpu()
+        decision = decide(both[:, 0].tolist(), both[:, 1].tolist(),
+                          safety_factor=pcfg.safety_factor, margin_s=pcfg.save_margin_s)
+        if not decision.save:
+            latest = mgr.latest_step()
+            result.emergency_note = (
+                f"{decision.reason}: skipping the emergency save; the resume will use the "
+                f"newest committed checkpoint, step {latest}"
+                + (f" ({self.step - latest} steps lost)" if latest is not None else ""))
+            self.log.warning("preemption: %s", result.emergency_note)
+            return
+        self.log.info("preemption: emergency save of step %d starts (%.1f MiB on this rank; "
+                      "%s)", self.step, nbytes / 2**20, decision.reason)
+        t0 = time.perf_counter()
+        try:
+            mgr.save(self.step, sd, async_save=False)
+            mgr.wait()
+        except Exception as e:
+            latest = mgr.latest_step()
+            result.emergency_note = (f"emergency save failed ({type(e).__name__}: {e}); the "
+                                     f"resume will use the newest committed checkpoint, "
+                                     f"step {latest}")
+            self.log.exception("preemption: %s", result.emergency_note)
+            return
+        result.emergency_save_s = time.perf_counter() - t0
+        result.emergency_step = self.step
+        result.emergency_note = (f"committed step {self.step}: {nbytes / 2**20:.1f} MiB on "
+                                 f"this rank in {result.emergency_save_s:.2f} s "
+                                 f"(estimated {est:.2f} s)")
+        self.log.info("preemption: emergency checkpoint %s", result.emergency_note)
 
     # ---- one step ------------------------------------------------------------------------
 
@@ -258,27 +390,35 @@ class Trainer:
         self.optimizer.step()
         self.optimizer.zero_grad(set_to_none=True)
         self.step += 1
-        # One small all-gather gives the loss and every rank's memory.
+        # One small all-gather gives the loss, every rank's memory and every rank's
+        # preemption notice (flag, grace left): all ranks see a notice at the same step.
         mem = memory_mb(self.device)
+        flag, left = self._notice_row()
         row = torch.tensor(
-            [float(local_loss) if self.reports_loss else 0.0, float(self.reports_loss), mem],
+            [float(local_loss) if self.reports_loss else 0.0, float(self.reports_loss), mem,
+             flag, left],
             dtype=torch.float64, device=self.device,
         )
-        rows = torch.empty(self.world * 3, dtype=torch.float64, device=self.device)
+        rows = torch.empty(self.world * _ROW, dtype=torch.float64, device=self.device)
         _all_gather(rows, row)
-        rows = rows.view(self.world, 3).cpu()
+        rows = rows.view(self.world, _ROW).cpu()
         loss = float(rows[:, 0].sum() / rows[:, 1].sum())
+        noticed = [r for r in range(self.world) if rows[r, 3] > 0]
         return {"loss": loss, "lr": lr, "grad_norm": grad_norm, "data_position": position,
-                "mem_per_rank_mb": [round(float(v), 1) for v in rows[:, 2]]}
+                "mem_per_rank_mb": [round(float(v), 1) for v in rows[:, 2]],
+                "_notice_ranks": noticed,
+                "_notice_left_s": float(rows[noticed, 4].min()) if noticed else None}
 
     # ---- the loop ------------------------------------------------------------------------
 
     def run(self) -> TrainResult:
         cfg = self.cfg
-        result = TrainResult(layout=self.layout.describe(), world_size=self.world)
+        result = TrainResult(layout=self.layout.describe(), world_size=self.world,
+                             rank=self.rank)
         metrics = MetricsWriter(cfg.train.metrics_path, enabled=self.rank == 0,
                                 log_every=cfg.train.log_every)
         watchdog = Watchdog(cfg.train.watchdog_timeout_s, rank=self.rank).start()
+        self.watcher = NoticeWatcher(cfg.preemption, rank=self.rank).start()
         try:
             self._open_checkpoints()
             result.restored_step = self.restored_step
@@ -289,16 +429,20 @@ class Trainer:
                               self.layout.describe(), self.world, cfg.train.steps,
                               self.plan.local_microbatches)
             end = min(cfg.train.steps, cfg.train.stop_at or cfg.train.steps)
+            self.watcher.phase = "training"
             while self.step < end:
                 t0 = time.perf_counter()
                 rec = self.train_step()
                 if self.device.type == "cuda":
                     torch.cuda.synchronize(self.device)
                 step_time = time.perf_counter() - t0
-                stall, ok = self._maybe_save()
+                noticed, left = rec.pop("_notice_ranks"), rec.pop("_notice_left_s")
+                preempt = bool(noticed) and self.step < end
+                stall, ok = (0.0, True) if preempt else self._maybe_save()
                 result.checkpoint_failures += 0 if ok else 1
                 self.log.extra["step"] = self.step
                 watchdog.beat(self.step)
+                self.watcher.step_done(self.step, time.perf_counter() - t0)
                 tps = tokens / step_time
                 rec.update(
                     step=self.step, tokens_per_s=tps, step_time_s=step_time,
@@ -308,8 +452,21 @@ class Trainer:
                     world_size=self.world, layout=self.layout.describe(),
                     restored_step=self.restored_step, time=time.time(),
                 )
+                if noticed:
+                    rec["preempt_notice_ranks"] = noticed
                 metrics.write(rec, cfg.train.steps)
                 result.losses.append(rec["loss"])
+                if noticed and not preempt:
+                    self.log.warning("preemption notice on ranks %s at the last step: the "
+                                     "run finishes normally", noticed)
+                if preempt:
+                    self.log.warning("preemption notice on ranks %s: stopping after step %d "
+                                     "(%.1f s of grace left)", noticed, self.step, left)
+                    result.preempted, result.notice_ranks = True, noticed
+                    self.emergency_checkpoint(left, result)
+                    watchdog.beat(self.step)
+                    break
+            self.watcher.phase = "done"
             if self.ckpt_mgr is not None:
                 committed = True
                 try:
@@ -323,6 +480,7 @@ class Trainer:
                                                + (0 if committed else 1))
         finally:
             watchdog.stop()
+            self.watcher.stop(restore_signals=not result.preempted)
             metrics.close()
         result.final_step = self.step
         return result
@@ -359,8 +517,8 @@ def _parse(argv: list[str] | None) -> Config:
 
 
 def main(argv: list[str] | None = None) -> int:
-    """CLI entry point; returns the process exit status (2: bad config or layout; the watchdog
-    exits with 75 on a hang)."""
+    """CLI entry point; returns the process exit status (2: bad config or layout; 76: stopped
+    on a preemption notice; the watchdog exits with 75 on a hang)."""
     logging.basicConfig(
         level=os.environ.get("RELIGHT_LOG_LEVEL", "INFO"),
         format="%(asctime)s %(levelname)s %(name)s: %(message)s",
@@ -373,6 +531,10 @@ def main(argv: list[str] | None = None) -> int:
         return 2
     if result.checkpoint_failures:
         log.warning("run finished with %d failed checkpoint saves", result.checkpoint_failures)
+    if result.preempted:
+        log.warning("[rank %d step %d] preempted (%s); exiting with status %d", result.rank,
+                    result.final_step, result.emergency_note, PREEMPTED_EXIT_CODE)
+        return PREEMPTED_EXIT_CODE
     return 0
 
 
