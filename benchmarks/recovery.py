@@ -309,7 +309,8 @@ def main(argv: list[str] | None = None) -> int:
                   f"failures={one['failures']}", file=sys.stderr)
         rec = merged["recovery_s"]
         merged["median_s"] = statistics.median(rec) if rec else None
-        merged["recovered"] = f"{len(rec)} of {len(rec) + len(merged['failures'])} kills"
+        failed_kills = [f for f in merged["failures"] if "kill" in f]
+        merged["recovered"] = f"{len(rec)} of {len(rec) + len(failed_kills)} kills"
         results[arm] = merged
     results["machine"]["loadavg_after"] = os.getloadavg()
     base = results.get("baseline", {}).get("median_s")
