@@ -213,6 +213,7 @@ def save(
     options: SaveOptions | None = None,
     on_commit: Callable[[dict[str, Any]], None] | None = None,
     on_start: Callable[[], None] | None = None,
+    before_commit: Callable[[dict[str, Any]], None] | None = None,
 ) -> SaveHandle:
     """Save `state_dict` as one checkpoint at `url`; every rank of the group calls.
 
@@ -324,6 +325,7 @@ def save(
     job = _SaveJob(store, plan, attempt, comm.rank, staged, packed_buf, values, opts,
                    dict(step=step, config=config, layout=layout), handle, on_commit, pre)
     job.on_start = on_start if comm.is_coordinator else None
+    job.before_commit = before_commit
     handle.stall_s = time.perf_counter() - t0
     handle.waited_s = waited
     handle.stage_s = handle.stall_s - (t_planned - t0)
@@ -514,6 +516,8 @@ class _SaveJob:
             manifest = self._manifest(indexes)
             raw = json.dumps(manifest, indent=1).encode()
             self.store.put(MANIFEST_KEY, raw)
+            if self.before_commit is not None:
+                self.before_commit(manifest)
             self.store.put(COMMIT_KEY, json.dumps({
                 "attempt": self.attempt, "manifest_bytes": len(raw),
                 "manifest_crc32c": crc32c(raw), "step": self.meta["step"],
@@ -534,6 +538,7 @@ class _SaveJob:
                 logger.error("%s post-commit hook failed: %s", self.pre, e)
 
     on_start: Callable[[], None] | None = None
+    before_commit: Callable[[dict[str, Any]], None] | None = None
 
     def _persist_and_index(self) -> BaseException | None:
         try:

@@ -80,6 +80,8 @@ class StepRecord:
     step: int
     committed: bool
     created: float
+    record: bool = False
+    """A commit record exists (its COMMIT may still be missing after a crash)."""
 
 
 def list_records(store: Store) -> dict[int, StepRecord]:
@@ -97,7 +99,8 @@ def list_records(store: Store) -> dict[int, StepRecord]:
                 created = float(json.loads(store.get(key)).get("created_unix", 0.0))
             except (StorageError, ValueError, AttributeError):
                 pass
-            out[step] = StepRecord(step, True, created)
+            committed = store.exists(f"{step_dir(step)}/{COMMIT_KEY}")
+            out[step] = StepRecord(step, committed, created, record=True)
         elif ext == "pending" and step not in out:
             created = 0.0
             try:
@@ -128,9 +131,9 @@ def collect_garbage(store: Store, policies: list[RetentionPolicy], grace_s: floa
         if rec.committed:
             # COMMIT first: from here on nothing loads it, even if we die half-way.
             store.delete(f"{d}/{COMMIT_KEY}")
-            store.delete(f"{RECORDS}{step:012d}.json")
         elif now - rec.created < grace_s:
             continue
+        store.delete(f"{RECORDS}{step:012d}.json")
         store.delete_prefix(d)
         store.delete(f"{RECORDS}{step:012d}.pending")
         deleted.append(step)
@@ -199,11 +202,15 @@ class CheckpointManager:
         def on_start() -> None:
             self.store.put(f"{RECORDS}{step:012d}.pending", str(time.time()).encode())
 
-        def on_commit(manifest: dict[str, Any]) -> None:
+        def before_commit(manifest: dict[str, Any]) -> None:
+            # Written just before COMMIT, so every rank that sees COMMIT also finds the
+            # record; a record whose COMMIT never came is treated as uncommitted.
             self.store.put(f"{RECORDS}{step:012d}.json", json.dumps({
                 "step": step, "created_unix": manifest.get("created_unix"),
                 "bytes": manifest.get("bytes"), "world_size": manifest.get("world_size"),
                 "layout": manifest.get("layout")}).encode())
+
+        def on_commit(manifest: dict[str, Any]) -> None:
             self.store.delete(f"{RECORDS}{step:012d}.pending")
             try:
                 collect_garbage(self.store, self.policies, self.gc_grace_s, protect={step})
@@ -215,7 +222,7 @@ class CheckpointManager:
             config=config if config is not None else self.config,
             layout=layout if layout is not None else self.layout,
             process_group=self.process_group, options=self.options, on_commit=on_commit,
-            on_start=on_start)
+            on_start=on_start, before_commit=before_commit)
         return self._handle
 
     def wait(self) -> None:
@@ -230,15 +237,13 @@ class CheckpointManager:
     # -- finding ------------------------------------------------------------------------
 
     def committed_steps(self) -> list[int]:
-        """Steps with a commit record (ascending). Their COMMIT is checked on use."""
+        """Steps whose record and COMMIT marker both exist (ascending)."""
         return sorted(s for s, r in list_records(self.store).items() if r.committed)
 
     def latest_step(self) -> int | None:
         """The newest committed step, or None."""
-        for step in reversed(self.committed_steps()):
-            if self.store.exists(f"{step_dir(step)}/{COMMIT_KEY}"):
-                return step
-        return None
+        steps = self.committed_steps()
+        return steps[-1] if steps else None
 
     def url_of(self, step: int) -> str:
         return self.store.child(step_dir(step)).url

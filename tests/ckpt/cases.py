@@ -225,3 +225,34 @@ def log_setup() -> bool:
     logging.basicConfig(level=logging.WARNING,
                         format=f"%(asctime)s r{dist.get_rank()} %(name)s %(message)s")
     return True
+
+
+def collectives_stay_in_foreground(root: str) -> dict[str, Any]:
+    """Record the thread of every collective/p2p call made during async saves."""
+    import threading
+
+    seen: list[str] = []
+    names = ["all_gather", "all_gather_into_tensor", "all_reduce", "broadcast", "barrier",
+             "isend", "irecv", "send", "recv", "all_gather_object", "gather", "scatter"]
+    real = {n: getattr(dist, n) for n in names}
+
+    def wrap(fn):  # noqa: ANN001, ANN202
+        def inner(*a, **kw):  # noqa: ANN002, ANN003, ANN202
+            seen.append(threading.current_thread().name)
+            return fn(*a, **kw)
+        return inner
+
+    for n in names:
+        setattr(dist, n, wrap(real[n]))
+    try:
+        tensors = [{"name": "w", "shape": [64, 48], "dtype": "float32"},
+                   {"name": "b", "shape": [48], "dtype": "bfloat16"}]
+        mgr = ckpt.CheckpointManager(root, keep_last=2)
+        for step in range(3):
+            mgr.save(step, build(tensors, [4], [["S0"], ["R"]], step), async_save=True)
+        mgr.wait()
+        latest = mgr.latest_step()
+    finally:
+        for n in names:
+            setattr(dist, n, real[n])
+    return {"threads": sorted(set(seen)), "calls": len(seen), "latest": latest}

@@ -181,3 +181,10 @@ def test_rank_killed_mid_save(tmp_path, victim, where) -> None:
     assert 2 in mgr.gc()
     assert store.list("step-000000000002/") == []
     assert ckpt.verify(mgr.url_of(1)).ok
+
+
+def test_no_collective_from_the_background_thread(pool, tmp_path) -> None:
+    res = pool.run("tests.ckpt.cases:collectives_stay_in_foreground", root=str(tmp_path / "r"))
+    for r in res:
+        assert r["latest"] == 2
+        assert r["calls"] > 0 and r["threads"] == ["MainThread"], r
