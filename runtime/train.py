@@ -284,6 +284,14 @@ class Trainer:
         walk(sd)
         return total
 
+    def _fallback_note(self, mgr: Any) -> str:
+        latest = mgr.latest_step()
+        if latest is None:
+            return (f"no committed checkpoint exists: the resume starts from scratch "
+                    f"({self.step} steps lost)")
+        return (f"the resume will use the newest committed checkpoint, step {latest} "
+                f"({self.step - latest} steps lost)")
+
     def emergency_checkpoint(self, remaining_s: float, result: TrainResult) -> None:
         """Every rank, at the same step boundary after the ranks agreed on a notice: let the
         async save in flight commit, agree whether a synchronous save of this step fits in
@@ -317,11 +325,8 @@ class Trainer:
         decision = decide(both[:, 0].tolist(), both[:, 1].tolist(),
                           safety_factor=pcfg.safety_factor, margin_s=pcfg.save_margin_s)
         if not decision.save:
-            latest = mgr.latest_step()
-            result.emergency_note = (
-                f"{decision.reason}: skipping the emergency save; the resume will use the "
-                f"newest committed checkpoint, step {latest}"
-                + (f" ({self.step - latest} steps lost)" if latest is not None else ""))
+            result.emergency_note = (f"{decision.reason}: skipping the emergency save; "
+                                     + self._fallback_note(mgr))
             self.log.warning("preemption: %s", result.emergency_note)
             return
         self.log.info("preemption: emergency save of step %d starts (%.1f MiB on this rank; "
@@ -331,10 +336,8 @@ class Trainer:
             mgr.save(self.step, sd, async_save=False)
             mgr.wait()
         except Exception as e:
-            latest = mgr.latest_step()
-            result.emergency_note = (f"emergency save failed ({type(e).__name__}: {e}); the "
-                                     f"resume will use the newest committed checkpoint, "
-                                     f"step {latest}")
+            result.emergency_note = (f"emergency save failed ({type(e).__name__}: {e}); "
+                                     + self._fallback_note(mgr))
             self.log.exception("preemption: %s", result.emergency_note)
             return
         result.emergency_save_s = time.perf_counter() - t0

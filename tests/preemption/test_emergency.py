@@ -167,3 +167,23 @@ def test_kill_during_the_emergency_save_leaves_no_half_committed_checkpoint(
              tmp_path / "2.log") as again:
         assert again.wait(180) == 0, again.text()[-3000:]
     assert [(r["restored_step"], r["step"]) for r in metrics(m2)] == [(2, 3)]
+
+
+def test_emergency_save_is_skipped_when_it_cannot_fit_the_grace(tmp_path: Path) -> None:
+    url, m, notice = str(tmp_path / "ck"), tmp_path / "m.jsonl", tmp_path / "notice"
+    # 0.5 s of grace cannot hold any save (1 s margin alone): the run must say it falls
+    # back to the newest committed checkpoint, write nothing more, and still exit 76.
+    args = [*TINY, "--train.steps=200", "--checkpoint.every=2", f"--checkpoint.url={url}",
+            f"--train.metrics_path={m}", f"--preemption.notice_file={notice}",
+            "--preemption.grace_s=0.5"]
+    with job(single(args), tmp_path / "run.log") as run:
+        wait_until(lambda: latest_step(url) is not None and len(metrics(m)) >= 3, 180,
+                   "a committed checkpoint and step 3", run)
+        notice.touch()
+        assert run.wait(60) == PREEMPTED_EXIT_CODE, run.text()[-3000:]
+    stopped = metrics(m)[-1]["step"]
+    committed = latest_step(url)
+    assert committed is not None and committed < stopped
+    assert not (Path(url) / f"step-{stopped:012d}").exists()
+    assert (f"skipping the emergency save; the resume will use the newest committed "
+            f"checkpoint, step {committed} ({stopped - committed} steps lost)") in run.text()
