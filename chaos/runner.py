@@ -635,6 +635,11 @@ class _Watch:
         spec = p.spec
         before = self.cluster.workers()
         ev = self.injector.inject(spec, p.index, p.trigger, self.high)
+        if not ev.ok and spec.during is not None and ev.error.startswith("no live"):
+            # Aimed at a phase, it met a group still restarting (its victim not up yet):
+            # wait for the phase to come round again rather than give up.
+            self.pending.append(p)
+            return
         self.events.append(ev)
         damage = spec.kind in (FaultKind.CORRUPT_CHECKPOINT, FaultKind.TRUNCATE_CHECKPOINT)
         if ev.ok and damage:
