@@ -3,12 +3,13 @@
 Layout under the root URL:
 
     step-000000000100/          one checkpoint (see ckpt.format), committed by its COMMIT
-    steps/000000000100.json     the manager's record of a committed step (written after COMMIT)
+    steps/000000000100.json     the manager's record of a step (written just before COMMIT)
     steps/000000000100.pending  written when a save starts; removed after commit
 
 The records let `latest_step()` and GC find checkpoints with one small listing instead
 of listing every chunk. A step counts as committed only when its record exists *and* its
-COMMIT marker does; GC deletes COMMIT first, so a half-deleted step is never loaded.
+COMMIT marker does (the record is written first, so every rank that sees COMMIT finds
+it); GC deletes COMMIT first, so a half-deleted step is never loaded.
 """
 
 from __future__ import annotations

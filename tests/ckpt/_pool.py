@@ -49,7 +49,7 @@ def _worker(rank: int, world: int, init: str, inbox: Any, outbox: Any, env: dict
             outbox.put((rank, True, result))
         except BaseException:  # noqa: BLE001 - reported to the parent
             outbox.put((rank, False, traceback.format_exc()))
-    dist.destroy_process_group()
+    # No destroy_process_group(): it waits on peers that may be gone; the process exits.
 
 
 class RankPool:
@@ -99,7 +99,7 @@ class RankPool:
     def alive(self) -> bool:
         return all(p.is_alive() for p in self.procs)
 
-    def close(self, timeout: float = 10.0) -> None:
+    def close(self, timeout: float = 3.0) -> None:
         for q, p in zip(self.inboxes, self.procs, strict=True):
             if p.is_alive():
                 q.put(None)
