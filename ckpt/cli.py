@@ -1,7 +1,8 @@
-"""`relight ckpt ...`: list, inspect, verify and garbage-collect checkpoints.
+"""`relight ckpt ...`: list, inspect, verify, garbage-collect, export, import and diff
+checkpoints.
 
-Exit codes: 0 ok; 1 a checkpoint failed verification (or is corrupt); 2 usage error;
-3 no checkpoint found; 4 storage error.
+Exit codes: 0 ok (diff: identical); 1 a checkpoint failed verification, is corrupt, or
+(diff) the two differ; 2 usage error; 3 no checkpoint found; 4 storage error.
 """
 
 from __future__ import annotations
@@ -13,6 +14,7 @@ import time
 from typing import Any
 
 from ckpt.errors import CheckpointError, CheckpointNotFoundError
+from ckpt.export import diff, export_dcp, export_safetensors, import_dcp
 from ckpt.format import COMMIT_KEY, MANIFEST_KEY
 from ckpt.manager import KeepEvery, KeepLast, collect_garbage, list_records, step_dir
 from ckpt.manifest import read_manifest
@@ -136,6 +138,56 @@ def cmd_gc(args: argparse.Namespace) -> int:
     return EXIT_OK
 
 
+def cmd_export(args: argparse.Namespace) -> int:
+    store = _resolve(args.url, args.step)
+    if args.to:
+        out = export_safetensors(store, args.to, all_tensors=args.all)
+    else:
+        out = export_dcp(store, args.to_dcp, all_tensors=args.all)
+    out["from"] = store.url
+    if args.json:
+        print(json.dumps(out))
+    else:
+        print(f"exported {out['tensors']} tensors ({out['bytes'] / 2**20:.1f} MiB) from "
+              f"{store.url} to {out['path']}")
+    return EXIT_OK
+
+
+def cmd_import_dcp(args: argparse.Namespace) -> int:
+    out = import_dcp(args.dir, args.url, step=args.step)
+    if args.json:
+        print(json.dumps(out))
+    else:
+        print(f"imported {out['tensors']} tensors ({out['bytes'] / 2**20:.1f} MiB) from "
+              f"{args.dir} to {args.url}" + (f" step {args.step}" if args.step is not None else ""))
+        if out["skipped"]:
+            print(f"  skipped {len(out['skipped'])} non-tensor entries: {out['skipped'][:10]}")
+    return EXIT_OK
+
+
+def cmd_diff(args: argparse.Namespace) -> int:
+    report = diff(_resolve(args.url_a, args.step_a), _resolve(args.url_b, args.step_b))
+    if args.json:
+        print(json.dumps(report.to_json(), indent=1))
+    else:
+        print(f"{'IDENTICAL' if report.identical else 'DIFFERENT'} A={report.url_a} "
+              f"B={report.url_b}")
+        for name in report.only_a:
+            print(f"  only in A: {name}")
+        for name in report.only_b:
+            print(f"  only in B: {name}")
+        for name, why in report.mismatched.items():
+            print(f"  shape/dtype: {name}: {why}")
+        for name in report.values_differ:
+            print(f"  value differs: {name}")
+        for t in report.tensors:
+            if not t.identical:
+                print(f"  {t.name:<50} max_abs {t.max_abs:.4g}  max_rel {t.max_rel:.4g}")
+        same = sum(t.identical for t in report.tensors)
+        print(f"  {same}/{len(report.tensors)} common tensors bitwise identical")
+    return EXIT_OK if report.identical else EXIT_BAD
+
+
 def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="relight ckpt", description=__doc__,
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
@@ -159,7 +211,42 @@ def build_parser() -> argparse.ArgumentParser:
     gc.add_argument("--grace-s", type=float, default=3600.0,
                     help="uncommitted checkpoints younger than this are left alone")
     gc.set_defaults(fn=cmd_gc)
-    for sp in (ls, ins, ver, gc):
+    ex = sub.add_parser(
+        "export", help="consolidated full weights as safetensors or a DCP checkpoint",
+        description="Write the model/... tensors (all tensors with --all) of one committed "
+        "checkpoint, full (unsharded), streamed: one tensor in memory at a time. "
+        "safetensors keys drop the 'model.' prefix (model.load_state_dict-ready); with --all "
+        "keys are the state-dict paths joined with '.'. DCP keys follow the same rule.")
+    ex.add_argument("url", help="a checkpoint, or a run root (newest committed, or --step)")
+    ex.add_argument("--step", type=int)
+    dst = ex.add_mutually_exclusive_group(required=True)
+    dst.add_argument("--to", metavar="FILE", help="a local .safetensors file to write")
+    dst.add_argument("--to-dcp", metavar="DIR",
+                     help="a local directory to write a torch.distributed.checkpoint into")
+    ex.add_argument("--all", action="store_true",
+                    help="every tensor (optimizer state too), not only model/...")
+    ex.set_defaults(fn=cmd_export)
+    im = sub.add_parser(
+        "import-dcp", help="save a torch.distributed.checkpoint directory as a Relight checkpoint",
+        description="Read a local DCP checkpoint (tensors only) and save it with ckpt.save. "
+        "Key 'a.b.c' becomes state-dict path ['a', 'b.c']. SECURITY: DCP's .metadata file is "
+        "a pickle, unpickled by torch.distributed.checkpoint; import only directories you "
+        "trust. Relight's own load paths never unpickle.")
+    im.add_argument("dir", help="local DCP checkpoint directory (with .metadata)")
+    im.add_argument("url", help="where to save: a checkpoint URL, or a run root with --step")
+    im.add_argument("--step", type=int, help="save as this step of the run root URL")
+    im.set_defaults(fn=cmd_import_dcp)
+    df = sub.add_parser(
+        "diff", help="per-tensor max abs/rel difference of two checkpoints",
+        description="Compare two committed checkpoints tensor by tensor. max_rel is "
+        "max |a-b| / max(|a|,|b|) over elements. Exit 0 when identical (bitwise, same "
+        "keys, same values), 1 when different.")
+    df.add_argument("url_a")
+    df.add_argument("url_b")
+    df.add_argument("--step-a", type=int)
+    df.add_argument("--step-b", type=int)
+    df.set_defaults(fn=cmd_diff)
+    for sp in (ls, ins, ver, gc, ex, im, df):
         sp.add_argument("--json", action="store_true", help="machine-readable output")
     return p
 

@@ -1,0 +1,363 @@
+"""Export, import and compare checkpoints: safetensors, torch.distributed.checkpoint (DCP).
+
+Every export streams: shapes and dtypes come from the manifest, then each tensor is read
+whole from the checkpoint, written out and dropped, so memory holds at most one tensor
+(plus tensorstore's buffers). The safetensors file is written by hand (8-byte little-endian
+header length, a JSON header of dtype/shape/data_offsets, then the raw bytes) so no extra
+package is needed.
+
+`import_dcp` reads a DCP checkpoint: DCP's own `.metadata` file is a pickle, unpickled by
+`torch.distributed.checkpoint` itself. That is DCP's format, reached only by this explicit,
+user-started import of a local directory; Relight's own load paths never unpickle.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+import struct
+import sys
+import warnings
+from collections.abc import Iterator
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from ckpt.engine import _Reader, save
+from ckpt.errors import (
+    CheckpointError,
+    CheckpointNotFoundError,
+    MissingKeyError,
+    UnsupportedStateError,
+)
+from ckpt.format import DTYPES, dtype_name, itemsize, numel
+from ckpt.manifest import Manifest, read_manifest
+from storage import Store, open_store
+
+__all__ = [
+    "DiffReport",
+    "TensorDiff",
+    "diff",
+    "export_dcp",
+    "export_safetensors",
+    "import_dcp",
+    "iter_tensors",
+    "read_tensor",
+    "select_tensors",
+]
+
+MODEL_PREFIX = "model/"
+
+SAFETENSORS_DTYPES: dict[str, str] = {
+    "float32": "F32", "float64": "F64", "float16": "F16", "bfloat16": "BF16",
+    "int64": "I64", "int32": "I32", "int16": "I16", "int8": "I8", "uint8": "U8",
+    "bool": "BOOL",
+}
+
+
+def _store(url: str | Store) -> Store:
+    return url if isinstance(url, Store) else open_store(url)
+
+
+def read_tensor(store: Store, m: Manifest, name: str) -> torch.Tensor:
+    """One tensor of a committed checkpoint, whole, on the CPU."""
+    if name not in m.tensors:
+        raise MissingKeyError(f"tensor {name!r} is not in checkpoint {store.url}",
+                              url=store.url, tensor=name)
+    t = m.tensors[name]
+    shape = tuple(t["shape"])
+    box = ((0,) * len(shape), shape)
+    reader = _Reader(store, m, name, box, DTYPES[t["dtype"]])
+    out = reader.result()
+    # The reader's packed-tensor converters close over the reader (a cycle): drop them,
+    # or each tensor would live until the cyclic GC runs and memory would hold several.
+    reader.parts.clear()
+    return out
+
+
+def select_tensors(m: Manifest, all_tensors: bool = False) -> list[str]:
+    """The manifest names to export: `model/...` tensors, or every tensor with `all_tensors`."""
+    names = sorted(m.tensors)
+    return names if all_tensors else [n for n in names if n.startswith(MODEL_PREFIX)]
+
+
+def iter_tensors(store: Store, m: Manifest, names: list[str]) -> Iterator[tuple[str, torch.Tensor]]:
+    """Yields `(name, tensor)` one at a time; the caller drops each before the next."""
+    for name in names:
+        yield name, read_tensor(store, m, name)
+
+
+def _out_key(m: Manifest, name: str, all_tensors: bool) -> str:
+    """The exported key. Model-only exports drop the `model` segment and join the rest
+    with `.`, so the file loads into `model.load_state_dict` directly; `--all` keeps the
+    path (segments joined with `.`, as DCP and `state_dict()` name them)."""
+    path = m.tensors[name].get("path") or name.split("/")
+    segs = [str(s) for s in path]
+    if not all_tensors and segs and segs[0] == "model" and len(segs) > 1:
+        segs = segs[1:]
+    return ".".join(segs)
+
+
+def _keys(m: Manifest, names: list[str], all_tensors: bool, url: str) -> dict[str, str]:
+    keys: dict[str, str] = {}
+    seen: dict[str, str] = {}
+    for n in names:
+        k = _out_key(m, n, all_tensors)
+        if k in seen:
+            raise UnsupportedStateError(
+                f"tensors {seen[k]!r} and {n!r} of checkpoint {url} would both be exported as "
+                f"{k!r}; rename one", url=url, tensor=n)
+        seen[k] = n
+        keys[n] = k
+    return keys
+
+
+def _raw_bytes(t: torch.Tensor) -> memoryview:
+    flat = t.contiguous().reshape(-1)
+    return memoryview(flat.view(torch.uint8).numpy()) if flat.numel() else memoryview(b"")
+
+
+def export_safetensors(url: str | Store, out: str | os.PathLike[str], *,
+                       all_tensors: bool = False,
+                       metadata: dict[str, str] | None = None) -> dict[str, Any]:
+    """Write the checkpoint's tensors as one safetensors file at local path `out`,
+    streamed (header from the manifest first, then one tensor at a time), atomically
+    (a temp file renamed into place). Returns `{"tensors", "bytes", "path"}`."""
+    if sys.byteorder != "little":  # pragma: no cover - safetensors is little endian
+        raise UnsupportedStateError("safetensors export needs a little-endian host")
+    store = _store(url)
+    m = read_manifest(store)
+    names = select_tensors(m, all_tensors)
+    if not names:
+        raise MissingKeyError(
+            f"checkpoint {store.url} has no {'tensors' if all_tensors else 'model/... tensors'}"
+            "; pass --all to export every tensor", url=store.url)
+    keys = _keys(m, names, all_tensors, store.url)
+    header: dict[str, Any] = {"__metadata__": {"format": "pt", "relight_step": str(m.step),
+                                               "relight_url": store.url, **(metadata or {})}}
+    offset = 0
+    for n in names:
+        t = m.tensors[n]
+        nbytes = numel(t["shape"]) * itemsize(t["dtype"])
+        header[keys[n]] = {"dtype": SAFETENSORS_DTYPES[t["dtype"]], "shape": t["shape"],
+                           "data_offsets": [offset, offset + nbytes]}
+        offset += nbytes
+    blob = json.dumps(header, separators=(",", ":")).encode()
+    blob += b" " * (-len(blob) % 8)  # the data starts 8-byte aligned, like the reference writer
+    out = Path(out)
+    tmp = out.with_name(f".{out.name}.tmp-{os.getpid()}")
+    try:
+        with open(tmp, "wb") as f:
+            f.write(struct.pack("<Q", len(blob)))
+            f.write(blob)
+            for n, tensor in iter_tensors(store, m, names):
+                raw = _raw_bytes(tensor)
+                want = header[keys[n]]["data_offsets"]
+                if len(raw) != want[1] - want[0]:
+                    raise CheckpointError(
+                        f"tensor {n!r} of {store.url}: read {len(raw)} bytes, the manifest "
+                        f"says {want[1] - want[0]}", url=store.url, tensor=n)
+                f.write(raw)
+                del tensor, raw
+            f.flush()
+            os.fsync(f.fileno())
+        os.replace(tmp, out)
+    finally:
+        tmp.unlink(missing_ok=True)
+    return {"tensors": len(names), "bytes": offset, "path": str(out)}
+
+
+# ------------------------------------------------------------------------- DCP
+
+
+def _lazy_planner(store: Store, m: Manifest, key_to_name: dict[str, str]) -> Any:
+    from torch.distributed.checkpoint.default_planner import DefaultSavePlanner
+
+    class _LazyPlanner(DefaultSavePlanner):
+        """Plans from meta-tensor placeholders; `resolve_data` reads each tensor from the
+        Relight checkpoint only when DCP's writer asks for it (one at a time with the
+        serial loader a single-threaded FileSystemWriter uses on CPU)."""
+
+        def resolve_data(self, write_item: Any) -> Any:
+            return read_tensor(store, m, key_to_name[write_item.index.fqn])
+
+    return _LazyPlanner(flatten_state_dict=False, flatten_sharded_tensors=False)
+
+
+def export_dcp(url: str | Store, out_dir: str | os.PathLike[str], *,
+               all_tensors: bool = False) -> dict[str, Any]:
+    """Write the checkpoint's tensors as a torch.distributed.checkpoint directory that
+    `torch.distributed.checkpoint.load` reads, without a process group. Keys are the
+    state-dict paths joined with `.` (`model.layers.0.weight`; without `all_tensors` the
+    `model.` prefix is dropped, as in the safetensors export). Tensors are read lazily,
+    one at a time, while DCP writes them."""
+    import torch.distributed.checkpoint as dcp
+    from torch.distributed.checkpoint import FileSystemWriter
+
+    store = _store(url)
+    m = read_manifest(store)
+    names = select_tensors(m, all_tensors)
+    if not names:
+        raise MissingKeyError(
+            f"checkpoint {store.url} has no {'tensors' if all_tensors else 'model/... tensors'}"
+            "; pass --all to export every tensor", url=store.url)
+    keys = _keys(m, names, all_tensors, store.url)
+    placeholders = {keys[n]: torch.empty(m.tensors[n]["shape"], dtype=DTYPES[m.tensors[n]["dtype"]],
+                                         device="meta") for n in names}
+    writer = FileSystemWriter(str(out_dir), single_file_per_rank=True, sync_files=True,
+                              thread_count=1)
+    with warnings.catch_warnings():  # "no process group: single process" is the intent here
+        warnings.filterwarnings("ignore", message="torch.distributed is disabled")
+        dcp.save(placeholders, storage_writer=writer, planner=_lazy_planner(
+            store, m, {k: n for n, k in keys.items()}), no_dist=True)
+    nbytes = sum(numel(m.tensors[n]["shape"]) * itemsize(m.tensors[n]["dtype"]) for n in names)
+    return {"tensors": len(names), "bytes": nbytes, "path": str(out_dir)}
+
+
+def _dcp_path(key: str) -> dict[str, Any]:
+    """`model.layers.0.weight` -> nested `{"model": {"layers.0.weight": ...}}` keys."""
+    head, _, rest = key.partition(".")
+    return {"head": head, "rest": rest}
+
+
+def import_dcp(dcp_dir: str | os.PathLike[str], url: str | Store, *,
+               step: int | None = None) -> dict[str, Any]:
+    """Save a DCP checkpoint directory as a Relight checkpoint: at `url` itself (with
+    `ckpt.save`), or with `step` as step `step` of the run root `url` (`CheckpointManager`).
+
+    A key `a.b.c` becomes state-dict path `["a", "b.c"]` (Relight name `a/b.c`), so
+    `model.layers.0.weight` lands where `{"model": model.state_dict()}` puts it; a key
+    without `.` stays top-level. Non-tensor (bytes) entries are not imported; their keys
+    are returned under `"skipped"`. Holds the whole state in memory (one `ckpt.save`).
+
+    Security: DCP's `.metadata` is a pickle that `torch.distributed.checkpoint` unpickles;
+    import only directories you trust. Relight's own load paths never unpickle.
+    """
+    import torch.distributed.checkpoint as dcp
+    from torch.distributed.checkpoint import FileSystemReader
+    from torch.distributed.checkpoint.metadata import TensorStorageMetadata
+
+    if not (Path(dcp_dir) / ".metadata").is_file():
+        raise CheckpointNotFoundError(
+            f"{dcp_dir} is not a DCP checkpoint (no .metadata file)", url=str(dcp_dir))
+    reader = FileSystemReader(str(dcp_dir))
+    meta = reader.read_metadata()
+    flat: dict[str, torch.Tensor] = {}
+    skipped: list[str] = []
+    for key, md in sorted(meta.state_dict_metadata.items()):
+        if isinstance(md, TensorStorageMetadata):
+            dtype = md.properties.dtype
+            dtype_name(dtype, key)  # refuse dtypes the Relight format does not hold
+            flat[key] = torch.empty(tuple(md.size), dtype=dtype)
+        else:
+            skipped.append(key)
+    if not flat:
+        raise MissingKeyError(f"DCP checkpoint {dcp_dir} holds no tensors", url=str(dcp_dir))
+    with warnings.catch_warnings():
+        warnings.filterwarnings("ignore", message="torch.distributed is disabled")
+        dcp.load(flat, storage_reader=FileSystemReader(str(dcp_dir)), no_dist=True)
+    state: dict[str, Any] = {}
+    for key, t in flat.items():
+        p = _dcp_path(key)
+        if not p["rest"]:
+            if p["head"] in state:
+                raise UnsupportedStateError(f"DCP key {key!r} clashes with a nested key",
+                                            url=str(dcp_dir), tensor=key)
+            state[p["head"]] = t
+            continue
+        group = state.setdefault(p["head"], {})
+        if not isinstance(group, dict):
+            raise UnsupportedStateError(f"DCP key {key!r} clashes with tensor {p['head']!r}",
+                                        url=str(dcp_dir), tensor=key)
+        group[p["rest"]] = t
+    config = {"imported_from": str(dcp_dir)}
+    if step is None:
+        save(state, url, config=config).wait()
+    else:  # a run root, as the training loop writes it: `ls`/`restore` find the step
+        from ckpt.manager import CheckpointManager
+
+        CheckpointManager(url, keep_last=None, config=config).save(step, state,
+                                                                   async_save=False).wait()
+    return {"tensors": len(flat), "skipped": skipped,
+            "bytes": sum(t.numel() * t.element_size() for t in flat.values())}
+
+
+# ------------------------------------------------------------------------ diff
+
+
+@dataclass
+class TensorDiff:
+    """How one tensor differs: `max_abs` = max |a - b|; `max_rel` = max |a - b| / max(|a|, |b|)
+    over elements (0 where both are 0). `identical` compares the raw bytes."""
+
+    name: str
+    identical: bool
+    max_abs: float
+    max_rel: float
+
+
+@dataclass
+class DiffReport:
+    url_a: str
+    url_b: str
+    only_a: list[str] = field(default_factory=list)
+    only_b: list[str] = field(default_factory=list)
+    mismatched: dict[str, str] = field(default_factory=dict)
+    tensors: list[TensorDiff] = field(default_factory=list)
+    values_differ: list[str] = field(default_factory=list)
+
+    @property
+    def identical(self) -> bool:
+        return not (self.only_a or self.only_b or self.mismatched or self.values_differ
+                    or any(not t.identical for t in self.tensors))
+
+    def to_json(self) -> dict[str, Any]:
+        return {"a": self.url_a, "b": self.url_b, "identical": self.identical,
+                "only_a": self.only_a, "only_b": self.only_b, "mismatched": self.mismatched,
+                "values_differ": self.values_differ,
+                "tensors": {t.name: {"identical": t.identical, "max_abs": _num(t.max_abs),
+                                     "max_rel": _num(t.max_rel)} for t in self.tensors}}
+
+
+def _num(x: float) -> float | str:
+    return x if math.isfinite(x) else str(x)  # JSON has no inf/nan
+
+
+def _compare(name: str, a: torch.Tensor, b: torch.Tensor) -> TensorDiff:
+    same = torch.equal(a.reshape(-1).view(torch.uint8), b.reshape(-1).view(torch.uint8)) \
+        if a.numel() else True
+    if same or a.numel() == 0:
+        return TensorDiff(name, same, 0.0, 0.0)
+    a64, b64 = a.to(torch.float64), b.to(torch.float64)
+    d = (a64 - b64).abs()
+    scale = torch.maximum(a64.abs(), b64.abs())
+    rel = torch.where(scale > 0, d / scale, torch.zeros_like(d))
+    # NaN == NaN bitwise but not numerically: the byte comparison above already says
+    # whether they differ; here NaNs count as a difference of inf.
+    d = torch.where(torch.isnan(d), torch.full_like(d, math.inf), d)
+    rel = torch.where(torch.isnan(rel), torch.full_like(rel, math.inf), rel)
+    return TensorDiff(name, False, float(d.max()), float(rel.max()))
+
+
+def diff(url_a: str | Store, url_b: str | Store) -> DiffReport:
+    """Compare two committed checkpoints tensor by tensor (one pair in memory at a time)."""
+    sa, sb = _store(url_a), _store(url_b)
+    ma, mb = read_manifest(sa), read_manifest(sb)
+    r = DiffReport(sa.url, sb.url)
+    r.only_a = sorted(set(ma.tensors) - set(mb.tensors))
+    r.only_b = sorted(set(mb.tensors) - set(ma.tensors))
+    for name in sorted(set(ma.tensors) & set(mb.tensors)):
+        ta, tb = ma.tensors[name], mb.tensors[name]
+        if ta["shape"] != tb["shape"] or ta["dtype"] != tb["dtype"]:
+            r.mismatched[name] = (f"{ta['dtype']}{tuple(ta['shape'])} vs "
+                                  f"{tb['dtype']}{tuple(tb['shape'])}")
+            continue
+        r.tensors.append(_compare(name, read_tensor(sa, ma, name), read_tensor(sb, mb, name)))
+    va, vb = ma.values, mb.values
+    r.only_a += sorted(set(va) - set(vb))
+    r.only_b += sorted(set(vb) - set(va))
+    r.values_differ = sorted(k for k in set(va) & set(vb) if va[k] != vb[k])
+    return r
