@@ -59,6 +59,12 @@ class CheckpointProbe:
 
     def scan(self) -> dict[int, StepDir]:
         """Every step prefix under the root: committed or not, indexes written so far."""
+        # s3fs caches the listing of every sub-directory a recursive listing walked, and
+        # the S3 store invalidates only the root's: without this, deleted checkpoints stay
+        # listed and new ones stay hidden (seen against SeaweedFS). Drop the whole cache.
+        fs = getattr(self.store, "fs", None)
+        if fs is not None and hasattr(fs, "invalidate_cache"):
+            fs.invalidate_cache()
         try:
             keys = self.store.list()
         except StorageError as exc:

@@ -289,3 +289,18 @@ def test_committed_step_without_log_line_is_accepted() -> None:
     # Without the commit it is a real gap (and an uncommitted restore).
     ev = replace(ev, checkpoint_events=[e for e in ev.checkpoint_events if e.step != 10])
     assert {3, 6} <= failing(ev)
+
+
+def test_layout_changed_and_back_is_judged_by_tolerance() -> None:
+    # Scale down then up: the final layout is the reference's again, but the weights went
+    # through another layout's reductions, so only the tolerance can be asked.
+    ev = simulate([8.5], ws_after=2)
+    ev = replace(ev, records=[*ev.records[:-3], *(replace(r, world_size=4, layout="dp4")
+                                                for r in ev.records[-3:])])
+    ev.weights = WeightsComparison(compared=True, tensors=10, bitwise_equal=False,
+                                   max_abs_diff=1e-7, not_bitwise=["model/w"],
+                                   chaos_step=TARGET, reference_step=TARGET)
+    res = verify(ev)
+    assert res[2].ok and "layout changed" in res[2].tolerance
+    ev.weights.mismatched.append("model/w: outside rtol")
+    assert not verify(ev)[2].ok
