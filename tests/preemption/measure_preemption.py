@@ -40,22 +40,21 @@ def _agree_worker(rank: int, port: int, iters: int, out: Any) -> None:
     dist.init_process_group("gloo", store=store, rank=rank, world_size=2)
     # torch 2.13 renamed all_gather_into_tensor to all_gather_single (as runtime.train).
     gather = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
-    res = {}
-    for name, n, op in (("gather3", 3, "gather"), ("gather5", 5, "gather"),
-                        ("allreduce1", 1, "reduce")):
-        t = torch.zeros(n, dtype=torch.float64)
-        o = torch.empty(2 * n, dtype=torch.float64)
-        times = []
-        for i in range(iters + 20):
+    # The three variants interleaved in every iteration, so machine load hits them alike.
+    variants = {"gather3": 3, "gather5": 5, "allreduce1": 1}
+    res: dict[str, list[float]] = {k: [] for k in variants}
+    bufs = {k: (torch.zeros(n, dtype=torch.float64), torch.empty(2 * n, dtype=torch.float64))
+            for k, n in variants.items()}
+    for i in range(iters + 20):
+        for name, (t, o) in bufs.items():
             dist.barrier()
             t0 = time.perf_counter()
-            if op == "gather":
-                gather(o, t)
-            else:
+            if name == "allreduce1":
                 dist.all_reduce(t, op=dist.ReduceOp.MAX)
+            else:
+                gather(o, t)
             if i >= 20:
-                times.append(time.perf_counter() - t0)
-        res[name] = times
+                res[name].append(time.perf_counter() - t0)
     if rank == 0:
         out.put(res)
     dist.destroy_process_group()
