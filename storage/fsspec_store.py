@@ -32,9 +32,12 @@ class _FsspecStore(Store):
 
     def _list(self, path: str) -> list[str]:
         try:
-            return list(self.fs.find(path))
+            found = self.fs.find(path, detail=True)
         except FileNotFoundError:
             return []
+        # Servers with a real directory tree (SeaweedFS's filer) report emptied prefixes
+        # as directory entries; only objects are keys.
+        return [name for name, info in found.items() if info.get("type") != "directory"]
 
     def _delete(self, path: str) -> None:
         try:
@@ -140,19 +143,6 @@ class S3Store(_FsspecStore):
     def _put(self, path: str, data: bytes) -> None:
         # One PUT is atomic on S3: readers see the old object or the new one.
         self.fs.pipe_file(path, data)
-
-    def _list(self, path: str) -> list[str]:
-        # s3fs caches listings; a checkpoint reader must see objects other ranks just wrote.
-        self.fs.invalidate_cache(path)
-        return super()._list(path)
-
-    def _exists(self, path: str) -> bool:
-        self.fs.invalidate_cache(path)
-        return super()._exists(path)
-
-    def _size(self, path: str) -> int:
-        self.fs.invalidate_cache(path)
-        return super()._size(path)
 
     def kvstore_spec(self, sub: str = "") -> dict[str, Any]:
         root = self.location.child(sub).root if sub else self.location.root

@@ -52,6 +52,9 @@ class S3Settings:
                 "retries": {"max_attempts": 1, "mode": "standard"},
             },
             skip_instance_cache=True,
+            # Other ranks and processes write under the same prefixes: a cached listing
+            # would hide a fresh COMMIT or show a deleted one. Always ask the server.
+            use_listings_cache=False,
             **self.extra,
         )
         fs.retries = 1

@@ -207,3 +207,18 @@ class TestS3Store(StoreSuite):
     def test_kvstore_spec_carries_no_secret(self, store: Store, s3_env) -> None:
         assert s3_env.secret_key not in repr(store.kvstore_spec())
         assert s3_env.secret_key not in repr(store)
+
+
+@pytest.mark.s3
+def test_s3_listing_sees_writes_and_deletes_from_another_client(s3_url) -> None:
+    """Two stores (as two processes would have) over one prefix: no stale listings."""
+    writer, reader = storage.open_store(s3_url), storage.open_store(s3_url)
+    writer.put("ckpt/step-1/data/x", b"1")
+    assert reader.list("ckpt") == ["ckpt/step-1/data/x"]
+    assert not reader.exists("ckpt/step-1/COMMIT")
+    writer.put("ckpt/step-1/COMMIT", b"{}")
+    assert reader.exists("ckpt/step-1/COMMIT")
+    assert reader.list("ckpt/step-1") == ["ckpt/step-1/COMMIT", "ckpt/step-1/data/x"]
+    writer.delete_prefix("ckpt/step-1")
+    assert reader.list("ckpt") == []
+    assert not reader.exists("ckpt/step-1/COMMIT")
