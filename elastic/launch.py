@@ -83,6 +83,10 @@ def _given(opts: Sequence[str], *names: str) -> bool:
 def main(argv: Sequence[str] | None = None) -> int:
     """Run `relight run` with `argv` (without the leading `run`); returns the exit code."""
     argv = list(sys.argv[1:] if argv is None else argv)
+    before_command = argv[: argv.index("--")] if "--" in argv else argv
+    if "-h" in before_command or "--help" in before_command:
+        _parser().print_help()
+        return 0
     if "--" not in argv:
         print("relight run: put the training command after '--', e.g.\n"
               "  relight run --nproc-per-node=2 -- python -m runtime.train", file=sys.stderr)

@@ -16,7 +16,7 @@ __all__ = ["main", "SUBCOMMANDS"]
 SUBCOMMANDS: dict[str, tuple[str, str]] = {
     "train": ("runtime.train", "train in this process or under torchrun (one rank per process)"),
     "run": ("elastic.launch", "launch an elastic multi-rank job (torchrun agent, etcd rendezvous)"),
-    "ckpt": ("ckpt.cli", "list, inspect, verify and garbage-collect checkpoints"),
+    "ckpt": ("ckpt.cli", "list, inspect, verify, gc, export, import and diff checkpoints"),
     "chaos": ("chaos.cli", "run a chaos scenario and check the recovery invariants"),
     "bench": ("benchmarks.cli", "run a benchmark against its baseline"),
     "plan": ("runtime.plan", "checkpoint interval and goodput planning (Young/Daly)"),

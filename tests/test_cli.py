@@ -30,3 +30,18 @@ def test_console_script_is_installed() -> None:
         [sys.executable, "-m", "runtime.cli", "--help"], capture_output=True, text=True, timeout=60
     )
     assert out.returncode == 0 and "relight <command>" in out.stdout
+
+
+def test_bench_lists_benchmarks_and_refuses_unknown(capsys) -> None:
+    assert main(["bench", "--help"]) == 0
+    out = capsys.readouterr().out
+    assert "ckpt" in out and "recovery" in out
+    assert main(["bench", "warp-drive"]) == 2
+    assert "unknown benchmark 'warp-drive'" in capsys.readouterr().err
+
+
+def test_every_subcommand_module_imports() -> None:
+    import importlib
+
+    for module, _ in SUBCOMMANDS.values():
+        assert callable(importlib.import_module(module).main), module
