@@ -196,6 +196,8 @@ class TrainConfig:
     """Timeout of every collective (process-group init timeout)."""
     peak_tflops: float = 0.0
     """Peak device TFLOP/s for MFU; 0 looks it up for known GPUs (MFU is null otherwise)."""
+    prometheus_port: int = 0
+    """Serve Prometheus metrics from rank 0 on 127.0.0.1:PORT; 0 disables."""
 
     def __post_init__(self) -> None:
         _require(self.steps >= 0, "train.steps must be >= 0")
@@ -205,6 +207,8 @@ class TrainConfig:
         _require(self.log_every >= 1, "train.log_every must be >= 1")
         _require(self.watchdog_timeout_s >= 0, "train.watchdog_timeout_s must be >= 0")
         _require(self.collective_timeout_s > 0, "train.collective_timeout_s must be > 0")
+        _require(0 <= self.prometheus_port <= 65535,
+                 f"train.prometheus_port must be a port number, got {self.prometheus_port}")
 
 
 @dataclass(kw_only=True, slots=True)

@@ -45,6 +45,7 @@ from runtime.data import BatchPlan, DataLoader, SyntheticCorpus
 from runtime.mesh import LayoutError, ParallelMesh, build_mesh, plan_layout
 from runtime.metrics import MetricsWriter, flops_per_token, memory_mb, peak_flops
 from runtime.model import Transformer
+from runtime.observability import PrometheusConfig, PrometheusExporter, start_prometheus
 from runtime.optim import LRSchedule, build_optimizer, clip_grad_norm_
 from runtime.parallel.pp import build_pipeline
 from runtime.parallelize import parallelize
@@ -187,6 +188,7 @@ class Trainer:
         self._last_handle: Any = None
         self._save_timings: list[tuple[int, float]] = []
         """(bytes written, seconds to commit) of this run's saves on this rank."""
+        self.prometheus = self._start_prometheus()
 
     # ---- state ---------------------------------------------------------------------------
 
@@ -253,6 +255,25 @@ class Trainer:
         h, self._last_handle = self._last_handle, None
         if h is not None and h.done() and h.error is None and h.total_s > 0:
             self._save_timings.append((int(h.bytes_written), float(h.total_s)))
+        if self.prometheus is not None and h is not None and h.done():
+            if h.error is not None:
+                self.prometheus.record_save_failure()
+            else:
+                self.prometheus.record_commit(h.step, int(h.bytes_written), float(h.total_s))
+
+    def _start_prometheus(self) -> PrometheusExporter | None:
+        """Rank 0's metrics endpoint, when configured. A port that cannot be bound is
+        logged, not fatal: observability must never stop a healthy run."""
+        try:
+            exporter = start_prometheus(PrometheusConfig(port=self.cfg.train.prometheus_port),
+                                        self.rank)
+        except OSError:
+            self.log.exception("Prometheus endpoint not started; training continues")
+            return None
+        if exporter is not None:
+            exporter.set_world_size(self.world)
+            exporter.set_restarts(int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0")))
+        return exporter
 
     # ---- preemption ----------------------------------------------------------------------
 
@@ -489,6 +510,9 @@ class Trainer:
         return result
 
     def close(self) -> None:
+        if self.prometheus is not None:
+            self.prometheus.close()
+            self.prometheus = None
         if self._owns_pg and dist.is_initialized():
             dist.destroy_process_group()
 
