@@ -22,7 +22,7 @@ import torch
 # paid in the middle of a fault injection it would delay the fault by as much.
 import ckpt
 from chaos.verifier import WeightsComparison
-from ckpt.format import DTYPES
+from ckpt.export import iter_tensors
 from ckpt.manifest import read_manifest
 from storage import StorageError, Store
 
@@ -59,12 +59,6 @@ class CheckpointProbe:
 
     def scan(self) -> dict[int, StepDir]:
         """Every step prefix under the root: committed or not, indexes written so far."""
-        # s3fs caches the listing of every sub-directory a recursive listing walked, and
-        # the S3 store invalidates only the root's: without this, deleted checkpoints stay
-        # listed and new ones stay hidden (seen against SeaweedFS). Drop the whole cache.
-        fs = getattr(self.store, "fs", None)
-        if fs is not None and hasattr(fs, "invalidate_cache"):
-            fs.invalidate_cache()
         try:
             keys = self.store.list()
         except StorageError as exc:
@@ -186,19 +180,7 @@ class CheckpointProbe:
             raise LookupError(f"no committed checkpoint {step} under {self.store.url}")
         store = self.store.child(d.prefix)
         manifest = read_manifest(store)
-        # The target state dict mirrors the saved one's nesting (each tensor's `path`), at
-        # global shape, so the engine reads every tensor whole.
-        sd: dict[str, Any] = {}
-        out: dict[str, Any] = {}
-        for name, t in manifest.tensors.items():
-            tensor = torch.empty(t["shape"], dtype=DTYPES[t["dtype"]])
-            node = sd
-            path = [str(p) for p in t.get("path") or [name]]
-            for seg in path[:-1]:
-                node = node.setdefault(seg, {})
-            node[path[-1]] = tensor
-            out[name] = tensor
-        ckpt.load(sd, store, strict=False)
+        out: dict[str, Any] = dict(iter_tensors(store, manifest, sorted(manifest.tensors)))
         for name, value in manifest.values.items():
             out[f"value:{name}"] = value
         return out

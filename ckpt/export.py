@@ -90,6 +90,14 @@ def iter_tensors(store: Store, m: Manifest, names: list[str]) -> Iterator[tuple[
         yield name, read_tensor(store, m, name)
 
 
+def read_all(url: str | Store) -> dict[str, torch.Tensor]:
+    """Every tensor of the checkpoint at `url`, whole, by manifest name (for comparisons
+    and tools; a training process loads into its own layout with `ckpt.load`)."""
+    store = _store(url)
+    m = read_manifest(store)
+    return dict(iter_tensors(store, m, sorted(m.tensors)))
+
+
 def _out_key(m: Manifest, name: str, all_tensors: bool) -> str:
     """The exported key. Model-only exports drop the `model` segment and join the rest
     with `.`, so the file loads into `model.load_state_dict` directly; `--all` keeps the

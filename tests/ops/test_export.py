@@ -196,3 +196,15 @@ def test_errors_and_exit_codes(run, tmp_path, capsys) -> None:
     assert main(["export", no_model, "--to", str(tmp_path / "z")]) == 1
     assert "--all" in capsys.readouterr().err
     assert not (tmp_path / "z").exists()
+
+
+def test_read_all_returns_every_tensor_whole(tmp_path) -> None:
+    from ckpt.export import read_all
+
+    url = str(tmp_path / "c")
+    state = {"model": {"w": torch.randn(5, 3)}, "optim": {"m": torch.arange(7)}}
+    ckpt.save(state, url).wait()
+    got = read_all(url)
+    assert set(got) == {"model/w", "optim/m"}
+    assert torch.equal(got["model/w"], state["model"]["w"])
+    assert torch.equal(got["optim/m"], state["optim"]["m"])

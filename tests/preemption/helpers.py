@@ -18,7 +18,6 @@ from pathlib import Path
 from typing import Any
 
 import psutil
-import torch
 
 ROOT = Path(__file__).resolve().parents[2]
 
@@ -136,23 +135,9 @@ def latest_step(url: str) -> int | None:
 def read_state(url: str, step: int) -> dict[str, Any]:
     """Committed checkpoint `step` under manager root `url`, every tensor read whole."""
     import ckpt
-    from ckpt.format import DTYPES
-    from ckpt.manifest import read_manifest
+    from ckpt.export import read_all
 
-    store = ckpt.CheckpointManager(url, keep_last=None).store.child(f"step-{step:012d}")
-    manifest = read_manifest(store)
-    sd: dict[str, Any] = {}
-    out: dict[str, Any] = {}
-    for name, t in manifest.tensors.items():
-        tensor = torch.empty(t["shape"], dtype=DTYPES[t["dtype"]])
-        node = sd
-        path = [str(p) for p in t.get("path") or [name]]
-        for seg in path[:-1]:
-            node = node.setdefault(seg, {})
-        node[path[-1]] = tensor
-        out[name] = tensor
-    ckpt.load(sd, store, strict=False)
-    return out
+    return read_all(ckpt.CheckpointManager(url, keep_last=None).url_of(step))
 
 
 def _lower(headers: object) -> dict[str, str]:
