@@ -37,7 +37,6 @@ from typing import Any
 import psutil
 
 from chaos.ckpt_probe import CheckpointProbe, compare_final_states
-from chaos.fault_env import ENV_VAR, write_plan_file
 from chaos.faults import (
     RESTARTING,
     FaultEvent,
@@ -61,6 +60,7 @@ from chaos.verifier import (
 )
 from elastic.etcd_server import EtcdServer, free_port
 from storage import Store, corrupt_object, open_store
+from storage.fault_env import ENV_VAR, write_plan_file
 
 logger = logging.getLogger(__name__)
 

@@ -13,7 +13,7 @@ from pathlib import Path
 import pytest
 
 import storage
-from chaos.fault_env import (
+from storage.fault_env import (
     FaultPlanError,
     ReloadingFaultyStore,
     plan_from_json,
