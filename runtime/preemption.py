@@ -370,6 +370,7 @@ class NoticeWatcher:
         self._stop = threading.Event()
         self._thread: threading.Thread | None = None
         self._logged = 0
+        self._log_lock = threading.Lock()
         self._step_ended = time.monotonic()
 
     def start(self) -> NoticeWatcher:
@@ -403,13 +404,7 @@ class NoticeWatcher:
             first = self.board.first
             if first is None:
                 continue
-            if self.board.count > self._logged:
-                for n in self.board.notices()[self._logged:]:
-                    log.warning("[rank %d step %d] preemption notice from %s: %s "
-                                "(%.1f s of grace left)%s", self.rank, self.step, n.source,
-                                n.detail, n.remaining_s(),
-                                "; already acting on an earlier one" if self._logged else "")
-                self._logged = self.board.count
+            self._log_new_notices()
             if self.phase == "startup":
                 self._bail(PREEMPTED_EXIT_CODE, "notice before training started: nothing "
                            "newer than the committed checkpoint to save; exiting now")
@@ -418,6 +413,17 @@ class NoticeWatcher:
                 if since > self.step_timeout_s():
                     self._bail(HUNG_EXIT_CODE, f"the step in flight did not finish within "
                                f"{self.step_timeout_s():.1f} s of the notice (hung?); exiting")
+
+    def _log_new_notices(self) -> None:
+        # Called by the watcher thread and once more by stop(): the main thread can act on
+        # a notice (agree, save, exit) between two of the watcher's wake-ups.
+        with self._log_lock:
+            for n in self.board.notices()[self._logged:]:
+                log.warning("[rank %d step %d] preemption notice from %s: %s "
+                            "(%.1f s of grace left)%s", self.rank, self.step, n.source,
+                            n.detail, n.remaining_s(),
+                            "; already acting on an earlier one" if self._logged else "")
+                self._logged += 1
 
     def _bail(self, code: int, why: str) -> None:
         log.error("[rank %d step %d] preemption: %s (status %d)", self.rank, self.step, why,
@@ -436,6 +442,7 @@ class NoticeWatcher:
         self._stop.set()
         if self._thread is not None and self._thread is not threading.current_thread():
             self._thread.join(timeout=1.0)
+        self._log_new_notices()
         for s in self.sources:
             if restore_signals or not isinstance(s, SignalSource):
                 s.stop()
