@@ -90,6 +90,19 @@ def iter_tensors(store: Store, m: Manifest, names: list[str]) -> Iterator[tuple[
         yield name, read_tensor(store, m, name)
 
 
+def _export_selection(url: str | Store, all_tensors: bool,
+                      ) -> tuple[Store, Manifest, list[str], dict[str, str]]:
+    """The store, manifest, tensor names and exported keys shared by every export."""
+    store = _store(url)
+    m = read_manifest(store)
+    names = select_tensors(m, all_tensors)
+    if not names:
+        raise MissingKeyError(
+            f"checkpoint {store.url} has no {'tensors' if all_tensors else 'model/... tensors'}"
+            "; pass --all to export every tensor", url=store.url)
+    return store, m, names, _keys(m, names, all_tensors, store.url)
+
+
 def read_all(url: str | Store) -> dict[str, torch.Tensor]:
     """Every tensor of the checkpoint at `url`, whole, by manifest name (for comparisons
     and tools; a training process loads into its own layout with `ckpt.load`)."""
@@ -136,14 +149,7 @@ def export_safetensors(url: str | Store, out: str | os.PathLike[str], *,
     (a temp file renamed into place). Returns `{"tensors", "bytes", "path"}`."""
     if sys.byteorder != "little":  # pragma: no cover - safetensors is little endian
         raise UnsupportedStateError("safetensors export needs a little-endian host")
-    store = _store(url)
-    m = read_manifest(store)
-    names = select_tensors(m, all_tensors)
-    if not names:
-        raise MissingKeyError(
-            f"checkpoint {store.url} has no {'tensors' if all_tensors else 'model/... tensors'}"
-            "; pass --all to export every tensor", url=store.url)
-    keys = _keys(m, names, all_tensors, store.url)
+    store, m, names, keys = _export_selection(url, all_tensors)
     header: dict[str, Any] = {"__metadata__": {"format": "pt", "relight_step": str(m.step),
                                                "relight_url": store.url, **(metadata or {})}}
     offset = 0
@@ -205,14 +211,7 @@ def export_dcp(url: str | Store, out_dir: str | os.PathLike[str], *,
     import torch.distributed.checkpoint as dcp
     from torch.distributed.checkpoint import FileSystemWriter
 
-    store = _store(url)
-    m = read_manifest(store)
-    names = select_tensors(m, all_tensors)
-    if not names:
-        raise MissingKeyError(
-            f"checkpoint {store.url} has no {'tensors' if all_tensors else 'model/... tensors'}"
-            "; pass --all to export every tensor", url=store.url)
-    keys = _keys(m, names, all_tensors, store.url)
+    store, m, names, keys = _export_selection(url, all_tensors)
     placeholders = {keys[n]: torch.empty(m.tensors[n]["shape"], dtype=DTYPES[m.tensors[n]["dtype"]],
                                          device="meta") for n in names}
     writer = FileSystemWriter(str(out_dir), single_file_per_rank=True, sync_files=True,

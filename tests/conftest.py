@@ -16,26 +16,24 @@ from chaos.s3_server import S3Server
 from elastic.etcd_server import EtcdServer
 
 
-@pytest.fixture(scope="session")
-def etcd_server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[EtcdServer]:
-    """One real etcd for the session; tests isolate themselves by key prefix."""
-    server = EtcdServer(tmp_path_factory.mktemp("etcd") / "data")
+def _running(server: EtcdServer) -> Iterator[EtcdServer]:
     server.start()
     try:
         yield server
     finally:
         server.stop()
+
+
+@pytest.fixture(scope="session")
+def etcd_server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[EtcdServer]:
+    """One real etcd for the session; tests isolate themselves by key prefix."""
+    yield from _running(EtcdServer(tmp_path_factory.mktemp("etcd") / "data"))
 
 
 @pytest.fixture
 def etcd_restartable(tmp_path) -> Iterator[EtcdServer]:
     """A private etcd a test may kill and restart (`.kill()`, `.start()`, `.restart()`)."""
-    server = EtcdServer(tmp_path / "etcd-data")
-    server.start()
-    try:
-        yield server
-    finally:
-        server.stop()
+    yield from _running(EtcdServer(tmp_path / "etcd-data"))
 
 
 @pytest.fixture(scope="session")
