@@ -95,6 +95,19 @@ class Store(ABC):
         self._retry(lambda: self._put(path, payload), key)
         self.stats.record_write(len(payload))
 
+    def put_if_absent(self, key: str, data: bytes | bytearray | memoryview) -> bool:
+        """Publish `data` at `key` only if no object is there yet (atomically: of two
+        racing callers exactly one wins). Returns False, writing nothing, if one exists.
+
+        A retried call whose first try landed unseen returns False too: callers that must
+        tell "I won" from "another won" put an id in `data` and read the object back."""
+        path = self._path(key)
+        payload = bytes(data) if not isinstance(data, bytes) else data
+        created = self._retry(lambda: self._put_if_absent(path, payload), key)
+        if created:
+            self.stats.record_write(len(payload))
+        return created
+
     def get(self, key: str, start: int | None = None, end: int | None = None) -> bytes:
         """The object's bytes, or the range [start, end). A range past the end of the
         object raises `ObjectTruncatedError` (a truncated chunk must never look whole)."""
@@ -181,6 +194,9 @@ class Store(ABC):
 
     @abstractmethod
     def _put(self, path: str, data: bytes) -> None: ...
+
+    @abstractmethod
+    def _put_if_absent(self, path: str, data: bytes) -> bool: ...
 
     @abstractmethod
     def _get(self, path: str, start: int | None, end: int | None) -> bytes: ...

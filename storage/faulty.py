@@ -139,6 +139,11 @@ class FaultyStore(Store):
                 data = self._flip(data, index)
         self.inner._put(path, data)
 
+    def _put_if_absent(self, path: str, data: bytes) -> bool:
+        # Counted (and failed, delayed) as a put; never corrupted: it publishes markers.
+        self._enter("put", path)
+        return self.inner._put_if_absent(path, data)
+
     def _get(self, path: str, start: int | None, end: int | None) -> bytes:
         index = self._enter("get", path)
         data = self.inner._get(path, start, end)

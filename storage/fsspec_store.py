@@ -91,6 +91,35 @@ class LocalStore(_FsspecStore):
             finally:
                 os.close(fd)
 
+    def _put_if_absent(self, path: str, data: bytes) -> bool:
+        # Write a temp file, then hard-link it into place: link() fails if the name
+        # exists, so of two racing writers exactly one publishes, and never a partial file.
+        directory = os.path.dirname(path)
+        os.makedirs(directory, exist_ok=True)
+        tmp = os.path.join(directory, f"{TEMP_MARKER}{uuid.uuid4().hex}")
+        try:
+            with open(tmp, "wb") as handle:
+                handle.write(data)
+                if self.fsync:
+                    handle.flush()
+                    os.fsync(handle.fileno())
+            try:
+                os.link(tmp, path)
+            except FileExistsError:
+                return False
+        finally:
+            try:
+                os.unlink(tmp)
+            except FileNotFoundError:
+                pass
+        if self.fsync:
+            fd = os.open(directory, os.O_RDONLY)
+            try:
+                os.fsync(fd)
+            finally:
+                os.close(fd)
+        return True
+
     def _list(self, path: str) -> list[str]:
         if not os.path.isdir(path):
             return [path] if os.path.isfile(path) else []
@@ -143,6 +172,18 @@ class S3Store(_FsspecStore):
     def _put(self, path: str, data: bytes) -> None:
         # One PUT is atomic on S3: readers see the old object or the new one.
         self.fs.pipe_file(path, data)
+
+    def _put_if_absent(self, path: str, data: bytes) -> bool:
+        # A conditional PUT (If-None-Match: *): the server refuses it with 412
+        # PreconditionFailed when the key exists (AWS S3, SeaweedFS).
+        try:
+            self.fs.pipe_file(path, data, mode="create")
+        except OSError as exc:
+            text = f"{exc} {exc.__cause__ or ''}"
+            if "PreconditionFailed" in text or "pre-condition" in text or "412" in text:
+                return False
+            raise
+        return True
 
     def kvstore_spec(self, sub: str = "") -> dict[str, Any]:
         root = self.location.child(sub).root if sub else self.location.root

@@ -51,6 +51,15 @@ class MemoryStore(Store):
     def _put(self, path: str, data: bytes) -> None:
         self._kv.write(path, data).result()
 
+    def _put_if_absent(self, path: str, data: bytes) -> bool:
+        # The namespace lives in this process only, so a process-wide lock makes the
+        # check-then-write atomic against every other writer.
+        with _CONTEXT_LOCK:
+            if self._exists(path):
+                return False
+            self._kv.write(path, data).result()
+        return True
+
     def _get(self, path: str, start: int | None, end: int | None) -> bytes:
         result = self._kv.read(path).result()
         if result.state != "value":

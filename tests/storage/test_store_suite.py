@@ -102,6 +102,17 @@ class StoreSuite:
             got = dict(zip(payloads, pool.map(store.get, payloads), strict=True))
         assert got == payloads
 
+    def test_put_if_absent_has_exactly_one_winner(self, store: Store) -> None:
+        assert store.put_if_absent("x/marker", b"first")
+        assert not store.put_if_absent("x/marker", b"second")
+        assert store.get("x/marker") == b"first"
+        # Sixteen racing writers: one wins, the object is the winner's, whole.
+        with cf.ThreadPoolExecutor(16) as pool:
+            won = list(pool.map(lambda i: store.put_if_absent("race", b"w%03d" % i), range(16)))
+        assert sum(won) == 1
+        assert store.get("race") == b"w%03d" % won.index(True)
+        assert store.list("x") == ["x/marker"]  # no temp objects left behind
+
     def test_listing_thousands_of_keys(self, store: Store) -> None:
         keys = [f"many/{i // 100:02d}/{i:05d}" for i in range(2500)]
         with cf.ThreadPoolExecutor(16) as pool:
