@@ -198,6 +198,8 @@ class TrainConfig:
     """Peak device TFLOP/s for MFU; 0 looks it up for known GPUs (MFU is null otherwise)."""
     prometheus_port: int = 0
     """Serve Prometheus metrics from rank 0 on 127.0.0.1:PORT; 0 disables."""
+    tensorboard_dir: str = ""
+    """Directory for TensorBoard scalars written by rank 0 every step; empty disables."""
 
     def __post_init__(self) -> None:
         _require(self.steps >= 0, "train.steps must be >= 0")

@@ -87,7 +87,8 @@ class MetricsWriter:
             return
         mfu = record.get("mfu")
         line = (
-            f"step {step}/{total_steps} | loss {record['loss']:.4f} | lr {record['lr']:.2e} | "
+            f"[rank 0 step {step}] of {total_steps} | loss {record['loss']:.4f} | "
+            f"lr {record['lr']:.2e} | "
             f"{record['tokens_per_s']:,.0f} tok/s | {record['step_time_s'] * 1e3:.0f} ms | "
             f"ckpt {record['ckpt_stall_s'] * 1e3:.0f} ms | mem {record['mem_max_mb']:.0f} MB | "
             f"mfu {'n/a' if mfu is None else f'{mfu:.1%}'} | {record['layout']}"

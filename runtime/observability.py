@@ -1,4 +1,5 @@
-"""A Prometheus endpoint for a training job: checkpoint progress, restarts, membership.
+"""What a training job tells its operators: a Prometheus endpoint, TensorBoard scalars,
+and the job context (restarts, rendezvous round) read from the agent's environment.
 
 Rank 0 (or a node agent) serves, on 127.0.0.1 unless told otherwise, these series:
 
@@ -16,12 +17,17 @@ Rank 0 (or a node agent) serves, on 127.0.0.1 unless told otherwise, these serie
 
 Each exporter has its own registry, so several can live in one process (tests) and the
 process-global default registry is left alone.
+
+TensorBoard (``train.tensorboard_dir``): rank 0 writes one scalar per metric per step, under
+the tags of ``TB_SCALARS`` (``train/loss``, ``perf/tokens_per_s``, ``perf/mfu``,
+``perf/step_time_s``, ``ckpt/stall_s``, ``ckpt/since_commit_s``, ``job/restarts``, ...).
 """
 
 from __future__ import annotations
 
 import logging
 import math
+import os
 import threading
 import time
 from dataclasses import dataclass
@@ -29,7 +35,17 @@ from typing import Any
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, start_http_server
 
-__all__ = ["PrometheusConfig", "PrometheusExporter", "start_prometheus"]
+__all__ = [
+    "RDZV_ROUND_ENV",
+    "RESTART_COUNT_ENV",
+    "TB_SCALARS",
+    "PrometheusConfig",
+    "PrometheusExporter",
+    "TensorBoardWriter",
+    "rdzv_round_from_env",
+    "restarts_from_env",
+    "start_prometheus",
+]
 
 log = logging.getLogger(__name__)
 
@@ -106,6 +122,13 @@ class PrometheusExporter:
         self.bytes_written.inc(nbytes)
         self.saves.inc()
 
+    def set_last_commit(self, step: int, committed_unix: float) -> None:
+        """The newest committed checkpoint found at start (a restore): no save is counted."""
+        with self._lock:
+            self._last_commit_unix = committed_unix
+        self.last_step.set(step)
+        self.last_commit.set(committed_unix)
+
     def record_save_failure(self) -> None:
         self.save_failures.inc()
 
@@ -151,3 +174,86 @@ def start_prometheus(cfg: PrometheusConfig, rank: int) -> PrometheusExporter | N
     exporter = PrometheusExporter()
     exporter.serve(cfg.port, cfg.host)
     return exporter
+
+
+# ------------------------------------------------------------------ job context
+
+RESTART_COUNT_ENV = "TORCHELASTIC_RESTART_COUNT"
+"""Set by torchrun's agent in every worker: restarts of the worker group so far."""
+RDZV_ROUND_ENV = "RELIGHT_RDZV_ROUND"
+"""Set by Relight's node agent in every worker: the rendezvous round that formed the group."""
+
+
+def _env_int(name: str) -> int | None:
+    raw = os.environ.get(name, "").strip()
+    if not raw:
+        return None
+    try:
+        return int(raw)
+    except ValueError:
+        log.warning("ignoring %s=%r: not an integer", name, raw)
+        return None
+
+
+def restarts_from_env() -> int:
+    """Restarts of the worker group so far (0 outside an elastic agent)."""
+    return _env_int(RESTART_COUNT_ENV) or 0
+
+
+def rdzv_round_from_env() -> int | None:
+    """The rendezvous round of this worker group, or None when no agent said."""
+    return _env_int(RDZV_ROUND_ENV)
+
+
+# ------------------------------------------------------------------ TensorBoard
+
+TB_SCALARS: dict[str, str] = {
+    "loss": "train/loss",
+    "lr": "train/lr",
+    "grad_norm": "train/grad_norm",
+    "tokens_per_s": "perf/tokens_per_s",
+    "mfu": "perf/mfu",
+    "step_time_s": "perf/step_time_s",
+    "mem_max_mb": "perf/mem_max_mb",
+    "ckpt_stall_s": "ckpt/stall_s",
+    "ckpt_age_s": "ckpt/since_commit_s",
+    "restarts": "job/restarts",
+    "world_size": "job/world_size",
+    "rdzv_round": "job/rdzv_round",
+}
+"""Metrics-record key -> TensorBoard tag. A key absent or null in a record (MFU on a CPU,
+the commit age before the first commit) is not written for that step."""
+
+
+class TensorBoardWriter:
+    """Per-step scalars into an event file under `log_dir` (rank 0 only).
+
+    The event file is flushed every `flush_every` steps and at `close()`, so a killed
+    process loses at most that many steps of scalars; the JSONL metrics hold every step.
+    """
+
+    def __init__(self, log_dir: str, *, flush_every: int = 10) -> None:
+        from torch.utils.tensorboard import SummaryWriter  # lazy: only runs that ask pay
+
+        self.log_dir = log_dir
+        self.flush_every = max(1, flush_every)
+        self._writer: Any = SummaryWriter(log_dir=log_dir)
+        self._n = 0
+
+    def write(self, record: dict[str, Any]) -> None:
+        if self._writer is None:
+            return
+        step, wall = int(record["step"]), record.get("time")
+        for key, tag in TB_SCALARS.items():
+            value = record.get(key)
+            if isinstance(value, bool) or not isinstance(value, int | float):
+                continue
+            self._writer.add_scalar(tag, float(value), step, walltime=wall)
+        self._n += 1
+        if self._n % self.flush_every == 0:
+            self._writer.flush()
+
+    def close(self) -> None:
+        if self._writer is not None:
+            self._writer.close()
+            self._writer = None

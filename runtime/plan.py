@@ -7,6 +7,9 @@ the GPU count), a checkpoint that stalls training for `delta`, a restart that co
 of useful work is `M * exp(R/M) * (exp((tau + delta)/M) - 1) / tau`; goodput is its
 inverse. The optimum is Daly's higher-order estimate of the interval, which reduces
 to Young's `sqrt(2 * delta * M)` when `delta << M`.
+
+`--from-run DIR` measures `delta`, `R` and the step time from the metrics JSONL a run of
+`runtime.train` left (``DIR/metrics.jsonl``; see `measure_run`).
 """
 
 from __future__ import annotations
@@ -14,11 +17,26 @@ from __future__ import annotations
 import argparse
 import json
 import math
+import statistics
 import sys
+from collections import Counter
 from dataclasses import asdict, dataclass
 from pathlib import Path
+from typing import Any
 
-__all__ = ["PlanInputs", "PlanResult", "daly_interval", "expected_goodput", "plan", "main"]
+__all__ = [
+    "PlanInputs",
+    "PlanResult",
+    "RunMeasurements",
+    "RunMetricsError",
+    "daly_interval",
+    "expected_goodput",
+    "main",
+    "measure_run",
+    "plan",
+]
+
+EXIT_OK, EXIT_USAGE, EXIT_NO_MEASUREMENT = 0, 2, 3
 
 
 class PlanInputError(ValueError):
@@ -111,6 +129,123 @@ def plan(inputs: PlanInputs) -> PlanResult:
     )
 
 
+class RunMetricsError(ValueError):
+    """A run directory has no usable metrics; the message names the file."""
+
+
+@dataclass(frozen=True, slots=True)
+class RunMeasurements:
+    """What one run of `runtime.train` measured, read from its metrics JSONL."""
+
+    source: str
+    """The metrics file read."""
+    steps: int
+    """Step records read (every process lifetime)."""
+    lifetimes: int
+    """Processes (worker groups) that wrote records: 1 + the restarts the file shows."""
+    world_size: int | None
+    """Ranks of the last lifetime."""
+    step_time_s: float | None
+    """Median step time, without the first step of each lifetime (warm-up)."""
+    save_stall_s: float | None
+    """Mean training stall of the steps that started a checkpoint."""
+    saves: int
+    restore_time_s: float | None
+    """Fault (last record of a lifetime) to the first step of the next, minus that step;
+    without a restart in the file: process start to first step of a resumed lifetime (or of
+    the first lifetime), which misses fault detection and rendezvous."""
+    restore_basis: str
+    """How `restore_time_s` was measured."""
+    interval_steps: int | None
+    """Steps between checkpoints (the most common gap between saving steps)."""
+
+    @property
+    def interval_s(self) -> float | None:
+        """Compute time between checkpoints at the measured step time."""
+        if self.interval_steps is None or self.step_time_s is None:
+            return None
+        return self.interval_steps * self.step_time_s
+
+
+def _metrics_file(path: Path) -> Path:
+    f = path / "metrics.jsonl" if path.is_dir() else path
+    if not f.is_file():
+        raise RunMetricsError(f"{f}: no metrics file; point --from-run at a run directory "
+                              "holding metrics.jsonl (train.metrics_path) or at the file")
+    return f
+
+
+def _lifetimes(records: list[dict[str, Any]]) -> list[list[dict[str, Any]]]:
+    """Split the appended records per process: the runtime marks each process's first record
+    with `startup_s`; files without it split where the step does not follow."""
+    out: list[list[dict[str, Any]]] = []
+    for r in records:
+        new = not out or "startup_s" in r or r["step"] != out[-1][-1]["step"] + 1
+        if new:
+            out.append([])
+        out[-1].append(r)
+    return out
+
+
+def _num(v: Any) -> float | None:
+    return float(v) if isinstance(v, int | float) and not isinstance(v, bool) else None
+
+
+def measure_run(path: str | Path) -> RunMeasurements:
+    """Measure save stall, restore time, step time and interval from a run's metrics."""
+    f = _metrics_file(Path(path))
+    records = []
+    for line in f.read_text(encoding="utf-8").splitlines():
+        try:
+            r = json.loads(line)
+        except json.JSONDecodeError:  # a line torn by a kill
+            continue
+        if isinstance(r, dict) and isinstance(r.get("step"), int):
+            records.append(r)
+    if not records:
+        raise RunMetricsError(f"{f}: no step records")
+    lives = _lifetimes(records)
+    steps = [t for life in lives for r in life[1:] if (t := _num(r.get("step_time_s")))]
+    if not steps:  # every lifetime was one step long: warm-up is all there is
+        steps = [t for r in records if (t := _num(r.get("step_time_s")))]
+    # Older files lack `ckpt_saved`: a non-zero stall marks a saving step there.
+    saving = [[r for r in life if r.get("ckpt_saved", (_num(r.get("ckpt_stall_s")) or 0) > 0)]
+              for life in lives]
+    stalls = [s for life in saving for r in life if (s := _num(r.get("ckpt_stall_s"))) is not None]
+    gaps = Counter(b["step"] - a["step"] for life in saving
+                   for a, b in zip(life, life[1:], strict=False))
+    restore, basis = _restore_time(lives)
+    return RunMeasurements(
+        source=str(f), steps=len(records), lifetimes=len(lives),
+        world_size=next((int(w) for r in reversed(lives[-1])
+                         if (w := _num(r.get("world_size")))), None),
+        step_time_s=statistics.median(steps) if steps else None,
+        save_stall_s=statistics.fmean(stalls) if stalls else None, saves=len(stalls),
+        restore_time_s=restore, restore_basis=basis,
+        interval_steps=max(gaps.items(), key=lambda kv: (kv[1], kv[0]))[0] if gaps else None,
+    )
+
+
+def _restore_time(lives: list[list[dict[str, Any]]]) -> tuple[float | None, str]:
+    gaps = []
+    for prev, life in zip(lives, lives[1:], strict=False):
+        t_end, t_first = _num(prev[-1].get("time")), _num(life[0].get("time"))
+        first_step = _num(life[0].get("step_time_s")) or 0.0
+        if t_end is not None and t_first is not None and t_first - first_step > t_end:
+            gaps.append(t_first - first_step - t_end)
+    if gaps:
+        return statistics.median(gaps), f"restart gap, median of {len(gaps)}"
+    resumed = [s for life in lives if life[0].get("restore_s") is not None
+               and (s := _num(life[0].get("startup_s"))) is not None]
+    if resumed:
+        return statistics.median(resumed), ("process start to first step of a resumed "
+                                             "process (no fault detection or rendezvous)")
+    fresh = [s for life in lives if (s := _num(life[0].get("startup_s"))) is not None]
+    if fresh:
+        return fresh[0], "process start to first step, no restore (a lower bound)"
+    return None, "not measured"
+
+
 def goodput_curve(inputs: PlanInputs, points: int = 60) -> list[tuple[float, float]]:
     """(interval, goodput) on a log grid from 1/30x to 30x the optimum."""
     best = daly_interval(inputs.save_stall_s, inputs.job_mtbf_s)
@@ -144,46 +279,123 @@ def _plot(inputs: PlanInputs, result: PlanResult, path: Path) -> None:
     plt.close(fig)
 
 
-def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(
-        prog="relight plan",
+_EPILOG = """\
+examples:
+  relight plan --gpus 16384 --mtbf-hours-per-gpu 50000 --save-stall 2 --restore-time 600
+  relight plan --from-run runs/local --mtbf-hours-per-gpu 50000 --gpus 1024 --plot g.png
+
+With --from-run, the save stall, restore time, step time and current interval are measured
+from the run's metrics (DIR/metrics.jsonl, written by runtime.train with
+train.metrics_path); --save-stall/--restore-time/--step-time/--interval override them and
+--gpus defaults to the run's world size. The MTBF is never measured: pass your fleet's.
+
+exit status: 0 ok; 2 usage error or an input out of range; 3 --from-run found no metrics
+or could not measure an input that was not given.
+"""
+
+
+def _parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(
+        prog="relight plan", epilog=_EPILOG, formatter_class=argparse.RawDescriptionHelpFormatter,
         description="Optimal checkpoint interval (Young/Daly) and expected goodput.",
     )
-    parser.add_argument("--gpus", type=int, required=True)
-    parser.add_argument("--mtbf-hours-per-gpu", type=float, required=True)
-    parser.add_argument("--save-stall", type=float, required=True, help="seconds per checkpoint")
-    parser.add_argument("--restore-time", type=float, required=True, help="seconds per recovery")
-    parser.add_argument("--step-time", type=float, help="seconds per training step")
-    parser.add_argument("--interval", type=float, help="current checkpoint interval, seconds")
-    parser.add_argument("--json", action="store_true", help="print JSON")
-    parser.add_argument("--plot", type=Path, help="write a PNG of goodput vs interval")
-    args = parser.parse_args(argv)
-    try:
-        inputs = PlanInputs(
-            gpus=args.gpus,
-            mtbf_hours_per_gpu=args.mtbf_hours_per_gpu,
-            save_stall_s=args.save_stall,
-            restore_time_s=args.restore_time,
-            step_time_s=args.step_time,
-            current_interval_s=args.interval,
-        )
-    except PlanInputError as exc:
-        print(f"relight plan: {exc}", file=sys.stderr)
-        return 2
-    result = plan(inputs)
-    if args.plot:
-        _plot(inputs, result, args.plot)
-    if args.json:
-        print(json.dumps(asdict(result), indent=2))
-        return 0
+    p.add_argument("--from-run", type=Path, metavar="DIR",
+                   help="measure save stall, restore time, step time and interval from a run")
+    p.add_argument("--gpus", type=int, help="GPUs in the job (default with --from-run: "
+                   "the run's world size)")
+    p.add_argument("--mtbf-hours-per-gpu", type=float, required=True,
+                   help="mean time between failures of one GPU, hours")
+    p.add_argument("--save-stall", type=float, help="seconds training stalls per checkpoint")
+    p.add_argument("--restore-time", type=float,
+                   help="seconds from a fault to the first useful step after the resume")
+    p.add_argument("--step-time", type=float, help="seconds per training step")
+    p.add_argument("--interval", type=float,
+                   help="current checkpoint interval, seconds of compute")
+    p.add_argument("--json", action="store_true", help="print JSON")
+    p.add_argument("--plot", type=Path, help="write a PNG of goodput vs interval")
+    return p
+
+
+def _inputs(args: argparse.Namespace, measured: RunMeasurements | None) -> PlanInputs:
+    m = measured
+    values = {
+        "gpus": args.gpus if args.gpus is not None else (m.world_size if m else None),
+        "save_stall_s": args.save_stall if args.save_stall is not None
+        else (m.save_stall_s if m else None),
+        "restore_time_s": args.restore_time if args.restore_time is not None
+        else (m.restore_time_s if m else None),
+    }
+    missing = [k for k, v in values.items() if v is None]
+    if missing:
+        flags = {"gpus": "--gpus", "save_stall_s": "--save-stall",
+                 "restore_time_s": "--restore-time"}
+        where = f"{m.source} does not measure" if m else "missing"
+        raise RunMetricsError(f"{where} {', '.join(missing)}: pass "
+                              + " ".join(flags[k] for k in missing))
+    step = args.step_time if args.step_time is not None else (m.step_time_s if m else None)
+    current = args.interval
+    if current is None and m is not None and m.interval_steps is not None and step:
+        current = m.interval_steps * step
+    return PlanInputs(gpus=int(values["gpus"]), mtbf_hours_per_gpu=args.mtbf_hours_per_gpu,
+                      save_stall_s=float(values["save_stall_s"]),
+                      restore_time_s=float(values["restore_time_s"]), step_time_s=step,
+                      current_interval_s=current)
+
+
+def _print_text(inputs: PlanInputs, result: PlanResult, m: RunMeasurements | None) -> None:
+    if m is not None:
+        print(f"measured from {m.source}: {m.steps} steps in {m.lifetimes} process "
+              f"lifetime(s), world size {m.world_size}")
+        if m.save_stall_s is not None:
+            print(f"  save stall {m.save_stall_s:.3f} s (mean of {m.saves} saves)")
+        if m.restore_time_s is not None:
+            print(f"  restore time {m.restore_time_s:.2f} s ({m.restore_basis})")
+        if m.step_time_s is not None:
+            print(f"  step time {m.step_time_s:.3f} s (median)")
+        if m.interval_steps is not None:
+            print(f"  checkpoint every {m.interval_steps} steps")
+    print(f"inputs: {inputs.gpus} GPUs, MTBF {inputs.mtbf_hours_per_gpu:g} h per GPU, save "
+          f"stall {inputs.save_stall_s:.3g} s, restore {inputs.restore_time_s:.3g} s")
     print(f"job MTBF: {result.job_mtbf_s / 3600:.2f} h ({inputs.gpus} GPUs)")
     steps = f" (~{result.optimal_interval_steps} steps)" if result.optimal_interval_steps else ""
     print(f"optimal interval: {result.optimal_interval_s:.0f} s{steps}; "
           f"goodput {result.optimal_goodput:.1%}")
     if result.current_goodput is not None:
-        print(f"current interval: {result.current_interval_s:.0f} s; "
+        cur = (f" (~{round(result.current_interval_s / inputs.step_time_s)} steps)"
+               if inputs.step_time_s else "")
+        print(f"current interval: {result.current_interval_s:.0f} s{cur}; "
               f"goodput {result.current_goodput:.1%}")
-    return 0
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = _parser()
+    try:
+        args = parser.parse_args(argv)
+    except SystemExit as e:
+        return EXIT_USAGE if e.code else EXIT_OK
+    measured = None
+    try:
+        if args.from_run is not None:
+            measured = measure_run(args.from_run)
+        inputs = _inputs(args, measured)
+    except RunMetricsError as exc:
+        print(f"relight plan: {exc}", file=sys.stderr)
+        return EXIT_NO_MEASUREMENT if args.from_run is not None else EXIT_USAGE
+    except PlanInputError as exc:
+        print(f"relight plan: {exc}", file=sys.stderr)
+        return EXIT_USAGE
+    result = plan(inputs)
+    if args.plot:
+        _plot(inputs, result, args.plot)
+    if args.json:
+        out: dict[str, Any] = asdict(result)
+        out["inputs"] = asdict(inputs)
+        if measured is not None:
+            out["measured"] = {**asdict(measured), "interval_s": measured.interval_s}
+        print(json.dumps(out, indent=2))
+        return EXIT_OK
+    _print_text(inputs, result, measured)
+    return EXIT_OK
 
 
 if __name__ == "__main__":

@@ -13,6 +13,13 @@ Runs as a single process or under torchrun (one process per rank). Order of a ru
 A watchdog thread exits the process with status 75 when no step completes in
 ``train.watchdog_timeout_s``.
 
+What operators see: every log line of the trainer is prefixed ``[rank R step S]``; one line
+per event that matters (restore from step S at layout L, save committed on rank 0 or failed,
+fault detected, preemption); rank 0 writes the per-step metrics JSONL (``train.metrics_path``),
+TensorBoard scalars (``train.tensorboard_dir``) and serves Prometheus
+(``train.prometheus_port``). The first record of each process also holds ``startup_s``
+(process start to the first step) and ``restore_s``, which ``relight plan --from-run`` reads.
+
 Preemption (``[preemption]``, docs/preemption.md): every step's one small all-gather also
 carries each rank's notice flag and grace left, so all ranks see a notice at the same step
 boundary. They then finish that step, let the async save in flight commit, agree whether a
@@ -45,7 +52,14 @@ from runtime.data import BatchPlan, DataLoader, SyntheticCorpus
 from runtime.mesh import LayoutError, ParallelMesh, build_mesh, plan_layout
 from runtime.metrics import MetricsWriter, flops_per_token, memory_mb, peak_flops
 from runtime.model import Transformer
-from runtime.observability import PrometheusConfig, PrometheusExporter, start_prometheus
+from runtime.observability import (
+    PrometheusConfig,
+    PrometheusExporter,
+    TensorBoardWriter,
+    rdzv_round_from_env,
+    restarts_from_env,
+    start_prometheus,
+)
 from runtime.optim import LRSchedule, build_optimizer, clip_grad_norm_
 from runtime.parallel.pp import build_pipeline
 from runtime.parallelize import parallelize
@@ -129,6 +143,16 @@ _ROW = 5
 _NO_DEADLINE = 1e18
 
 
+def _process_age_s() -> float | None:
+    """Seconds since this process started (imports, init, restore: all part of a restart)."""
+    try:
+        import psutil
+
+        return max(0.0, time.time() - psutil.Process(os.getpid()).create_time())
+    except Exception:  # noqa: BLE001 - a metric, never fatal
+        return None
+
+
 def _step_seed(seed: int, step: int) -> int:
     return (seed * 1_000_003 + step * 7919 + 17) % (2**63)
 
@@ -185,7 +209,13 @@ class Trainer:
         self.on_grads: Callable[[Trainer], None] | None = None
         """Called after backward, before clipping, each step (tests inspect gradients)."""
         self.watcher: NoticeWatcher | None = None
-        self._last_handle: Any = None
+        self.restarts = restarts_from_env()
+        self.rdzv_round = rdzv_round_from_env()
+        self.restore_s: float | None = None
+        """Seconds the checkpoint restore took at start (None: nothing restored)."""
+        self._pending: tuple[Any, float] | None = None
+        """(handle, unix time the save began) of the save not yet seen finished."""
+        self._last_commit_unix: float | None = None
         self._save_timings: list[tuple[int, float]] = []
         """(bytes written, seconds to commit) of this run's saves on this rank."""
         self.prometheus = self._start_prometheus()
@@ -231,35 +261,71 @@ class Trainer:
                 f"checkpoint step {restored} under {c.url} holds train/step={self.step}"
             )
         self.restored_step = restored
+        self.restore_s = time.perf_counter() - t0
         self.log.extra["step"] = self.step
-        self.log.info("restored step %d from %s (layout %s -> %s) in %.2f s", restored, c.url,
-                      sd[st.TRAIN].get("layout"), self.layout.describe(), time.perf_counter() - t0)
+        rnd = "" if self.rdzv_round is None else f", rendezvous round {self.rdzv_round}"
+        self.log.info("restore from step %d at layout %s (saved at layout %s) from %s in "
+                      "%.2f s%s", restored, self.layout.describe(), sd[st.TRAIN].get("layout"),
+                      c.url, self.restore_s, rnd)
+        if self.rank == 0:
+            self._note_restored_commit(restored)
 
-    def _maybe_save(self) -> tuple[float, bool]:
+    def _note_restored_commit(self, step: int) -> None:
+        """The restored checkpoint is the newest commit until this run commits one."""
+        from ckpt.manager import list_records
+
+        try:
+            rec = list_records(self.ckpt_mgr.store).get(step)
+        except Exception:  # noqa: BLE001 - only the commit-age metric depends on it
+            self.log.warning("could not read the commit record of step %d", step)
+            return
+        if rec is not None and rec.created > 0:
+            self._last_commit_unix = rec.created
+            if self.prometheus is not None:
+                self.prometheus.set_last_commit(step, rec.created)
+
+    def _maybe_save(self) -> tuple[float, bool, bool]:
+        """Start this step's checkpoint when one is due: (stall seconds, ok, whether due)."""
         c = self.cfg.checkpoint
         last = self.step in (self.cfg.train.steps, self.cfg.train.stop_at)
         if self.ckpt_mgr is None or (self.step % c.every and not last):
-            return 0.0, True
-        self._note_save_timing()
-        t0 = time.perf_counter()
+            return 0.0, True, False
+        t0, began = time.perf_counter(), time.time()
         try:
-            self._last_handle = self.ckpt_mgr.save(self.step, self.state_dict(),
-                                                   async_save=c.async_save)
+            handle = self.ckpt_mgr.save(self.step, self.state_dict(), async_save=c.async_save)
         except Exception:  # a failed save must not stop training; older checkpoints remain
-            self.log.exception("checkpoint save at step %d failed; training continues",
-                               self.step)
-            return time.perf_counter() - t0, False
-        return time.perf_counter() - t0, True
+            self.log.exception("checkpoint save of step %d failed; training continues and "
+                               "older checkpoints are untouched", self.step)
+            self._poll_save()
+            return time.perf_counter() - t0, False, True
+        self._poll_save()  # the manager waited for the previous save: report it first
+        self._pending = (handle, began)
+        return time.perf_counter() - t0, True, True
 
-    def _note_save_timing(self) -> None:
-        h, self._last_handle = self._last_handle, None
-        if h is not None and h.done() and h.error is None and h.total_s > 0:
-            self._save_timings.append((int(h.bytes_written), float(h.total_s)))
-        if self.prometheus is not None and h is not None and h.done():
-            if h.error is not None:
+    def _poll_save(self) -> None:
+        """Report the save in flight once it has finished: one log line (committed on rank 0,
+        failed on every rank), the commit age, Prometheus, the timings preemption uses."""
+        if self._pending is None or not self._pending[0].done():
+            return
+        (h, began), self._pending = self._pending, None
+        if h.error is not None:
+            if self.prometheus is not None:
                 self.prometheus.record_save_failure()
-            else:
-                self.prometheus.record_commit(h.step, int(h.bytes_written), float(h.total_s))
+            self.log.error("checkpoint save of step %s failed: %s: %s; training continues "
+                           "and older checkpoints are untouched", h.step,
+                           type(h.error).__name__, h.error)
+            return
+        committed = min(time.time(), began + float(h.total_s))
+        self._last_commit_unix = committed
+        if h.total_s > 0:
+            self._save_timings.append((int(h.bytes_written), float(h.total_s)))
+        if self.prometheus is not None:
+            self.prometheus.record_commit(h.step, int(h.bytes_written), float(h.total_s),
+                                          committed_unix=committed)
+        if self.rank == 0:
+            self.log.info("checkpoint step %s committed: %.1f MiB from this rank, %.2f s from "
+                          "start to commit (training stalled %.3f s)", h.step,
+                          h.bytes_written / 2**20, h.total_s, h.stall_s)
 
     def _start_prometheus(self) -> PrometheusExporter | None:
         """Rank 0's metrics endpoint, when configured. A port that cannot be bound is
@@ -272,8 +338,21 @@ class Trainer:
             return None
         if exporter is not None:
             exporter.set_world_size(self.world)
-            exporter.set_restarts(int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0")))
+            exporter.set_restarts(self.restarts)
+            if self.rdzv_round is not None:
+                exporter.set_rendezvous_round(self.rdzv_round)
         return exporter
+
+    def _start_tensorboard(self) -> TensorBoardWriter | None:
+        """Rank 0's TensorBoard writer, when configured; a failure is logged, not fatal."""
+        path = self.cfg.train.tensorboard_dir
+        if self.rank != 0 or not path:
+            return None
+        try:
+            return TensorBoardWriter(path, flush_every=self.cfg.train.log_every)
+        except Exception:  # noqa: BLE001 - observability must never stop a healthy run
+            self.log.exception("TensorBoard writer not started at %s; training continues", path)
+            return None
 
     # ---- preemption ----------------------------------------------------------------------
 
@@ -333,7 +412,7 @@ class Trainer:
             self.log.exception("preemption: the checkpoint in flight failed; the emergency "
                                "save goes on")
         result.emergency_wait_s = time.perf_counter() - t0
-        self._note_save_timing()
+        self._poll_save()
         sd = self.state_dict()
         nbytes = self._local_state_bytes(sd)
         est = estimate_save_s(nbytes, self._save_timings, pcfg.assumed_write_mb_s)
@@ -441,6 +520,7 @@ class Trainer:
                              rank=self.rank)
         metrics = MetricsWriter(cfg.train.metrics_path, enabled=self.rank == 0,
                                 log_every=cfg.train.log_every)
+        tb = self._start_tensorboard()
         watchdog = Watchdog(cfg.train.watchdog_timeout_s, rank=self.rank).start()
         self.watcher = NoticeWatcher(cfg.preemption, rank=self.rank).start()
         try:
@@ -449,11 +529,13 @@ class Trainer:
             watchdog.beat(self.step)
             tokens = cfg.data.global_batch_size * cfg.data.seq_len
             if self.rank == 0:
-                self.log.info("layout %s on %d ranks, %d steps, %d micro-batches per rank",
-                              self.layout.describe(), self.world, cfg.train.steps,
-                              self.plan.local_microbatches)
+                rnd = "" if self.rdzv_round is None else f", rendezvous round {self.rdzv_round}"
+                self.log.info("layout %s on %d ranks, %d steps, %d micro-batches per rank; "
+                              "restart %d%s", self.layout.describe(), self.world,
+                              cfg.train.steps, self.plan.local_microbatches, self.restarts, rnd)
             end = min(cfg.train.steps, cfg.train.stop_at or cfg.train.steps)
             self.watcher.phase = "training"
+            first: dict[str, Any] = {"startup_s": _process_age_s(), "restore_s": self.restore_s}
             while self.step < end:
                 t0 = time.perf_counter()
                 rec = self.train_step()
@@ -462,7 +544,8 @@ class Trainer:
                 step_time = time.perf_counter() - t0
                 noticed, left = rec.pop("_notice_ranks"), rec.pop("_notice_left_s")
                 preempt = bool(noticed) and self.step < end
-                stall, ok = (0.0, True) if preempt else self._maybe_save()
+                stall, ok, saved = (0.0, True, False) if preempt else self._maybe_save()
+                self._poll_save()
                 result.checkpoint_failures += 0 if ok else 1
                 self.log.extra["step"] = self.step
                 watchdog.beat(self.step)
@@ -474,11 +557,20 @@ class Trainer:
                     mfu=(tps * self.flops_per_token / (self.world * self.peak)
                          if self.peak else None),
                     world_size=self.world, layout=self.layout.describe(),
-                    restored_step=self.restored_step, time=time.time(),
+                    restored_step=self.restored_step, time=time.time(), ckpt_saved=saved,
+                    ckpt_age_s=(None if self._last_commit_unix is None
+                                else max(0.0, time.time() - self._last_commit_unix)),
+                    restarts=self.restarts,
                 )
+                if self.rdzv_round is not None:
+                    rec["rdzv_round"] = self.rdzv_round
+                rec.update(first)
+                first = {}
                 if noticed:
                     rec["preempt_notice_ranks"] = noticed
                 metrics.write(rec, cfg.train.steps)
+                if tb is not None:
+                    tb.write(rec)
                 result.losses.append(rec["loss"])
                 if noticed and not preempt:
                     self.log.warning("preemption notice on ranks %s at the last step: the "
@@ -498,14 +590,23 @@ class Trainer:
                 except Exception:
                     self.log.exception("the last checkpoint did not commit")
                     committed = False
+                self._poll_save()
                 # Failures of earlier async saves surface (and are counted by the manager)
                 # when the next save waits for them.
                 result.checkpoint_failures += (getattr(self.ckpt_mgr, "failed_saves", 0)
                                                + (0 if committed else 1))
+        except Exception as e:
+            # A dead peer, a timed-out collective, a failed restore: this rank exits non-zero
+            # and the agent re-forms the group; say so once, with rank and step.
+            self.log.error("fault detected: %s: %s; exiting so the agent restarts the group",
+                           type(e).__name__, e)
+            raise
         finally:
             watchdog.stop()
             self.watcher.stop(restore_signals=not result.preempted)
             metrics.close()
+            if tb is not None:
+                tb.close()
         result.final_step = self.step
         return result
 
