@@ -19,6 +19,7 @@ A failure anywhere leaves no `COMMIT`; the handle raises it from `wait()`.
 
 from __future__ import annotations
 
+import itertools
 import json
 import logging
 import os
@@ -53,7 +54,6 @@ from ckpt.format import (
     FORMAT_NAME,
     FORMAT_VERSION,
     INDEX_PREFIX,
-    MANIFEST_KEY,
     WRITER_VERSION,
     dtype_name,
     inner_chunk_shape,
@@ -62,7 +62,7 @@ from ckpt.format import (
     zarr_metadata,
 )
 from ckpt.layout import Piece, describe_placements, local_pieces, local_view
-from ckpt.manifest import Manifest, crc32c, read_manifest
+from ckpt.manifest import Manifest, crc32c, publish_commit, read_manifest
 from ckpt.plan import (
     LoadPlan,
     RankLayout,
@@ -73,6 +73,7 @@ from ckpt.plan import (
     plan_load,
     plan_save,
 )
+from ckpt.shardio import ShardGeometry, direct_ok, encode_shard, read_shard_region, shard_key
 from ckpt.tsio import map_ts_error, open_array, put_metadata, to_numpy
 from storage import ObjectNotFoundError, Store, open_store
 
@@ -195,6 +196,14 @@ def _rank_layout(flat: FlatState, rank: int) -> tuple[RankLayout, dict[str, list
             describe_placements(ref.tensor),
             tuple((p.offset, p.shape) for p in pieces)))
     return RankLayout(rank, tuple(tensors), tuple(sorted(flat.values))), pieces_of
+
+
+PERSIST_THREADS = 8
+"""Shard objects encoded and published concurrently per rank (I/O overlaps encoding)."""
+
+
+def _put_shard(store: Store, key: str, arr: np.ndarray, geo: ShardGeometry) -> None:
+    store.put(key, encode_shard(arr, geo))
 
 
 def _align(n: int, a: int = 64) -> int:
@@ -366,16 +375,29 @@ class _SaveJob:
         return zarr_metadata(list(piece_shape), t.dtype, list(piece_shape), list(inner), comp)
 
     def persist(self) -> int:
+        """Write this rank's shard objects and zarr.json files; returns payload bytes.
+        Whole uncompressed shards go straight to storage (`ckpt.shardio`), the rest
+        (zstd, partial edge shards, 0-d arrays) through tensorstore."""
+        comp = self.opts.compression
         futures = []
-        nbytes = 0
+        direct: list[tuple[str, np.ndarray, ShardGeometry]] = []
+        nbytes = ts_bytes = 0
         opened: dict[str, Any] = {}
         metas: list[tuple[str, dict[str, Any]]] = []
         for t, p in self.plan.writes_of(self.rank):
             if t.storage == "packed":
                 continue
             arr = self.staged[(t.name, p.offset)]
+            size = arr.numel() * arr.element_size()
+            nbytes += size
             if t.storage == "grid":
                 path = f"{self.data}/{t.array}"
+                if tuple(p.shape) == tuple(t.chunks) and direct_ok(t.chunks, t.inner, comp):
+                    cell = tuple(o // c for o, c in zip(p.offset, t.chunks, strict=True))
+                    direct.append((shard_key(path, cell), to_numpy(arr),
+                                   ShardGeometry(tuple(t.chunks), tuple(t.inner),
+                                                 itemsize(t.dtype))))
+                    continue
                 meta = self._meta_of(t, None)
                 if path not in opened:
                     opened[path] = open_array(self.store, path, meta, read=False).result()
@@ -384,31 +406,43 @@ class _SaveJob:
             else:
                 path = f"{self.data}/{p.array}"
                 meta = self._meta_of(t, p.shape)
-                store_arr = open_array(self.store, path, meta, read=False).result()
                 metas.append((path, meta))
+                inner = tuple(meta["codecs"][0]["configuration"]["chunk_shape"])
+                if direct_ok(p.shape, inner, comp):
+                    direct.append((shard_key(path, (0,) * len(p.shape)), to_numpy(arr),
+                                   ShardGeometry(tuple(p.shape), inner, itemsize(t.dtype))))
+                    continue
+                store_arr = open_array(self.store, path, meta, read=False).result()
             futures.append(store_arr.write(to_numpy(arr)))
-            nbytes += arr.numel() * arr.element_size()
+            ts_bytes += size
         for t in self.plan.tensors.values():
             if t.storage == "grid" and t.meta_writer == self.rank:
                 metas.append((f"{self.data}/{t.array}", self._meta_of(t, None)))
         if self.packed is not None:
             path = f"{self.data}/packed/r{self.rank:05d}"
             size = self.packed.shape[0]
-            meta = zarr_metadata([size], "uint8", [size], [self.plan.packed_inner],
-                                 self.opts.compression)
-            arr = open_array(self.store, path, meta, read=False).result()
-            futures.append(arr.write(self.packed))
+            meta = zarr_metadata([size], "uint8", [size], [self.plan.packed_inner], comp)
             metas.append((path, meta))
             nbytes += size
-        # zarr.json objects are small and independent: publish them concurrently while
-        # tensorstore finishes the chunks (each put is a durable, atomic publish).
-        with ThreadPoolExecutor(max_workers=8, thread_name_prefix="ckpt-meta") as pool:
+            if direct_ok([size], [self.plan.packed_inner], comp):
+                direct.append((shard_key(path, (0,)), self.packed,
+                               ShardGeometry((size,), (self.plan.packed_inner,), 1)))
+            else:
+                arr = open_array(self.store, path, meta, read=False).result()
+                futures.append(arr.write(self.packed))
+                ts_bytes += size
+        # Objects are independent: publish them concurrently (each put is a durable,
+        # atomic publish) while tensorstore finishes its chunks.
+        with ThreadPoolExecutor(max_workers=PERSIST_THREADS,
+                                thread_name_prefix="ckpt-put") as pool:
             done = [pool.submit(put_metadata, self.store, path, meta) for path, meta in metas]
+            done += [pool.submit(_put_shard, self.store, key, a, geo) for key, a, geo in direct]
             for f in futures:
                 f.result()
             for d in done:
                 d.result()
-        self.store.stats.record_write(nbytes, ops=len(futures))
+        if futures:  # tensorstore's bytes do not pass through Store.put
+            self.store.stats.record_write(ts_bytes, ops=len(futures))
         return nbytes
 
     # -- commit ----------------------------------------------------------------------
@@ -515,13 +549,12 @@ class _SaveJob:
         try:
             manifest = self._manifest(indexes)
             raw = json.dumps(manifest, indent=1).encode()
-            self.store.put(MANIFEST_KEY, raw)
-            if self.before_commit is not None:
-                self.before_commit(manifest)
-            self.store.put(COMMIT_KEY, json.dumps({
+            hook = self.before_commit
+            publish_commit(self.store, self.attempt, raw, {
                 "attempt": self.attempt, "manifest_bytes": len(raw),
                 "manifest_crc32c": crc32c(raw), "step": self.meta["step"],
-                "created": manifest["created"]}).encode())
+                "created": manifest["created"]},
+                (lambda: hook(manifest)) if hook is not None else None)
             logger.info("%s committed %s (%d tensors, %.3f s)", self.pre, self.store.url,
                         len(manifest["tensors"]), time.perf_counter() - self.t0)
         except BaseException as e:
@@ -659,10 +692,33 @@ def _chunk_bytes(off, shape, chunks, item) -> int:
 PACKED_WHOLE_READ = 32 << 20
 
 
+_READ_POOL_LOCK = threading.Lock()
+_READ_POOL: ThreadPoolExecutor | None = None
+READ_THREADS = 8
+
+
+def _read_pool() -> ThreadPoolExecutor:
+    """Threads for direct shard reads, shared by every load of this process."""
+    global _READ_POOL
+    with _READ_POOL_LOCK:
+        if _READ_POOL is None:
+            _READ_POOL = ThreadPoolExecutor(max_workers=READ_THREADS,
+                                            thread_name_prefix="ckpt-read")
+        return _READ_POOL
+
+
+def _read_bytes(store: Store, key: str, geo: ShardGeometry, lo: int, hi: int, url: str,
+                tensor: str) -> np.ndarray:
+    out = np.empty(hi - lo, dtype=np.uint8)
+    read_shard_region(store, key, geo, (slice(lo, hi),), out, url=url, tensor=tensor)
+    return out
+
+
 class _Reader:
-    """Issues the tensorstore reads for one region of one tensor. With `out` (a tensor
-    of the region's shape, e.g. the target's own local view) tensorstore decodes
-    straight into it; `result()` waits and returns the filled tensor."""
+    """Issues the reads for one region of one tensor: whole uncompressed shards straight
+    from storage (`ckpt.shardio`, on a thread pool), the rest through tensorstore. With
+    `out` (a tensor of the region's shape, e.g. the target's own local view) the data
+    is decoded straight into it; `result()` waits and returns the filled tensor."""
 
     def __init__(self, store: Store, m: Manifest, name: str, box, dtype: torch.dtype,
                  out: torch.Tensor | None = None,
@@ -674,15 +730,25 @@ class _Reader:
         self.parts: list[tuple[Any, tuple[slice, ...], Callable[[Any], torch.Tensor] | None,
                                str]] = []
         self.bytes = 0
+        """Bytes of the chunks this region overlaps (what a read fetches, + metadata)."""
+        self.ts_bytes = 0
+        """Of which through tensorstore (direct reads are counted by the store itself)."""
         t = m.tensors[name]
         item = itemsize(t["dtype"])
+        comp = m.raw.get("compression")
         try:
             if t["storage"] == "grid":
+                n = _chunk_bytes(self.off, self.shape, t["inner"], item) if self.shape else item
+                self.bytes += n
+                shape, chunks, inner = t["shape"], t["chunks"], t["inner"]
+                if direct_ok(chunks, inner, comp) and all(
+                        s % c == 0 for s, c in zip(shape, chunks, strict=True)):
+                    self._direct_grid(t, item)
+                    return
+                self.ts_bytes += n
                 arr = open_array(store, t["array"], m.meta_of(name), read=True).result()
                 region = _box_slices(self.off, self.shape, (0,) * len(self.off))
-                self._direct(arr[region] if region else arr, (), t["array"])
-                self.bytes += _chunk_bytes(self.off, self.shape, t["inner"], item) \
-                    if self.shape else item
+                self._ts(arr[region] if region else arr, (), t["array"])
                 return
             for p in t["pieces"]:
                 inter = _intersect(self.off, self.shape, p["offset"], p["shape"])
@@ -690,39 +756,83 @@ class _Reader:
                     continue
                 dst = _box_slices(inter[0], inter[1], self.off)
                 src = _box_slices(inter[0], inter[1], p["offset"])
-                arr = open_array(store, p["array"], m.meta_of(name, p), read=True).result()
                 if t["storage"] == "pieces":
-                    self._direct(arr[src] if src else arr, dst, p["array"])
-                    self.bytes += _chunk_bytes(inter[0], inter[1], p["inner"], item) \
-                        if inter[1] else item
-                else:
-                    nb = numel(p["shape"]) * item
-                    bo = p["byte_offset"]
-                    pshape = tuple(p["shape"])
-                    size = m.raw["packed"][p["array"]]
-                    if packed_cache is not None and size <= PACKED_WHOLE_READ:
-                        # Small packed arrays are fetched once per load, whole: many small
-                        # tensors would otherwise each cost a request.
-                        if p["array"] not in packed_cache:
-                            packed_cache[p["array"]] = arr.read()
-                            self.bytes += size
-                        fut, lo = packed_cache[p["array"]], bo
-                    else:
-                        fut, lo = arr[bo: bo + nb].read(), 0
-                        pi = m.raw["packed_inner"]
-                        self.bytes += ((bo + nb - 1) // pi - bo // pi + 1) * pi if nb else 0
-
-                    def convert(a, pshape=pshape, src=src, lo=lo, nb=nb):
-                        full = torch.from_numpy(a[lo: lo + nb]).view(self.out.dtype)
-                        full = full.reshape(pshape)
-                        return full[src] if src else full
-                    self.parts.append((fut, dst, convert, p["array"]))
+                    n = _chunk_bytes(inter[0], inter[1], p["inner"], item) if inter[1] else item
+                    self.bytes += n
+                    if direct_ok(p["shape"], p["inner"], comp):
+                        geo = ShardGeometry(tuple(p["shape"]), tuple(p["inner"]), item)
+                        self._direct(shard_key(p["array"], (0,) * len(src)), geo, src, dst)
+                        continue
+                    self.ts_bytes += n
+                    arr = open_array(store, p["array"], m.meta_of(name, p), read=True).result()
+                    self._ts(arr[src] if src else arr, dst, p["array"])
+                    continue
+                self._packed(p, src, dst, item, comp, packed_cache)
         except CheckpointError:
             raise
         except Exception as e:  # noqa: BLE001
             raise map_ts_error(e, store.url, name, t.get("array") or "pieces") from e
 
-    def _direct(self, src: Any, dst: tuple[slice, ...], obj: str) -> None:
+    def _packed(self, p: dict[str, Any], src: tuple[slice, ...], dst: tuple[slice, ...],
+                item: int, comp: str | None, packed_cache: dict[str, Any] | None) -> None:
+        m, arr_path = self.m, p["array"]
+        nb = numel(p["shape"]) * item
+        bo = p["byte_offset"]
+        pshape = tuple(p["shape"])
+        size = m.raw["packed"][arr_path]
+        pi = m.raw["packed_inner"]
+        direct = direct_ok([size], [pi], comp)
+        geo = ShardGeometry((size,), (pi,), 1)
+        key = shard_key(arr_path, (0,))
+        whole = packed_cache is not None and size <= PACKED_WHOLE_READ
+        if whole and arr_path in packed_cache:
+            fut, lo = packed_cache[arr_path], bo
+        else:
+            # Small packed arrays are fetched once per load, whole: many small tensors
+            # would otherwise each cost a request.
+            lo_b, hi_b = (0, size) if whole else (bo, bo + nb)
+            n = size if whole else (((bo + nb - 1) // pi - bo // pi + 1) * pi if nb else 0)
+            self.bytes += n
+            if direct:
+                fut = _read_pool().submit(_read_bytes, self.store, key, geo, lo_b, hi_b,
+                                          self.store.url, self.name)
+            else:
+                self.ts_bytes += n
+                arr = open_array(self.store, arr_path, m.meta_of(self.name, p),
+                                 read=True).result()
+                fut = (arr if whole else arr[lo_b:hi_b]).read()
+            lo = bo if whole else 0
+            if whole:
+                assert packed_cache is not None
+                packed_cache[arr_path] = fut
+
+        def convert(a, pshape=pshape, src=src, lo=lo, nb=nb):
+            full = torch.from_numpy(a[lo: lo + nb]).view(self.out.dtype)
+            full = full.reshape(pshape)
+            return full[src] if src else full
+        self.parts.append((fut, dst, convert, arr_path))
+
+    def _direct_grid(self, t: dict[str, Any], item: int) -> None:
+        chunks = t["chunks"]
+        geo = ShardGeometry(tuple(chunks), tuple(t["inner"]), item)
+        ranges = [range(o // c, (o + s - 1) // c + 1)
+                  for o, s, c in zip(self.off, self.shape, chunks, strict=True)]
+        for cell in itertools.product(*ranges):
+            s_off = tuple(c * k for c, k in zip(cell, chunks, strict=True))
+            inter = _intersect(self.off, self.shape, s_off, chunks)
+            if inter is None:
+                continue
+            self._direct(shard_key(t["array"], cell), geo, _box_slices(*inter, s_off),
+                         _box_slices(*inter, self.off))
+
+    def _direct(self, key: str, geo: ShardGeometry, src: tuple[slice, ...],
+                dst: tuple[slice, ...]) -> None:
+        view = to_numpy(self.out[dst] if dst else self.out)
+        fut = _read_pool().submit(read_shard_region, self.store, key, geo, src, view,
+                                  url=self.store.url, tensor=self.name)
+        self.parts.append((fut, dst, None, key))
+
+    def _ts(self, src: Any, dst: tuple[slice, ...], obj: str) -> None:
         view = self.out[dst] if dst else self.out
         target = ts.array(to_numpy(view), copy=False, write=True)
         self.parts.append((target.write(src), dst, None, obj))
@@ -731,6 +841,8 @@ class _Reader:
         for fut, dst, convert, obj in self.parts:
             try:
                 a = fut.result()
+            except CheckpointError:
+                raise
             except Exception as e:  # noqa: BLE001
                 raise map_ts_error(e, self.store.url, self.name, obj) from e
             if convert is not None:
@@ -833,7 +945,7 @@ def load(
     # rank before exchanging.
     views = {(name, (p.offset, p.shape)): p for name, ps in local.items() for p in ps}
     got: dict[tuple[str, Any], torch.Tensor] = {}
-    nbytes = 0
+    nbytes = ts_bytes = 0
     try:
         readers = []
         packed_cache: dict[str, Any] = {}
@@ -845,9 +957,11 @@ def load(
                             packed_cache)
                 readers.append((task, r))
                 nbytes += r.bytes
+                ts_bytes += r.ts_bytes
         for task, r in readers:
             got[(task.name, task.box)] = r.result()
-        store.stats.record_read(nbytes, ops=len(readers))
+        if ts_bytes:  # tensorstore's reads do not pass through Store.get
+            store.stats.record_read(ts_bytes, ops=len(readers))
         error = None
     except Exception as e:  # noqa: BLE001
         error = e

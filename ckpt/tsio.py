@@ -2,7 +2,8 @@
 
 Arrays are opened with `assume_metadata` from metadata we already hold (the plan on
 save, the manifest on load), so opening costs no round trip; `fill_missing_data_reads`
-is off, so a missing chunk is an error instead of silent zeros.
+is off, so a missing chunk is an error instead of silent zeros. Whole uncompressed
+shards bypass tensorstore (`ckpt.shardio`); this module serves the rest.
 """
 
 from __future__ import annotations
@@ -68,6 +69,11 @@ def open_array(store: Store, path: str, meta: dict[str, Any], *, read: bool) -> 
     if read:
         spec["fill_missing_data_reads"] = False
         spec["recheck_cached_data"] = False
+    else:
+        # Store every chunk, zeros too: reads refuse missing chunks, and by default
+        # tensorstore drops chunks equal to the fill value (an all-zero shard or tile
+        # would be unreadable). Also what `ckpt.shardio` writes, byte for byte.
+        spec["store_data_equal_to_fill_value"] = True
     return ts.open(spec, context=context_of(store))
 
 

@@ -1,0 +1,132 @@
+"""The direct shard codec (`ckpt.shardio`): byte-identical to tensorstore, and its
+reader's checks (truncated, bit-flipped, missing chunks) raise the typed errors."""
+
+from __future__ import annotations
+
+import json
+
+import ml_dtypes
+import numpy as np
+import pytest
+import torch
+
+import ckpt
+import storage
+from ckpt.format import MANIFEST_KEY, zarr_metadata
+from ckpt.shardio import ShardGeometry, encode_shard, read_shard_region, shard_key
+from ckpt.tsio import open_array
+
+CASES = [
+    ("float32", np.float32, [8, 12], [4, 6], [2, 3]),
+    ("bfloat16", ml_dtypes.bfloat16, [8, 12], [4, 12], [4, 3]),
+    ("float16", np.float16, [6, 10], [3, 10], [3, 5]),
+    ("int64", np.int64, [16], [8], [2]),
+    ("bool", np.bool_, [4, 4, 6], [2, 4, 6], [1, 2, 3]),
+    ("uint8", np.uint8, [256], [256], [64]),
+]
+
+
+@pytest.mark.parametrize("dtype,npd,shape,chunks,inner", CASES,
+                         ids=[c[0] for c in CASES])
+def test_same_bytes_as_tensorstore(tmp_path, dtype, npd, shape, chunks, inner) -> None:
+    rng = np.random.default_rng(0)
+    x = (rng.standard_normal(shape) * 50).astype(npd)
+    x[(slice(0, inner[0]),) * 1] = 0  # an all-zero tile must be stored all the same
+    store = storage.open_store(tmp_path / "ts")
+    arr = open_array(store, "a", zarr_metadata(shape, dtype, chunks, inner, None),
+                     read=False).result()
+    arr.write(x).result()
+    geo = ShardGeometry(tuple(chunks), tuple(inner), x.dtype.itemsize)
+    grid = [s // c for s, c in zip(shape, chunks, strict=True)]
+    for cell in np.ndindex(*grid):
+        region = tuple(slice(c * k, (c + 1) * k) for c, k in zip(cell, chunks, strict=True))
+        key = shard_key("a", cell)
+        ours = encode_shard(x[region], geo)
+        assert ours == store.get(key), (dtype, cell)
+        assert len(ours) == geo.object_bytes
+        # and our reader reads tensorstore's object, a partial region of it
+        sub = tuple(slice(1, k) for k in chunks)
+        out = np.zeros([k - 1 for k in chunks], dtype=npd)
+        read_shard_region(store, key, geo, sub, out, url=store.url, tensor="t")
+        np.testing.assert_array_equal(out, x[region][sub])
+
+
+def test_partial_read_fetches_only_overlapped_chunks(tmp_path) -> None:
+    store = storage.open_store(tmp_path / "s")
+    geo = ShardGeometry((64, 64), (32, 32), 4)
+    x = np.arange(64 * 64, dtype=np.float32).reshape(64, 64)
+    store.put("k", encode_shard(x, geo))
+    out = np.empty((10, 20), np.float32)
+    fetched = read_shard_region(store, "k", geo, (slice(40, 50), slice(3, 23)), out,
+                                url=store.url, tensor="t")
+    np.testing.assert_array_equal(out, x[40:50, 3:23])
+    assert fetched == geo.index_bytes + geo.chunk_bytes + 4  # one of four inner chunks
+
+
+@pytest.fixture
+def saved(tmp_path) -> tuple[storage.Store, str, torch.Tensor]:
+    store = storage.open_store(tmp_path / "c")
+    w = torch.randn(512, 512)
+    ckpt.save({"w": w}, store)
+    m = json.loads(store.get(MANIFEST_KEY))
+    key = shard_key(m["tensors"]["w"]["array"], (0, 0))
+    return store, key, w
+
+
+def _flip(store: storage.Store, key: str, pos: int) -> None:
+    raw = bytearray(store.get(key))
+    raw[pos] ^= 0x10
+    store.put(key, bytes(raw))
+
+
+@pytest.mark.parametrize("where", ["data", "crc", "index"])
+def test_bit_flip_is_checksum_mismatch(saved, where) -> None:
+    store, key, _w = saved
+    size = store.size(key)
+    pos = {"data": 1000, "crc": (256 * 256 * 4) + 1, "index": size - 10}[where]
+    _flip(store, key, pos)
+    with pytest.raises(ckpt.ChecksumMismatchError) as e:
+        ckpt.load({"w": torch.zeros(512, 512)}, store)
+    assert e.value.tensor == "w" and e.value.obj == key and key in str(e.value)
+
+
+@pytest.mark.parametrize("how", ["truncate", "delete"])
+def test_truncated_or_missing_shard_is_missing_chunk(saved, how) -> None:
+    store, key, _w = saved
+    if how == "delete":
+        store.delete(key)
+    else:
+        store.put(key, store.get(key)[:-100])
+    with pytest.raises(ckpt.MissingChunkError) as e:
+        ckpt.load({"w": torch.zeros(512, 512)}, store)
+    assert e.value.tensor == "w" and e.value.obj == key
+
+
+def test_index_marking_a_chunk_missing(saved) -> None:
+    store, key, _w = saved
+    raw = bytearray(store.get(key))
+    geo = ShardGeometry((512, 512), (256, 256), 4)
+    at = geo.object_bytes - geo.index_bytes
+    index = np.frombuffer(raw, "<u8", count=2 * geo.n_chunks, offset=at).copy()
+    index[2:4] = (1 << 64) - 1
+    raw[at: at + index.nbytes] = index.tobytes()
+    import google_crc32c
+
+    raw[-4:] = int(google_crc32c.value(bytes(raw[at:-4]))).to_bytes(4, "little")
+    store.put(key, bytes(raw))
+    with pytest.raises(ckpt.MissingChunkError, match="inner chunk"):
+        ckpt.load({"w": torch.zeros(512, 512)}, store)
+
+
+@pytest.mark.parametrize("compression", [None, "zstd"])
+def test_all_zero_tensors_round_trip(tmp_path, compression) -> None:
+    """tensorstore drops chunks equal to the fill value unless told to store them; reads
+    refuse missing chunks, so an all-zero shard used to be unreadable."""
+    src = {"z": torch.zeros(600, 600), "zb": torch.zeros(1000, 700, dtype=torch.bfloat16),
+           "small": torch.zeros(16)}
+    url = tmp_path / "c"
+    ckpt.save(src, url, options=ckpt.SaveOptions(compression=compression))
+    dst = {k: torch.ones_like(v) for k, v in src.items()}
+    ckpt.load(dst, url)
+    assert all(torch.equal(dst[k], src[k]) for k in src)
+    assert ckpt.verify(url).ok
