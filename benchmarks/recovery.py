@@ -6,10 +6,14 @@ Two arms run the same job side by side in one invocation (the same state,
 the same step, the same kill schedule):
 
 - `baseline`: torchrun, c10d rendezvous, `--max-restarts`, DCP `async_save` every
-  `--ckpt-every` steps, restore with `dcp.load` from the newest `.metadata`;
+  `--ckpt-every` steps through DCP's fsspec writer (s3fs), restore with `dcp.load`
+  through its fsspec reader from the newest step that has a `.metadata`;
 - `relight`: torchrun with `--rdzv-backend=relight-etcd` on a real etcd started here,
   checkpoints with Relight's `ckpt.CheckpointManager` (async), restore with
   `CheckpointManager.restore`.
+
+Both arms keep their checkpoints on one S3 server started here (SeaweedFS,
+`chaos.s3_server`, on loopback), each job and arm under its own prefix.
 
 The job: a float32 state of `--state-mib` MiB, sharded over the ranks as a DTensor
 (Shard(0) on a 1-D CPU mesh), gloo. A step adds to the local shard and all-reduces a
@@ -25,7 +29,8 @@ from events the workers (and, for relight, the rendezvous) write with wall-clock
 
 A kill whose group does not step again within `--recovery-timeout` (or whose agent
 gives up) counts as a failed recovery (listed in `failures`; that job then stops).
-Checkpoints go to a local directory (`--workdir`); S3 is not wired here.
+Each arm's `breakdown_median` is the median of every phase over its recovered kills;
+the machine's load average is sampled every 5 s during the run (`machine.loadavg`).
 """
 
 from __future__ import annotations
@@ -39,6 +44,7 @@ import statistics
 import subprocess
 import sys
 import tempfile
+import threading
 import time
 from pathlib import Path
 from typing import Any
@@ -76,25 +82,32 @@ def worker(args: argparse.Namespace, t_top: float) -> None:
     local = torch.full((numel // world,), float(rank), dtype=torch.float32)
     state = {"w": DTensor.from_local(local, mesh, [Shard(0)], run_check=False),
              "step": torch.zeros(1, dtype=torch.int64)}
-    ckpt_root = out / "ckpt"
+    ckpt_root = args.ckpt_url
 
     if args.arm == "baseline":
+        import fsspec
         import torch.distributed.checkpoint as dcp
+        from torch.distributed.checkpoint._fsspec_filesystem import FsspecReader, FsspecWriter
 
-        done = sorted(p for p in ckpt_root.glob("step_*") if (p / ".metadata").exists())
+        # What a torchrun + DCP user writes: s3fs through DCP's fsspec writer and reader.
+        s3 = {"client_kwargs": {"endpoint_url": os.environ["AWS_ENDPOINT_URL"]}}
+        fs = fsspec.filesystem("s3", skip_instance_cache=True, use_listings_cache=False, **s3)
+        done = sorted(p for p in fs.glob(ckpt_root.removeprefix("s3://") + "/step_*/.metadata"))
         if done:
-            dcp.load(state, checkpoint_id=str(done[-1]))
+            newest = "s3://" + done[-1].rsplit("/", 1)[0]
+            dcp.load(state, storage_reader=FsspecReader(newest, **s3))
         pending = None
 
         def save(step: int) -> None:
             nonlocal pending
             if pending is not None:
                 pending.result()
-            pending = dcp.async_save(state, checkpoint_id=str(ckpt_root / f"step_{step:08d}"))
+            writer = FsspecWriter(f"{ckpt_root}/step_{step:08d}", **s3)
+            pending = dcp.async_save(state, storage_writer=writer)
     else:
         import ckpt
 
-        mgr = ckpt.CheckpointManager(str(ckpt_root), keep_last=2)
+        mgr = ckpt.CheckpointManager(ckpt_root, keep_last=2)
         if mgr.latest_step() is not None:
             mgr.restore(state)
 
@@ -156,7 +169,8 @@ def _kill_all(agent: subprocess.Popen, out: Path) -> None:
         agent.wait(10)
 
 
-def run_arm(arm: str, args: argparse.Namespace, work: Path) -> dict[str, Any]:
+def run_arm(arm: str, args: argparse.Namespace, work: Path, s3_env: dict[str, str],
+            ckpt_url: str) -> dict[str, Any]:
     from elastic.etcd_server import EtcdServer, free_port
 
     out = work / arm
@@ -173,8 +187,9 @@ def run_arm(arm: str, args: argparse.Namespace, work: Path) -> dict[str, Any]:
            "--nnodes=1", f"--nproc-per-node={args.nproc}", f"--max-restarts={args.kills + 1}",
            "--monitor-interval=0.1", "--module", "benchmarks.recovery", "--worker",
            "--arm", arm, "--out", str(out), "--state-mib", str(args.state_mib),
-           "--ckpt-every", str(args.ckpt_every), "--step-sleep", str(args.step_sleep)]
-    env = {**os.environ, "PYTHONPATH": str(ROOT), "OMP_NUM_THREADS": "1",
+           "--ckpt-every", str(args.ckpt_every), "--step-sleep", str(args.step_sleep),
+           "--ckpt-url", ckpt_url]
+    env = {**os.environ, **s3_env, "PYTHONPATH": str(ROOT), "OMP_NUM_THREADS": "1",
            "RELIGHT_EVENTS_FILE": str(out / "events.jsonl")}
     log = open(out / "agent.log", "wb")  # noqa: SIM115 - the child owns it
     agent = subprocess.Popen(cmd, cwd=ROOT, env=env, stdout=log, stderr=subprocess.STDOUT,
@@ -268,6 +283,38 @@ def _breakdown(out: Path, gen: int, t_kill: float) -> dict[str, float]:
     return {k: round(v, 4) for k, v in b.items()}
 
 
+class _LoadSampler:
+    """The machine's 1-minute load average every `interval` s, in a daemon thread."""
+
+    def __init__(self, interval: float = 5.0) -> None:
+        self.samples: list[float] = []
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._run, args=(interval,), daemon=True)
+
+    def _run(self, interval: float) -> None:
+        while not self._stop.is_set():
+            self.samples.append(round(os.getloadavg()[0], 2))
+            self._stop.wait(interval)
+
+    def __enter__(self) -> _LoadSampler:
+        self._thread.start()
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self._stop.set()
+        self._thread.join(10)
+
+    def summary(self) -> dict[str, float]:
+        s = self.samples or [os.getloadavg()[0]]
+        return {"min": min(s), "median": statistics.median(s), "max": max(s), "n": len(s)}
+
+
+def _median_breakdown(breakdowns: list[dict[str, float]]) -> dict[str, float]:
+    keys = sorted({k for b in breakdowns for k in b if k != "restarts"})
+    return {k: round(statistics.median([b[k] for b in breakdowns if k in b]), 4)
+            for k in keys}
+
+
 def main(argv: list[str] | None = None) -> int:
     t_top = time.time()
     p = argparse.ArgumentParser(prog="python -m benchmarks.recovery",
@@ -285,34 +332,29 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)
     p.add_argument("--arm", help=argparse.SUPPRESS)
     p.add_argument("--out", help=argparse.SUPPRESS)
+    p.add_argument("--ckpt-url", help=argparse.SUPPRESS)
     args = p.parse_args(argv)
     if args.worker:
         worker(args, t_top)
         return 0
+    from chaos.s3_server import S3Server
+
     work = Path(args.workdir or tempfile.mkdtemp(prefix="relight-recovery-"))
     results: dict[str, Any] = {
-        "config": {k: v for k, v in vars(args).items() if k not in ("worker", "arm", "out")},
+        "config": {k: v for k, v in vars(args).items()
+                   if k not in ("worker", "arm", "out", "ckpt_url")},
         "machine": {"cpus": os.cpu_count(), "loadavg_before": os.getloadavg()},
     }
-    for arm in args.arms.split(","):
-        merged: dict[str, Any] = {"recovery_s": [], "breakdown": [], "failures": [],
-                                  "kill_steps": [], "agent_rc": []}
-        for job in range(args.jobs):
-            print(f"[recovery] {arm} job {job}: {args.kills} kills, {args.state_mib} MiB",
-                  file=sys.stderr)
-            one = run_arm(arm, args, work / f"job{job}")
-            for key in ("recovery_s", "breakdown", "failures", "kill_steps"):
-                merged[key] += [dict(f, job=job) for f in one[key]] if key == "failures" \
-                    else one[key]
-            merged["agent_rc"].append(one["agent_rc"])
-            print(f"[recovery] {arm} job {job}: recovery_s={one['recovery_s']} "
-                  f"failures={one['failures']}", file=sys.stderr)
-        rec = merged["recovery_s"]
-        merged["median_s"] = statistics.median(rec) if rec else None
-        failed_kills = [f for f in merged["failures"] if "kill" in f]
-        merged["recovered"] = f"{len(rec)} of {len(rec) + len(failed_kills)} kills"
-        results[arm] = merged
+    s3 = S3Server(work / "s3").start()
+    try:
+        with _LoadSampler() as load:
+            for arm in args.arms.split(","):
+                results[arm] = _run_jobs(arm, args, work, s3)
+    finally:
+        s3.stop()
     results["machine"]["loadavg_after"] = os.getloadavg()
+    results["machine"]["loadavg"] = load.summary()
+    results["checkpoints"] = f"S3 (SeaweedFS at {s3.endpoint_url}), {s3.url('recovery/')}"
     base = results.get("baseline", {}).get("median_s")
     mine = results.get("relight", {}).get("median_s")
     results["ratio"] = (mine / base) if base and mine else None
@@ -321,6 +363,28 @@ def main(argv: list[str] | None = None) -> int:
         Path(args.json).write_text(text)
     print(text)
     return 0
+
+
+def _run_jobs(arm: str, args: argparse.Namespace, work: Path, s3: Any) -> dict[str, Any]:
+    merged: dict[str, Any] = {"recovery_s": [], "breakdown": [], "failures": [],
+                              "kill_steps": [], "agent_rc": []}
+    for job in range(args.jobs):
+        print(f"[recovery] {arm} job {job}: {args.kills} kills, {args.state_mib} MiB",
+              file=sys.stderr, flush=True)
+        url = s3.url(f"recovery/{work.name}/job{job}/{arm}")
+        one = run_arm(arm, args, work / f"job{job}", s3.env(), url)
+        for key in ("recovery_s", "breakdown", "failures", "kill_steps"):
+            merged[key] += [dict(f, job=job) for f in one[key]] if key == "failures" \
+                else one[key]
+        merged["agent_rc"].append(one["agent_rc"])
+        print(f"[recovery] {arm} job {job}: recovery_s={one['recovery_s']} "
+              f"failures={one['failures']}", file=sys.stderr, flush=True)
+    rec = merged["recovery_s"]
+    merged["median_s"] = statistics.median(rec) if rec else None
+    merged["breakdown_median"] = _median_breakdown(merged["breakdown"])
+    failed_kills = [f for f in merged["failures"] if "kill" in f]
+    merged["recovered"] = f"{len(rec)} of {len(rec) + len(failed_kills)} kills"
+    return merged
 
 
 if __name__ == "__main__":
