@@ -10,7 +10,15 @@ supervises the workers; nothing here restarts anything. What it adds:
   old run's closed rendezvous in the same data dir cannot block a new run);
 - the training command comes after `--` as you would type it:
   `-- python -m runtime.train ...`, `-- python train.py ...` or `-- ./any_binary ...`;
-- rendezvous events go to `{run_dir}/events.jsonl` (see elastic.rendezvous).
+- rendezvous events go to `{run_dir}/events.jsonl` (see elastic.rendezvous), and one
+  log line per round joined or fault detected goes to stderr, prefixed with the job,
+  node and round;
+- the agent's shutdown timeout (how long workers get between the agent's SIGTERM and
+  SIGKILL) is at least the workers' preemption grace period plus a margin: read from
+  the training config when the command is `runtime.train`, else `--preemption-grace-s`;
+- stopped by a signal, the agent revokes its etcd lease once its workers are down, so
+  the other nodes re-form at once instead of one lease TTL later;
+- `--metrics-port` serves the agent's Prometheus metrics (elastic.agent_metrics).
 
 Every other option is torchrun's, with torchrun's meaning (`--nnodes`,
 `--nproc-per-node`, `--max-restarts`, `--rdzv-conf`, `--monitor-interval`, ...).
@@ -19,18 +27,32 @@ Every other option is torchrun's, with torchrun's meaning (`--nnodes`,
 from __future__ import annotations
 
 import argparse
+import logging
+import math
 import os
 import re
+import signal
 import sys
 import time
 import uuid
 from collections.abc import Sequence
+from dataclasses import dataclass
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 from elastic.etcd_server import EtcdServer, EtcdServerError
-from elastic.rendezvous import BACKEND_NAME, EVENTS_ENV
+from elastic.rendezvous import BACKEND_NAME, EVENTS_ENV, release_leases
 
-__all__ = ["LaunchError", "main", "split_command"]
+if TYPE_CHECKING:
+    from elastic.agent_metrics import AgentMetrics
+
+__all__ = ["LaunchError", "TrainingHints", "main", "shutdown_timeout_s", "split_command",
+           "training_hints"]
+
+DEFAULT_SHUTDOWN_TIMEOUT_S = 30
+"""torchrun's default (`TORCH_ELASTIC_SHUTDOWN_TIMEOUT`)."""
+SHUTDOWN_MARGIN_S = 5
+"""Seconds the agent waits beyond the workers' grace period (exit, log flush)."""
 
 _PYTHON = re.compile(r"^python(\d+(\.\d+)?)?$")
 
@@ -63,6 +85,66 @@ def split_command(command: Sequence[str]) -> list[str]:
     return ["--no-python", head, *rest]
 
 
+@dataclass(frozen=True, slots=True)
+class TrainingHints:
+    """What `relight run` takes from the training command's config."""
+
+    preemption_grace_s: float | None
+    """The workers' preemption grace period; None when preemption handling is off."""
+    ckpt_url: str | None
+    """The checkpoint root, when the command is `runtime.train` with one configured."""
+
+
+def training_hints(positional: Sequence[str], grace_flag: float | None) -> TrainingHints:
+    """The grace period and checkpoint URL of the training command. For `-m
+    runtime.train [--config F] [overrides]` they come from its config (loaded the way
+    the trainer loads it); otherwise the grace is `--preemption-grace-s`, or the
+    runtime's default when that is not given either."""
+    from runtime.config import ConfigError, PreemptionConfig, load_config
+
+    default = PreemptionConfig().grace_s if grace_flag is None else grace_flag
+    if list(positional[:2]) != ["--module", "runtime.train"]:
+        return TrainingHints(default, None)
+    sub = argparse.ArgumentParser(add_help=False)
+    sub.add_argument("--config")
+    known, overrides = sub.parse_known_args(list(positional[2:]))
+    try:
+        cfg = load_config(known.config, overrides)
+    except (ConfigError, OSError, ValueError) as exc:
+        # The trainer reports a bad config itself, with its exit status 2.
+        print(f"relight run: could not read the training config ({exc}); assuming a "
+              f"preemption grace of {default:.0f} s", file=sys.stderr)
+        return TrainingHints(default, None)
+    grace = cfg.preemption.grace_s if cfg.preemption.enabled else None
+    if grace_flag is not None:
+        grace = grace_flag
+    return TrainingHints(grace, cfg.checkpoint.url or None)
+
+
+def shutdown_timeout_s(given: int | None, grace_s: float | None) -> int:
+    """The agent's shutdown timeout: what the user asked for (or torchrun's default),
+    raised to the workers' preemption grace plus SHUTDOWN_MARGIN_S, so the agent never
+    SIGKILLs a worker that is still writing its emergency checkpoint."""
+    if given is None:
+        given = int(os.environ.get("TORCH_ELASTIC_SHUTDOWN_TIMEOUT",
+                                   DEFAULT_SHUTDOWN_TIMEOUT_S))
+    if grace_s is None:
+        return given
+    return max(given, math.ceil(grace_s) + SHUTDOWN_MARGIN_S)
+
+
+def _log_to_stderr() -> None:
+    """The rendezvous' INFO lines (one per round, one per fault) on stderr."""
+    log = logging.getLogger("elastic")
+    if not log.handlers:
+        handler = logging.StreamHandler(sys.stderr)
+        handler.setFormatter(logging.Formatter("%(asctime)s %(levelname)s %(name)s: "
+                                               "%(message)s"))
+        log.addHandler(handler)
+        log.setLevel(logging.INFO)
+        log.propagate = False
+
+
 def _parser() -> argparse.ArgumentParser:
     from torch.distributed.run import get_args_parser
 
@@ -73,6 +155,22 @@ def _parser() -> argparse.ArgumentParser:
         "--run-dir", default=None,
         help="Directory for this run's embedded etcd data and events "
              "(default: runs/<rdzv-id>).")
+    parser.add_argument(
+        "--preemption-grace-s", type=float, default=None,
+        help="Seconds the workers have between a preemption notice and the hard kill; the "
+             "agent's --shutdown-timeout is raised to this plus a margin. Default: the "
+             "training config's preemption.grace_s for `-m runtime.train`, else 30.")
+    parser.add_argument(
+        "--metrics-port", type=int, default=None,
+        help="Serve this node agent's Prometheus metrics on this port (0: a free one). "
+             "Off by default.")
+    parser.add_argument(
+        "--metrics-host", default="127.0.0.1",
+        help="Address for --metrics-port (default loopback).")
+    parser.add_argument(
+        "--checkpoint-url", default=None,
+        help="Checkpoint root for the metrics' last committed step and its age (default: "
+             "the training config's checkpoint.url for `-m runtime.train`).")
     return parser
 
 
@@ -106,6 +204,13 @@ def main(argv: Sequence[str] | None = None) -> int:
         return 2
     if not _given(opts, "--rdzv-backend", "--rdzv_backend"):
         args.rdzv_backend = BACKEND_NAME
+    hints = training_hints(positional, args.preemption_grace_s)
+    timeout = shutdown_timeout_s(args.shutdown_timeout, hints.preemption_grace_s)
+    if args.shutdown_timeout is not None and timeout > args.shutdown_timeout:
+        print(f"relight run: --shutdown-timeout raised to {timeout} s: the workers' "
+              f"preemption grace is {hints.preemption_grace_s:.0f} s", file=sys.stderr)
+    args.shutdown_timeout = timeout
+    _log_to_stderr()
 
     etcd: EtcdServer | None = None
     if not args.rdzv_endpoint and args.rdzv_backend == BACKEND_NAME:
@@ -127,18 +232,55 @@ def main(argv: Sequence[str] | None = None) -> int:
         run_dir.mkdir(parents=True, exist_ok=True)
     os.environ.setdefault(EVENTS_ENV, str(run_dir / "events.jsonl"))
 
+    from torch.distributed.elastic.multiprocessing.api import SignalException
     from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
     from torch.distributed.run import run as torchrun
 
+    def on_sigterm(signum: int, frame: object) -> None:
+        # What torchrun's agent installs once its workers start; here from the start,
+        # so a SIGTERM during the first rendezvous also leaves through the lease revoke.
+        raise SignalException(f"relight run got {signal.Signals(signum).name}",
+                              sigval=signal.Signals(signum))
+
+    signal.signal(signal.SIGTERM, on_sigterm)
+    metrics = None
     try:
+        if args.metrics_port is not None:
+            try:
+                metrics = _start_metrics(args, hints)
+            except (OSError, ValueError) as exc:
+                print(f"relight run: {exc}", file=sys.stderr)
+                return 1
         torchrun(args)
         return 0
     except ChildFailedError as exc:
         print(exc.format_msg(), file=sys.stderr)
         return 1
+    except SignalException as exc:
+        # torchrun's agent has stopped its workers (giving them --shutdown-timeout) and
+        # skipped shutdown() so the rendezvous stays open for the other nodes; leave it
+        # now rather than one lease TTL later.
+        release_leases(f"agent stopped by {exc.sigval.name}")
+        print(f"relight run: stopped by {exc.sigval.name}", file=sys.stderr)
+        return 128 + int(exc.sigval)
     finally:
+        if metrics is not None:
+            metrics.close()
         if etcd is not None:
             etcd.stop()
+
+
+def _start_metrics(args: argparse.Namespace, hints: TrainingHints) -> AgentMetrics:
+    from elastic.agent_metrics import AgentMetrics, AgentMetricsConfig
+
+    nproc = int(args.nproc_per_node) if str(args.nproc_per_node).isdigit() else 1
+    metrics = AgentMetrics(AgentMetricsConfig(
+        port=args.metrics_port, host=args.metrics_host, nproc_per_node=nproc,
+        ckpt_url=args.checkpoint_url or hints.ckpt_url))
+    port = metrics.start()
+    print(f"relight run: agent metrics on http://{args.metrics_host}:{port}/metrics",
+          file=sys.stderr, flush=True)
+    return metrics
 
 
 if __name__ == "__main__":

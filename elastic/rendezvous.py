@@ -42,6 +42,7 @@ def torchrun_handler() -> Callable[[RendezvousParameters], RendezvousHandler]:
     return create
 
 
+import atexit
 import dataclasses
 import json
 import logging
@@ -50,6 +51,7 @@ import socket
 import threading
 import time
 import uuid
+import weakref
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 from datetime import timedelta
@@ -81,11 +83,15 @@ logger = logging.getLogger(__name__)
 __all__ = [
     "BACKEND_NAME",
     "EtcdRendezvousHandler",
+    "RDZV_ROUND_ENV",
     "RendezvousSettings",
     "RoundState",
+    "add_listener",
     "assign_ranks",
     "create_handler",
     "record_event",
+    "release_leases",
+    "remove_listener",
     "torchrun_handler",
 ]
 
@@ -94,10 +100,38 @@ PASSWORD_ENV = "RELIGHT_ETCD_PASSWORD"
 EVENTS_ENV = "RELIGHT_EVENTS_FILE"
 """If set, each rendezvous appends JSON lines (`rdzv_start`, `rdzv_done`) with wall-clock
 times to this file: how recovery time splits into detection and re-rendezvous."""
+RDZV_ROUND_ENV = "RELIGHT_RDZV_ROUND"
+"""Set in the agent's environment to the round just joined, so the workers it starts
+next inherit it (torchrun's workers get the agent's environment plus their own)."""
+
+Listener = Callable[[str, dict[str, Any]], None]
+_listeners: list[Listener] = []
+
+
+def add_listener(fn: Listener) -> None:
+    """Call `fn(kind, fields)` for every event of the handlers in this process: the ones
+    `record_event` writes, and `nodes_waiting` (each fresh `num_nodes_waiting()` count,
+    never written to the file). A node agent's metrics subscribe here."""
+    _listeners.append(fn)
+
+
+def remove_listener(fn: Listener) -> None:
+    if fn in _listeners:
+        _listeners.remove(fn)
+
+
+def _notify(kind: str, fields: dict[str, Any]) -> None:
+    for fn in list(_listeners):
+        try:
+            fn(kind, fields)
+        except Exception as exc:  # noqa: BLE001 - an observer never breaks the rendezvous
+            logger.warning("rendezvous listener %r failed on %s: %s", fn, kind, exc)
 
 
 def record_event(kind: str, **fields: Any) -> None:
-    """Append one JSON line to $RELIGHT_EVENTS_FILE (no-op when unset; never raises)."""
+    """Tell the listeners, and append one JSON line to $RELIGHT_EVENTS_FILE (no-op when
+    unset; never raises)."""
+    _notify(kind, fields)
     path = os.environ.get(EVENTS_ENV)
     if not path:
         return
@@ -259,6 +293,26 @@ def assign_ranks(members: Sequence[str], previous: Sequence[str]) -> list[str]:
     return kept + [m for m in members if m not in kept]
 
 
+_live: weakref.WeakSet[EtcdRendezvousHandler] = weakref.WeakSet()
+
+
+def release_leases(reason: str) -> int:
+    """Revoke the lease of every handler in this process that holds one, so that peers
+    see this node leave at once instead of one TTL later. The rendezvous stays open (a
+    node that leaves is not the job ending). Returns how many leases were revoked.
+
+    `relight run` calls it when its agent is stopped by a signal; it also runs at
+    interpreter exit, which covers plain torchrun (whose agent skips `shutdown()` on a
+    signal, so as not to close the rendezvous)."""
+    released = 0
+    for handler in list(_live):
+        released += handler.leave(reason)
+    return released
+
+
+atexit.register(release_leases, "process exit")
+
+
 class _StoreMissing(Exception):
     def __init__(self, round_: int, message: str) -> None:
         super().__init__(message)
@@ -300,6 +354,8 @@ class EtcdRendezvousHandler(RendezvousHandler):
         self._lock = threading.Lock()
         self._waiting_cache: tuple[float, int] = (-1e9, 0)
         self._min_seen: dict[int, float] = {}
+        self._lost_logged = -1
+        """The round whose lost participants were already logged (one line per fault)."""
 
     def _log(self, msg: str, *args: Any, level: int = logging.INFO) -> None:
         logger.log(level, "[%s node=%s round=%d] " + msg, self.settings.run_id, self.node_id,
@@ -323,12 +379,25 @@ class EtcdRendezvousHandler(RendezvousHandler):
         start = _now()
         deadline = start + s.join_timeout
         unreachable_since: float | None = None
-        record_event("rdzv_start", run_id=s.run_id, node=self.node_id, after_round=self._round)
+        if self._round >= 0:
+            waiting = self._waiting_cache[1]
+            reason = "membership" if waiting > 0 else "fault"
+            if waiting > 0:
+                self._log("membership change detected (%d node(s) waiting): leaving the round",
+                          waiting, level=logging.WARNING)
+            else:
+                self._log("fault detected: the local worker group failed or was stopped; "
+                          "leaving the round", level=logging.WARNING)
+        else:
+            reason = "start"
+        record_event("rdzv_start", run_id=s.run_id, node=self.node_id, after_round=self._round,
+                     reason=reason)
         while True:
             try:
                 info = self._try_rendezvous(deadline)
+                os.environ[RDZV_ROUND_ENV] = str(self._round)
                 record_event("rdzv_done", run_id=s.run_id, node=self.node_id, round=self._round,
-                             rank=info.rank, world=info.world_size)
+                             rank=info.rank, world=info.world_size, reason=reason)
                 self._log("joined as rank %d of %d in %.2fs (store %s:%d)", info.rank,
                           info.world_size, _now() - start, info.bootstrap_store_info.master_addr,
                           info.bootstrap_store_info.master_port)
@@ -387,7 +456,9 @@ class EtcdRendezvousHandler(RendezvousHandler):
                           level=logging.WARNING)
                 count = 0
             self._waiting_cache = (_now(), count)
-            return count
+        _notify("nodes_waiting", {"run_id": self.settings.run_id, "node": self.node_id,
+                                  "round": self._round, "waiting": count})
+        return count
 
     def shutdown(self) -> bool:
         ok = True
@@ -399,20 +470,35 @@ class EtcdRendezvousHandler(RendezvousHandler):
         self._release()
         return ok
 
+    def leave(self, reason: str) -> bool:
+        """Revoke this node's lease without closing the rendezvous: its node key (and
+        the round's store key if it is rank 0) go at once, so peers re-form without it
+        now rather than one TTL later. True if a lease was revoked."""
+        with self._lock:
+            if self._lease is None:
+                return False
+            self._log("leaving (%s): revoking lease %x", reason, self._lease,
+                      level=logging.WARNING)
+            return self._release()
+
     # -- internals ------------------------------------------------------------
 
-    def _release(self) -> None:
+    def _release(self) -> bool:
+        revoked = False
         if self._keeper is not None:
             self._keeper.stop()
             self._keeper = None
         if self._lease is not None:
             try:
                 self._client.lease_revoke(self._lease)
+                revoked = True
             except EtcdError as exc:
                 self._log("could not revoke lease %x (%s); it expires in %.0fs", self._lease,
                           exc, self.settings.lease_ttl, level=logging.WARNING)
             self._lease = None
         self._store = None
+        _live.discard(self)
+        return revoked
 
     def _read(self, client: EtcdClient) -> tuple[RoundState | None, KeyValue | None]:
         state, kv, _ = self._read_at(client)
@@ -443,8 +529,10 @@ class EtcdRendezvousHandler(RendezvousHandler):
             return max(1, len(state.members)) if state.phase == "open" else 1
         alive, _ = self._alive(self._fast)
         dead = [p for p in self._participants if p not in alive]
-        if dead:
-            self._log("participants %s lost their leases", dead, level=logging.WARNING)
+        if dead and self._lost_logged != self._round:
+            self._lost_logged = self._round
+            self._log("fault detected: participants %s lost their leases", dead,
+                      level=logging.WARNING)
         return len(dead)
 
     def _ensure_lease(self) -> None:
@@ -458,6 +546,7 @@ class EtcdRendezvousHandler(RendezvousHandler):
             self._lease = self._client.lease_grant(ttl)
             self._keeper = LeaseKeeper(self._keep_client, self._lease, ttl,
                                        name=f"relight-lease-{self.settings.run_id}").start()
+            _live.add(self)
         addr = self._local_addr()
         self._client.put(self._nodes + self.node_id,
                          json.dumps({"addr": addr, "host": socket.gethostname(),

@@ -1,0 +1,177 @@
+"""The node agent under `relight run`: shutdown timeout vs the preemption grace, the
+lease revoked on SIGTERM, exit status 76 and max-restarts, the agent's metrics."""
+
+from __future__ import annotations
+
+import signal
+import sys
+import time
+import urllib.request
+
+import pytest
+import torch
+
+from elastic.agent_metrics import AgentMetrics, AgentMetricsConfig
+from elastic.etcd_client import EtcdClient, EtcdSettings
+from elastic.etcd_server import free_port
+from elastic.launch import SHUTDOWN_MARGIN_S, shutdown_timeout_s, training_hints
+from elastic.rendezvous import _notify, record_event
+from runtime.config import PreemptionConfig
+from tests.elastic.agents import RDZV_CONF, SCRIPTS, Agents, events, wait_for
+from tests.elastic.rdzv_util import job_id
+from tests.elastic.test_launch import relight_run
+
+DEFAULT_GRACE = PreemptionConfig().grace_s
+
+
+def scrape(port: int) -> dict[str, float]:
+    with urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=5) as resp:
+        text = resp.read().decode()
+    out = {}
+    for line in text.splitlines():
+        if line and not line.startswith("#"):
+            name, _, value = line.rpartition(" ")
+            out[name] = float(value)
+    return out
+
+
+def test_shutdown_timeout_covers_the_preemption_grace(tmp_path, monkeypatch) -> None:
+    monkeypatch.delenv("TORCH_ELASTIC_SHUTDOWN_TIMEOUT", raising=False)
+    assert shutdown_timeout_s(None, None) == 30  # torchrun's default, nothing to cover
+    assert shutdown_timeout_s(None, 30.0) == 30 + SHUTDOWN_MARGIN_S
+    assert shutdown_timeout_s(None, 90.5) == 91 + SHUTDOWN_MARGIN_S
+    assert shutdown_timeout_s(300, 90.0) == 300  # a longer one asked for is kept
+    monkeypatch.setenv("TORCH_ELASTIC_SHUTDOWN_TIMEOUT", "120")
+    assert shutdown_timeout_s(None, 30.0) == 120
+
+    cfg = tmp_path / "train.toml"
+    cfg.write_text('[preemption]\ngrace_s = 75.0\n[checkpoint]\nurl = "s3://b/run"\n')
+    runtime_train = ["--module", "runtime.train", "--config", str(cfg)]
+    hints = training_hints(runtime_train, None)
+    assert (hints.preemption_grace_s, hints.ckpt_url) == (75.0, "s3://b/run")
+    # Overrides on the training command line count, as the trainer applies them.
+    assert training_hints([*runtime_train, "--preemption.grace_s=12"],
+                          None).preemption_grace_s == 12.0
+    assert training_hints([*runtime_train, "--preemption.enabled=false"],
+                          None).preemption_grace_s is None
+    assert training_hints(["train.py"], None).preemption_grace_s == DEFAULT_GRACE
+    assert training_hints(["train.py"], 50.0).preemption_grace_s == 50.0
+
+
+def test_preemption_exit_status_uses_a_restart_slot(tmp_path) -> None:
+    # torchrun's agent counts every failed worker group against --max-restarts, whatever
+    # the exit status (no hook: see docs/elastic.md). This pins that behaviour: if a
+    # torch release changes it, the docs' advice on --max-restarts must change too.
+    run_dir = tmp_path / "run"
+    res = relight_run("--max-restarts=0", "--run-dir", str(run_dir), "--", "sh", "-c",
+                      "exit 76", cwd=tmp_path)
+    assert res.returncode == 1, res.stderr[-3000:]
+    assert "exitcode  : 76" in res.stderr or "exitcode: 76" in res.stderr.replace(" ", ""), \
+        res.stderr[-3000:]
+
+
+@pytest.mark.etcd
+@pytest.mark.multirank
+@pytest.mark.timeout(150)
+def test_sigterm_revokes_the_lease_after_the_workers_saved(etcd_server, tmp_path) -> None:
+    """Two `relight run` nodes, a 30 s lease TTL. SIGTERM to one: its workers get their
+    grace (they save and exit 76), its node key goes at once (not after 30 s), and the
+    other node re-forms alone, its workers told the new round; its metrics show it."""
+    out = tmp_path / "out"
+    out.mkdir()
+    run = job_id()
+    conf = ",".join(f"{k}={v}" for k, v in {**RDZV_CONF, "lease_ttl": "30",
+                                              "rejoin_timeout": "5"}.items())
+    ports = []
+    agents = Agents(out)
+    procs = []
+    try:
+        for i in range(2):
+            ports.append(free_port())
+            cmd = [sys.executable, "-m", "elastic.launch",
+                   f"--rdzv-endpoint={etcd_server.endpoint}", f"--rdzv-id={run}",
+                   "--nnodes=1:2", "--nproc-per-node=1", "--monitor-interval=0.1",
+                   f"--rdzv-conf={conf}", "--preemption-grace-s=2",
+                   f"--metrics-port={ports[i]}", "--run-dir", str(tmp_path / f"run{i}"), "--",
+                   sys.executable, str(SCRIPTS / "sleeper.py"), "--out", str(out),
+                   "--save-s", "1.5"]
+            procs.append(agents.start(cmd, f"node{i}"))
+        client = EtcdClient(EtcdSettings(endpoints=(etcd_server.endpoint,)))
+        nodes_prefix = f"{RDZV_CONF['prefix']}/{run}/nodes/"
+        wait_for(lambda: len([e for e in events(out) if e["ev"] == "start"
+                              and e["world"] == 2]) == 2, 90, "both workers up", agents)
+        assert len(client.get_prefix(nodes_prefix)[0]) == 2
+        first = {e["agent_pid"]: e for e in events(out) if e["ev"] == "start"}
+        assert {e["round"] for e in first.values()} == {"0"}
+        assert scrape(ports[1])["relight_rendezvous_round"] == 0
+
+        victim, survivor = procs
+        t_term = time.monotonic()
+        victim.send_signal(signal.SIGTERM)
+        victim.wait(30)
+        gone_after = time.monotonic() - t_term
+        assert victim.returncode == 128 + signal.SIGTERM, agents.logs()
+        # Its worker had its grace: it saved, then exited 76.
+        victim_worker = next(e["pid"] for e in first.values() if e["agent_pid"] == victim.pid)
+        assert (out / f"saved-{victim_worker}").exists(), agents.logs()
+        # The node key left with the agent, not one 30 s TTL later.
+        keys = [kv.key for kv in client.get_prefix(nodes_prefix)[0]]
+        assert len(keys) == 1 and gone_after < 15, (keys, gone_after)
+        # The survivor re-forms alone in round 1; its new worker is told the round.
+        wait_for(lambda: any(e["ev"] == "start" and e["world"] == 1 for e in events(out)),
+                 60, "the survivor's new worker", agents)
+        new = [e for e in events(out) if e["ev"] == "start" and e["world"] == 1]
+        assert [e["round"] for e in new] == ["1"] and new[0]["agent_pid"] == survivor.pid
+        m = wait_for(lambda: (lambda s: s if s["relight_rendezvous_round"] == 1 else None)(
+            scrape(ports[1])), 10, "survivor metrics at round 1")
+        assert m["relight_world_size"] == 1 and m["relight_nodes"] == 1
+        assert m["relight_restarts"] == 1
+        assert m['relight_worker_group_restarts_total{reason="membership"}'] == 1
+        log = (out / "node1.log").read_text()
+        assert "node=" in log and "round=0] fault detected: participants" in log, log[-3000:]
+        assert "round=1] joined as rank 0 of 1" in log, log[-3000:]
+    finally:
+        agents.close()
+
+
+def test_agent_metrics_from_events_and_checkpoints(tmp_path) -> None:
+    import ckpt
+
+    url = str(tmp_path / "ckpt")
+    metrics = AgentMetrics(AgentMetricsConfig(port=0, nproc_per_node=4, ckpt_url=url,
+                                              ckpt_poll_s=0.1))
+    port = metrics.start()
+    try:
+        m = scrape(port)
+        assert m["relight_restarts"] == 0
+        assert m["relight_last_committed_step"] != m["relight_last_committed_step"]  # NaN
+        record_event("rdzv_done", run_id="j", node="n", round=0, rank=0, world=2,
+                     reason="start")
+        record_event("rdzv_done", run_id="j", node="n", round=3, rank=1, world=3,
+                     reason="fault")
+        _notify("nodes_waiting", {"run_id": "j", "node": "n", "round": 3, "waiting": 2})
+        mgr = ckpt.CheckpointManager(url, keep_last=2)
+        mgr.save(7, {"w": torch.ones(4)}, async_save=False)
+        m = wait_for(lambda: (lambda s: s if s["relight_last_committed_step"] == 7 else None)(
+            scrape(port)), 10, "the committed step in the metrics")
+        assert (m["relight_rendezvous_round"], m["relight_world_size"], m["relight_nodes"],
+                m["relight_nodes_waiting"], m["relight_restarts"]) == (3, 12, 3, 2, 1)
+        assert m['relight_worker_group_restarts_total{reason="fault"}'] == 1
+        assert 0 <= m["relight_last_commit_age_seconds"] < 60
+    finally:
+        metrics.close()
+    # Closed: no longer subscribed (an event now must not touch it).
+    record_event("rdzv_done", run_id="j", node="n", round=9, rank=0, world=1, reason="fault")
+    assert metrics.round._value.get() == 3
+
+
+def test_metrics_port_in_use_is_a_clear_error(tmp_path) -> None:
+    import socket
+
+    with socket.socket() as busy:
+        busy.bind(("127.0.0.1", 0))
+        busy.listen()
+        port = busy.getsockname()[1]
+        res = relight_run(f"--metrics-port={port}", "--run-dir", str(tmp_path / "run"), "--",
+                          "true", cwd=tmp_path)
+    assert res.returncode == 1 and f"127.0.0.1:{port}" in res.stderr, res.stderr[-2000:]
