@@ -1,7 +1,12 @@
 """`relight bench <name> [options]`: run one benchmark against its baseline.
 
 Each benchmark is a module of this package with `main(argv) -> int` and its own
-`--help`; this only dispatches.
+`--help`; this only dispatches, with a spinner and the elapsed time on stderr while it runs
+(only when stderr is a terminal; each benchmark's `--json FILE` writes its results to a
+file, never to the terminal).
+
+Exit status: 0 the benchmark ran; 2 unknown benchmark or usage error; otherwise the
+benchmark's own status (see `relight bench NAME --help`).
 """
 
 from __future__ import annotations
@@ -23,13 +28,21 @@ def main(argv: list[str] | None = None) -> int:
     if not args or args[0] in ("-h", "--help") or args[0] not in BENCHMARKS:
         lines = ["usage: relight bench <name> [options]   (relight bench <name> --help)", ""]
         lines += [f"  {name:<9} {text}" for name, text in BENCHMARKS.items()]
+        lines += ["", "exit status: 0 ran; 2 unknown benchmark or usage error; else the "
+                  "benchmark's own"]
         known = not args or args[0] in ("-h", "--help")
         if not known:
             lines.insert(0, f"relight bench: unknown benchmark {args[0]!r}")
         print("\n".join(lines), file=sys.stdout if known else sys.stderr)
         return 0 if args and known else 2
     module = importlib.import_module(f"benchmarks.{args[0]}")
-    return int(module.main(args[1:]) or 0)
+    rest = args[1:]
+    if any(a in ("-h", "--help") for a in rest):
+        return int(module.main(rest) or 0)
+    from ckpt.cli import ProgressBar
+
+    with ProgressBar(f"bench {args[0]}", enabled=True, unit="items"):
+        return int(module.main(rest) or 0)
 
 
 if __name__ == "__main__":

@@ -1,7 +1,10 @@
 """`relight chaos`: run a chaos scenario, or re-render a report.
 
     relight chaos run SCENARIO [--seed N] [--out DIR] [--junit FILE] [--reference-cache DIR]
-    relight chaos report DIR [--junit FILE]
+                               [--json]
+    relight chaos report DIR [--junit FILE] [--json]
+
+--json prints the whole report (report.json) on stdout instead of the summary.
 
 Exit status: 0 when every invariant holds, 1 when any is broken, 2 for a usage or scenario
 error, 3 when the harness itself could not run (a server or the launcher failed).
@@ -10,6 +13,7 @@ error, 3 when the harness itself could not run (a server or the launcher failed)
 from __future__ import annotations
 
 import argparse
+import json
 import logging
 import os
 import signal
@@ -28,7 +32,8 @@ EXIT_OK, EXIT_BROKEN, EXIT_USAGE, EXIT_HARNESS = 0, 1, 2, 3
 
 
 def _parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(prog="relight chaos", description=__doc__.split("\n\n")[0])
+    p = argparse.ArgumentParser(prog="relight chaos", description=__doc__.split("\n\n")[0],
+                                epilog=__doc__.split("\n\n")[-1])
     sub = p.add_subparsers(dest="command", required=True)
     run = sub.add_parser("run", help="run a scenario and check the invariants")
     run.add_argument("scenario", help="scenario TOML, e.g. scenarios/ci-smoke.toml")
@@ -41,6 +46,9 @@ def _parser() -> argparse.ArgumentParser:
     rep = sub.add_parser("report", help="re-render report.md/loss.png from DIR/report.json")
     rep.add_argument("dir")
     rep.add_argument("--junit", default=None, help="also write JUnit XML here")
+    for sp in (run, rep):
+        sp.add_argument("--json", action="store_true",
+                        help="print the report as JSON on stdout instead of the summary")
     return p
 
 
@@ -72,6 +80,9 @@ def main(argv: list[str] | None = None) -> int:
         write_report(args.dir, report)
         if args.junit:
             write_junit(args.junit, report)
+        if args.json:
+            print(json.dumps(report, indent=1))
+            return EXIT_OK if report["passed"] else EXIT_BROKEN
         print(_summary(report))
         print(render_markdown(report, None) if os.environ.get("RELIGHT_CHAOS_MD") else "",
               end="")
@@ -100,6 +111,9 @@ def main(argv: list[str] | None = None) -> int:
         print(f"relight chaos run: the harness failed ({type(exc).__name__}: {exc}); "
               f"see the logs under {out}", file=sys.stderr)
         return EXIT_HARNESS
+    if args.json:
+        print(json.dumps(result.report, indent=1))
+        return EXIT_OK if result.passed else EXIT_BROKEN
     print(_summary(result.report))
     print(f"report: {result.out_dir / 'report.md'} ({time.monotonic() - t0:.1f} s in all)")
     return EXIT_OK if result.passed else EXIT_BROKEN

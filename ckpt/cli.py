@@ -3,6 +3,9 @@ checkpoints.
 
 Exit codes: 0 ok (diff: identical); 1 a checkpoint failed verification, is corrupt, or
 (diff) the two differ; 2 usage error; 3 no checkpoint found; 4 storage error.
+
+Long work (export, import-dcp, verify, gc, diff) shows a progress bar on stderr when stderr
+is a terminal; --json, or output to a pipe or file, turns it off.
 """
 
 from __future__ import annotations
@@ -11,6 +14,7 @@ import argparse
 import json
 import sys
 import time
+from types import TracebackType
 from typing import Any
 
 from ckpt.errors import CheckpointError, CheckpointNotFoundError
@@ -24,6 +28,66 @@ from storage import StorageError, Store, open_store
 __all__ = ["main"]
 
 EXIT_OK, EXIT_BAD, EXIT_USAGE, EXIT_NOT_FOUND, EXIT_STORAGE = 0, 1, 2, 3, 4
+EXIT_CODES = ("exit status: 0 ok (diff: identical); 1 verification failed, corrupt, or "
+              "(diff) different; 2 usage error; 3 no checkpoint found; 4 storage error")
+
+
+class ProgressBar:
+    """A rich progress bar on stderr, used as `progress(done, total, item)` callbacks.
+
+    Off (every call a no-op) unless `enabled` and stderr is a terminal, so scripts, pipes
+    and `--json` output never see it; `transient`: it disappears when the work is done.
+    `unit` is "bytes" (size and rate columns) or "items" (a count). A total of 0 shows a
+    spinner with the elapsed time (work of unknown size).
+    """
+
+    def __init__(self, label: str, *, enabled: bool, unit: str = "bytes",
+                 console: Any = None) -> None:
+        self.label = label
+        self.unit = unit
+        self._console = console
+        self.enabled = enabled and (console is not None or sys.stderr.isatty())
+        self._progress: Any = None
+        self._task: Any = None
+
+    def __enter__(self) -> ProgressBar:
+        if not self.enabled:
+            return self
+        from rich.console import Console
+        from rich.progress import (
+            BarColumn,
+            DownloadColumn,
+            MofNCompleteColumn,
+            Progress,
+            SpinnerColumn,
+            TextColumn,
+            TimeElapsedColumn,
+            TimeRemainingColumn,
+            TransferSpeedColumn,
+        )
+
+        counts = ([DownloadColumn(), TransferSpeedColumn()] if self.unit == "bytes"
+                  else [MofNCompleteColumn()])
+        self._progress = Progress(
+            SpinnerColumn(), TextColumn("{task.description}"), BarColumn(), *counts,
+            TimeElapsedColumn(), TimeRemainingColumn(),
+            console=self._console or Console(stderr=True), transient=True)
+        self._progress.start()
+        self._task = self._progress.add_task(self.label, total=None)
+        return self
+
+    def __call__(self, done: int, total: int, item: str = "") -> None:
+        if self._progress is None:
+            return
+        tail = item if len(item) <= 32 else "..." + item[-29:]
+        self._progress.update(self._task, completed=done, total=total or None,
+                              description=f"{self.label} {tail}".rstrip())
+
+    def __exit__(self, exc_type: type[BaseException] | None, exc: BaseException | None,
+                 tb: TracebackType | None) -> None:
+        if self._progress is not None:
+            self._progress.stop()
+            self._progress = None
 
 
 def _is_checkpoint(store: Store) -> bool:
@@ -114,7 +178,8 @@ def cmd_inspect(args: argparse.Namespace) -> int:
 
 def cmd_verify(args: argparse.Namespace) -> int:
     store = _resolve(args.url, args.step)
-    report = verify(store, read_data=not args.quick)
+    with ProgressBar("verify", enabled=not args.json, unit="items") as bar:
+        report = verify(store, read_data=not args.quick, progress=bar)
     if args.json:
         print(json.dumps(report.to_json(), indent=1))
     else:
@@ -130,7 +195,8 @@ def cmd_gc(args: argparse.Namespace) -> int:
     policies: list[Any] = [KeepLast(args.keep_last)]
     if args.keep_every:
         policies.append(KeepEvery(args.keep_every))
-    deleted = collect_garbage(store, policies, args.grace_s)
+    with ProgressBar(f"gc {store.url}", enabled=not args.json, unit="items"):
+        deleted = collect_garbage(store, policies, args.grace_s)
     if args.json:
         print(json.dumps({"deleted": deleted}))
     else:
@@ -140,10 +206,11 @@ def cmd_gc(args: argparse.Namespace) -> int:
 
 def cmd_export(args: argparse.Namespace) -> int:
     store = _resolve(args.url, args.step)
-    if args.to:
-        out = export_safetensors(store, args.to, all_tensors=args.all)
-    else:
-        out = export_dcp(store, args.to_dcp, all_tensors=args.all)
+    with ProgressBar("export", enabled=not args.json) as bar:
+        if args.to:
+            out = export_safetensors(store, args.to, all_tensors=args.all, progress=bar)
+        else:
+            out = export_dcp(store, args.to_dcp, all_tensors=args.all, progress=bar)
     out["from"] = store.url
     if args.json:
         print(json.dumps(out))
@@ -154,7 +221,8 @@ def cmd_export(args: argparse.Namespace) -> int:
 
 
 def cmd_import_dcp(args: argparse.Namespace) -> int:
-    out = import_dcp(args.dir, args.url, step=args.step)
+    with ProgressBar("import", enabled=not args.json) as bar:
+        out = import_dcp(args.dir, args.url, step=args.step, progress=bar)
     if args.json:
         print(json.dumps(out))
     else:
@@ -166,7 +234,9 @@ def cmd_import_dcp(args: argparse.Namespace) -> int:
 
 
 def cmd_diff(args: argparse.Namespace) -> int:
-    report = diff(_resolve(args.url_a, args.step_a), _resolve(args.url_b, args.step_b))
+    with ProgressBar("diff", enabled=not args.json) as bar:
+        report = diff(_resolve(args.url_a, args.step_a), _resolve(args.url_b, args.step_b),
+                      progress=bar)
     if args.json:
         print(json.dumps(report.to_json(), indent=1))
     else:
@@ -247,7 +317,9 @@ def build_parser() -> argparse.ArgumentParser:
     df.add_argument("--step-b", type=int)
     df.set_defaults(fn=cmd_diff)
     for sp in (ls, ins, ver, gc, ex, im, df):
-        sp.add_argument("--json", action="store_true", help="machine-readable output")
+        sp.add_argument("--json", action="store_true",
+                        help="machine-readable output on stdout (and no progress bar)")
+        sp.epilog = EXIT_CODES
     return p
 
 

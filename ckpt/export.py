@@ -6,6 +6,9 @@ whole from the checkpoint, written out and dropped, so memory holds at most one 
 header length, a JSON header of dtype/shape/data_offsets, then the raw bytes) so no extra
 package is needed.
 
+Each function takes an optional `progress(done, total, item)` callback (bytes done and in
+all, the tensor or phase at hand; `total == 0` while the size is unknown): the CLI's bars.
+
 `import_dcp` reads a DCP checkpoint: DCP's own `.metadata` file is a pickle, unpickled by
 `torch.distributed.checkpoint` itself. That is DCP's format, reached only by this explicit,
 user-started import of a local directory; Relight's own load paths never unpickle.
@@ -19,7 +22,7 @@ import os
 import struct
 import sys
 import warnings
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -50,6 +53,13 @@ __all__ = [
 ]
 
 MODEL_PREFIX = "model/"
+
+Progress = Callable[[int, int, str], None]
+"""`progress(done, total, item)`: units done and in all (0: unknown yet), what is at hand."""
+
+
+def _nbytes(t: dict[str, Any]) -> int:
+    return numel(t["shape"]) * itemsize(t["dtype"])
 
 SAFETENSORS_DTYPES: dict[str, str] = {
     "float32": "F32", "float64": "F64", "float16": "F16", "bfloat16": "BF16",
@@ -142,8 +152,8 @@ def _raw_bytes(t: torch.Tensor) -> memoryview:
 
 
 def export_safetensors(url: str | Store, out: str | os.PathLike[str], *,
-                       all_tensors: bool = False,
-                       metadata: dict[str, str] | None = None) -> dict[str, Any]:
+                       all_tensors: bool = False, metadata: dict[str, str] | None = None,
+                       progress: Progress | None = None) -> dict[str, Any]:
     """Write the checkpoint's tensors as one safetensors file at local path `out`,
     streamed (header from the manifest first, then one tensor at a time), atomically
     (a temp file renamed into place). Returns `{"tensors", "bytes", "path"}`."""
@@ -155,7 +165,7 @@ def export_safetensors(url: str | Store, out: str | os.PathLike[str], *,
     offset = 0
     for n in names:
         t = m.tensors[n]
-        nbytes = numel(t["shape"]) * itemsize(t["dtype"])
+        nbytes = _nbytes(t)
         header[keys[n]] = {"dtype": SAFETENSORS_DTYPES[t["dtype"]], "shape": t["shape"],
                            "data_offsets": [offset, offset + nbytes]}
         offset += nbytes
@@ -175,6 +185,8 @@ def export_safetensors(url: str | Store, out: str | os.PathLike[str], *,
                         f"tensor {n!r} of {store.url}: read {len(raw)} bytes, the manifest "
                         f"says {want[1] - want[0]}", url=store.url, tensor=n)
                 f.write(raw)
+                if progress is not None:
+                    progress(want[1], offset, n)
                 del tensor, raw
             f.flush()
             os.fsync(f.fileno())
@@ -187,8 +199,12 @@ def export_safetensors(url: str | Store, out: str | os.PathLike[str], *,
 # ------------------------------------------------------------------------- DCP
 
 
-def _lazy_planner(store: Store, m: Manifest, key_to_name: dict[str, str]) -> Any:
+def _lazy_planner(store: Store, m: Manifest, key_to_name: dict[str, str],
+                  progress: Progress | None = None) -> Any:
     from torch.distributed.checkpoint.default_planner import DefaultSavePlanner
+
+    total = sum(_nbytes(m.tensors[n]) for n in key_to_name.values())
+    done = 0
 
     class _LazyPlanner(DefaultSavePlanner):
         """Plans from meta-tensor placeholders; `resolve_data` reads each tensor from the
@@ -196,13 +212,19 @@ def _lazy_planner(store: Store, m: Manifest, key_to_name: dict[str, str]) -> Any
         serial loader a single-threaded FileSystemWriter uses on CPU)."""
 
         def resolve_data(self, write_item: Any) -> Any:
-            return read_tensor(store, m, key_to_name[write_item.index.fqn])
+            nonlocal done
+            name = key_to_name[write_item.index.fqn]
+            tensor = read_tensor(store, m, name)
+            done += _nbytes(m.tensors[name])
+            if progress is not None:
+                progress(done, total, name)
+            return tensor
 
     return _LazyPlanner(flatten_state_dict=False, flatten_sharded_tensors=False)
 
 
 def export_dcp(url: str | Store, out_dir: str | os.PathLike[str], *,
-               all_tensors: bool = False) -> dict[str, Any]:
+               all_tensors: bool = False, progress: Progress | None = None) -> dict[str, Any]:
     """Write the checkpoint's tensors as a torch.distributed.checkpoint directory that
     `torch.distributed.checkpoint.load` reads, without a process group. Keys are the
     state-dict paths joined with `.` (`model.layers.0.weight`; without `all_tensors` the
@@ -219,8 +241,8 @@ def export_dcp(url: str | Store, out_dir: str | os.PathLike[str], *,
     with warnings.catch_warnings():  # "no process group: single process" is the intent here
         warnings.filterwarnings("ignore", message="torch.distributed is disabled")
         dcp.save(placeholders, storage_writer=writer, planner=_lazy_planner(
-            store, m, {k: n for n, k in keys.items()}), no_dist=True)
-    nbytes = sum(numel(m.tensors[n]["shape"]) * itemsize(m.tensors[n]["dtype"]) for n in names)
+            store, m, {k: n for n, k in keys.items()}, progress), no_dist=True)
+    nbytes = sum(_nbytes(m.tensors[n]) for n in names)
     return {"tensors": len(names), "bytes": nbytes, "path": str(out_dir)}
 
 
@@ -231,7 +253,7 @@ def _dcp_path(key: str) -> dict[str, Any]:
 
 
 def import_dcp(dcp_dir: str | os.PathLike[str], url: str | Store, *,
-               step: int | None = None) -> dict[str, Any]:
+               step: int | None = None, progress: Progress | None = None) -> dict[str, Any]:
     """Save a DCP checkpoint directory as a Relight checkpoint: at `url` itself (with
     `ckpt.save`), or with `step` as step `step` of the run root `url` (`CheckpointManager`).
 
@@ -263,6 +285,10 @@ def import_dcp(dcp_dir: str | os.PathLike[str], url: str | Store, *,
             skipped.append(key)
     if not flat:
         raise MissingKeyError(f"DCP checkpoint {dcp_dir} holds no tensors", url=str(dcp_dir))
+    total = sum(t.numel() * t.element_size() for t in flat.values())
+    # DCP reads everything in one call and ckpt.save writes in one: two phases, no finer.
+    if progress is not None:
+        progress(0, total, f"reading {dcp_dir}")
     with warnings.catch_warnings():
         warnings.filterwarnings("ignore", message="torch.distributed is disabled")
         dcp.load(flat, storage_reader=FileSystemReader(str(dcp_dir)), no_dist=True)
@@ -281,6 +307,8 @@ def import_dcp(dcp_dir: str | os.PathLike[str], url: str | Store, *,
                                         url=str(dcp_dir), tensor=key)
         group[p["rest"]] = t
     config = {"imported_from": str(dcp_dir)}
+    if progress is not None:
+        progress(total // 2, total, f"saving to {url if isinstance(url, str) else url.url}")
     if step is None:
         save(state, url, config=config).wait()
     else:  # a run root, as the training loop writes it: `ls`/`restore` find the step
@@ -288,8 +316,9 @@ def import_dcp(dcp_dir: str | os.PathLike[str], url: str | Store, *,
 
         CheckpointManager(url, keep_last=None, config=config).save(step, state,
                                                                    async_save=False).wait()
-    return {"tensors": len(flat), "skipped": skipped,
-            "bytes": sum(t.numel() * t.element_size() for t in flat.values())}
+    if progress is not None:
+        progress(total, total, "saved")
+    return {"tensors": len(flat), "skipped": skipped, "bytes": total}
 
 
 # ------------------------------------------------------------------------ diff
@@ -349,20 +378,26 @@ def _compare(name: str, a: torch.Tensor, b: torch.Tensor) -> TensorDiff:
     return TensorDiff(name, False, float(d.max()), float(rel.max()))
 
 
-def diff(url_a: str | Store, url_b: str | Store) -> DiffReport:
+def diff(url_a: str | Store, url_b: str | Store, *,
+         progress: Progress | None = None) -> DiffReport:
     """Compare two committed checkpoints tensor by tensor (one pair in memory at a time)."""
     sa, sb = _store(url_a), _store(url_b)
     ma, mb = read_manifest(sa), read_manifest(sb)
     r = DiffReport(sa.url, sb.url)
     r.only_a = sorted(set(ma.tensors) - set(mb.tensors))
     r.only_b = sorted(set(mb.tensors) - set(ma.tensors))
-    for name in sorted(set(ma.tensors) & set(mb.tensors)):
+    common = sorted(set(ma.tensors) & set(mb.tensors))
+    total, done = 2 * sum(_nbytes(ma.tensors[n]) for n in common), 0
+    for name in common:
         ta, tb = ma.tensors[name], mb.tensors[name]
+        done += _nbytes(ta) + _nbytes(tb)
         if ta["shape"] != tb["shape"] or ta["dtype"] != tb["dtype"]:
             r.mismatched[name] = (f"{ta['dtype']}{tuple(ta['shape'])} vs "
                                   f"{tb['dtype']}{tuple(tb['shape'])}")
             continue
         r.tensors.append(_compare(name, read_tensor(sa, ma, name), read_tensor(sb, mb, name)))
+        if progress is not None:
+            progress(min(done, total), total, name)
     va, vb = ma.values, mb.values
     r.only_a += sorted(set(va) - set(vb))
     r.only_b += sorted(set(vb) - set(va))

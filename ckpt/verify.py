@@ -11,6 +11,7 @@ import itertools
 import logging
 import math
 import os
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -54,8 +55,10 @@ def _regions(shape: list[int], chunks: list[int]):
                     for i, c, s in zip(cell, chunks, shape, strict=True))
 
 
-def verify(url: str | os.PathLike[str] | Store, *, read_data: bool = True) -> VerifyReport:
-    """Check the checkpoint at `url`; `read_data=False` skips reading chunk contents."""
+def verify(url: str | os.PathLike[str] | Store, *, read_data: bool = True,
+           progress: Callable[[int, int, str], None] | None = None) -> VerifyReport:
+    """Check the checkpoint at `url`; `read_data=False` skips reading chunk contents.
+    `progress(done, total, tensor)` is called before each tensor is read (a CLI bar)."""
     store = open_store(url)
     report = VerifyReport(store.url)
     try:
@@ -84,7 +87,9 @@ def verify(url: str | os.PathLike[str] | Store, *, read_data: bool = True) -> Ve
             report.add(f"missing index object {store.url}/{key} of rank {rank}")
     if not read_data:
         return report
-    for name, t in m.tensors.items():
+    for i, (name, t) in enumerate(m.tensors.items()):
+        if progress is not None:
+            progress(i, len(m.tensors), name)
         if name in missing_tensors:
             continue
         try:

@@ -69,7 +69,7 @@ from runtime.preemption import (
     decide,
     estimate_save_s,
 )
-from runtime.watchdog import Watchdog
+from runtime.watchdog import WATCHDOG_EXIT_CODE, Watchdog
 
 __all__ = ["PREEMPTED_EXIT_CODE", "TrainResult", "Trainer", "main", "run_training"]
 
@@ -636,8 +636,12 @@ def run_training(cfg: Config) -> TrainResult:
 
 def _parse(argv: list[str] | None) -> Config:
     parser = argparse.ArgumentParser(
-        prog="python -m runtime.train",
+        prog="relight train",
         description="Train the Relight transformer. Extra --section.key=value override config.",
+        epilog="exit status: 0 done; 1 an error (a fault: the agent restarts the group); 2 bad "
+        f"config or layout; {WATCHDOG_EXIT_CODE} the watchdog saw no step complete in "
+        f"train.watchdog_timeout_s; {PREEMPTED_EXIT_CODE} stopped on a preemption notice "
+        "(docs/troubleshooting.md)",
     )
     parser.add_argument("--config", help="TOML config file (defaults if omitted)")
     args, overrides = parser.parse_known_args(argv)

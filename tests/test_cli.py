@@ -45,3 +45,33 @@ def test_every_subcommand_module_imports() -> None:
 
     for module, _ in SUBCOMMANDS.values():
         assert callable(importlib.import_module(module).main), module
+
+
+def test_every_help_states_the_exit_codes(capsys) -> None:
+    for argv in (["train", "--help"], ["plan", "--help"], ["ckpt", "verify", "--help"],
+                 ["ckpt", "ls", "--help"], ["chaos", "--help"], ["bench", "--help"]):
+        try:
+            main(argv)
+        except SystemExit as e:  # argparse's --help exits 0 where it is not caught
+            assert e.code == 0, argv
+        assert "exit status" in capsys.readouterr().out.lower(), argv
+
+
+def test_chaos_report_json(tmp_path, capsys) -> None:
+    import importlib.util
+    import json
+    from pathlib import Path
+
+    from chaos.report import write_report
+
+    spec = importlib.util.spec_from_file_location(
+        "chaos_test_report", Path(__file__).parent / "chaos" / "test_report.py")
+    mod = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(mod)
+    write_report(tmp_path / "ok", mod._report())
+    write_report(tmp_path / "bad", mod._report(broken=True))
+    assert main(["chaos", "report", str(tmp_path / "ok"), "--json"]) == 0
+    ok = json.loads(capsys.readouterr().out)
+    assert ok["passed"] is True and ok["invariants"]
+    assert main(["chaos", "report", str(tmp_path / "bad"), "--json"]) == 1
+    assert json.loads(capsys.readouterr().out)["passed"] is False
