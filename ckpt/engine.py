@@ -837,6 +837,14 @@ class _Reader:
         target = ts.array(to_numpy(view), copy=False, write=True)
         self.parts.append((target.write(src), dst, None, obj))
 
+    def drain(self) -> None:
+        """Wait for every read of this reader, ignoring their errors."""
+        for fut, *_ in self.parts:
+            try:
+                fut.result()
+            except Exception:  # noqa: BLE001 - the load already failed; its error is raised
+                pass
+
     def result(self) -> torch.Tensor:
         for fut, dst, convert, obj in self.parts:
             try:
@@ -946,8 +954,8 @@ def load(
     views = {(name, (p.offset, p.shape)): p for name, ps in local.items() for p in ps}
     got: dict[tuple[str, Any], torch.Tensor] = {}
     nbytes = ts_bytes = 0
+    readers: list[tuple[Any, _Reader]] = []
     try:
-        readers = []
         packed_cache: dict[str, Any] = {}
         for task in plan.tasks:
             if task.reader == comm.rank:
@@ -965,6 +973,10 @@ def load(
         error = None
     except Exception as e:  # noqa: BLE001
         error = e
+        # Reads still in flight write straight into the target tensors: let them finish
+        # before raising, or they land after a retry (restore's fallback to an older step).
+        for _, r in readers:
+            r.drain()
     errs = comm.allgather_json(_err_json(error) if error else None)
     if error is not None:
         raise error

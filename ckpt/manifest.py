@@ -22,6 +22,7 @@ from ckpt.format import (
     DTYPES,
     INDEX_PREFIX,
     MANIFEST_KEY,
+    MAX_NUMEL,
     check_path,
     check_shape,
     check_version,
@@ -94,6 +95,18 @@ def _bad(url: str, msg: str, tensor: str = "") -> CorruptCheckpointError:
                                   obj=MANIFEST_KEY)
 
 
+def _check_cells(url: str, name: str, shape: Any, chunks: Any, what: str) -> None:
+    """Refuse a grid of more than MAX_CHUNKS chunks: a reader would allocate its index
+    (16 bytes a chunk) before reading a byte of data."""
+    cells = 1
+    for g, c in zip(shape, chunks, strict=True):
+        cells *= -(-g // c) if c > 0 else 0
+    if cells > MAX_CHUNKS:
+        raise AbsurdShapeError(
+            f"checkpoint {url}: {what} {name!r} claims {cells} chunks (limit {MAX_CHUNKS}); "
+            "the manifest is damaged", url=url, tensor=name, obj=MANIFEST_KEY)
+
+
 def validate(m: dict[str, Any], url: str) -> None:
     """Structural checks before anything is allocated or opened from the manifest."""
     check_version(m, url)
@@ -102,12 +115,15 @@ def validate(m: dict[str, Any], url: str) -> None:
     packed = m.get("packed", {})
     if not isinstance(packed, dict):
         raise _bad(url, "manifest 'packed' is not an object")
+    inner = m.get("packed_inner", 1)
+    if not isinstance(inner, int) or isinstance(inner, bool) or not 0 < inner <= MAX_NUMEL:
+        raise AbsurdShapeError(
+            f"checkpoint {url}: packed_inner {inner!r} is not an int in [1, {MAX_NUMEL}]; the "
+            "manifest is damaged", url=url, obj=MANIFEST_KEY)
     for arr, size in packed.items():
         check_path(arr, url)
         check_shape([size], url, arr, "packed size")
-    inner = m.get("packed_inner", 1)
-    if not isinstance(inner, int) or inner <= 0:
-        raise _bad(url, f"bad packed_inner {inner!r}")
+        _check_cells(url, arr, [size], [inner], "packed array")
     for name, t in m["tensors"].items():
         if not isinstance(t, dict):
             raise _bad(url, f"tensor entry {name!r} is not an object", name)
@@ -124,14 +140,8 @@ def validate(m: dict[str, Any], url: str) -> None:
                 raise AbsurdShapeError(
                     f"checkpoint {url}: tensor {name!r} has chunks {chunks} / inner {inner_s} "
                     f"that do not fit shape {shape}", url=url, tensor=name, obj=MANIFEST_KEY)
-            cells = 1
-            for g, c in zip(shape, chunks, strict=True):
-                cells *= -(-g // c)
-            if cells > MAX_CHUNKS:
-                raise AbsurdShapeError(
-                    f"checkpoint {url}: tensor {name!r} claims {cells} chunks (limit "
-                    f"{MAX_CHUNKS}); the manifest is damaged", url=url, tensor=name,
-                    obj=MANIFEST_KEY)
+            _check_cells(url, name, shape, chunks, "tensor")
+            _check_cells(url, name, chunks, inner_s, "shard of tensor")
         elif storage in ("pieces", "packed"):
             pieces = t.get("pieces")
             if not isinstance(pieces, list):
@@ -162,6 +172,7 @@ def validate(m: dict[str, Any], url: str) -> None:
                         raise AbsurdShapeError(
                             f"checkpoint {url}: piece inner chunks {inner_s} do not divide "
                             f"{shp} for {name!r}", url=url, tensor=name, obj=p.get("array"))
+                    _check_cells(url, name, shp, inner_s, "piece of tensor")
         else:
             raise _bad(url, f"tensor {name!r} has unknown storage {storage!r}", name)
 
@@ -179,7 +190,7 @@ def read_commit(store: Store) -> dict[str, Any]:
         commit = json.loads(raw)
         if not isinstance(commit, dict):
             raise ValueError("not an object")
-    except ValueError as e:
+    except (ValueError, RecursionError) as e:
         raise CorruptCheckpointError(f"{url}/{COMMIT_KEY} is not valid JSON ({e})", url=url,
                                      obj=COMMIT_KEY) from None
     return commit
@@ -203,7 +214,7 @@ def read_manifest(store: Store) -> Manifest:
             obj=MANIFEST_KEY)
     try:
         m = json.loads(raw)
-    except ValueError as e:
+    except (ValueError, RecursionError) as e:  # RecursionError: absurdly deep nesting
         raise CorruptCheckpointError(f"{url}/{MANIFEST_KEY} is not valid JSON ({e})", url=url,
                                      obj=MANIFEST_KEY) from None
     validate(m, url)

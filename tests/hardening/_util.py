@@ -50,6 +50,7 @@ def make_state(seed: int) -> dict[str, Any]:
         "w": torch.randn(256, 192, generator=g),
         "h": torch.randn(128, 64, generator=g).half(),
         "bf": torch.randn(96, 80, generator=g).bfloat16(),
+        "hi": torch.randint(-(2**15), 2**15, (128, 64), generator=g, dtype=torch.int16),
         "b": torch.randn(32, generator=g),
         "idx": torch.randint(-(2**40), 2**40, (9,), generator=g),
         "n": seed + 3,
@@ -57,8 +58,8 @@ def make_state(seed: int) -> dict[str, Any]:
     }
 
 
-SMALL_INNER = ckpt.SaveOptions(inner_bytes=16 << 10)
-"""Small inner chunks, so a tensor's shard holds several crc32c-checked pieces."""
+OPTIONS = ckpt.SaveOptions(pack_bytes=4 << 10, inner_bytes=16 << 10)
+"""w, h, bf as their own arrays of several crc32c-checked inner chunks; b, idx packed."""
 
 
 def zeros_like(state: dict[str, Any]) -> dict[str, Any]:
