@@ -68,6 +68,7 @@ __all__ = ["ChaosRunError", "RunOutcome", "run_scenario"]
 
 REPO_ROOT = Path(__file__).resolve().parents[1]
 POLL_S = 0.2
+DAMAGE = (FaultKind.CORRUPT_CHECKPOINT, FaultKind.TRUNCATE_CHECKPOINT)
 CKPT_POLL_S = 0.5
 
 
@@ -157,6 +158,10 @@ def agent_command(scenario: Scenario, endpoint: str, job_id: str, nnodes: str,
         head = [sys.executable, "-c",
                 "import sys; from elastic.launch import main; sys.exit(main(sys.argv[1:]))",
                 f"--run-dir={node_dir}"]
+    conf = f"join_timeout={c.rdzv_timeout_s:g},last_call_timeout={c.last_call_s:g}"
+    if c.rendezvous == "relight-etcd":
+        conf += "".join(f",{k}={v:g}" for k, v in (("lease_ttl", c.lease_ttl_s),
+                                                   ("rejoin_timeout", c.rejoin_timeout_s)) if v)
     return [
         *head,
         f"--rdzv-backend={c.rendezvous}",
@@ -164,7 +169,7 @@ def agent_command(scenario: Scenario, endpoint: str, job_id: str, nnodes: str,
         f"--nproc-per-node={c.ranks_per_node}",
         f"--rdzv-endpoint={endpoint}",
         f"--rdzv-id={job_id}",
-        f"--rdzv-conf=join_timeout={c.rdzv_timeout_s:g},last_call_timeout={c.last_call_s:g}",
+        f"--rdzv-conf={conf}",
         f"--max-restarts={c.max_restarts}",
         f"--monitor-interval={c.monitor_interval_s:g}",
         *(["--no-python"] if c.launcher == "torchrun" else ["--"]),
@@ -603,6 +608,8 @@ class _Watch:
                 now - self.first_step_time >= spec.at_time_s)
         if spec.during is None or self.high < max(spec.after_step, 1):
             return False
+        if spec.kind in DAMAGE and not self.committed:
+            return False  # nothing committed to damage yet (the first save is still in flight)
         if spec.during in ("persist", "before_commit"):
             return phase is not None and phase["phase"] == spec.during
         if spec.during == "restore":
@@ -641,7 +648,7 @@ class _Watch:
             self.pending.append(p)
             return
         self.events.append(ev)
-        damage = spec.kind in (FaultKind.CORRUPT_CHECKPOINT, FaultKind.TRUNCATE_CHECKPOINT)
+        damage = spec.kind in DAMAGE
         if ev.ok and damage:
             self.ckpt_events.append(CheckpointEvent(ev.detail["checkpoint_step"], ev.time,
                                                     "damage"))
@@ -669,7 +676,7 @@ def _window_plan(spec: FaultSpec) -> dict[str, Any] | None:
 def _mtbf_spec(kind: FaultKind, m: Any, interval: int) -> FaultSpec:
     """A drawn fault: its time gates it; the kinds aimed at a save wait for the next one,
     and damage waits until there is a committed checkpoint to damage."""
-    if kind in (FaultKind.CORRUPT_CHECKPOINT, FaultKind.TRUNCATE_CHECKPOINT):
+    if kind in DAMAGE:
         return FaultSpec(kind=kind, during="training", after_step=interval + 2)
     if kind is FaultKind.KILL_DURING_PERSIST:
         return FaultSpec(kind=kind, during="persist")
@@ -750,9 +757,9 @@ def run_scenario(scenario: Scenario, out_dir: str | Path, *, seed: int | None = 
                 ref_url = url("reference")
                 if not ref_outcome.finished:
                     notes.append(f"the reference run did not finish: {ref_outcome.detail}")
-                elif cache is not None and scenario.storage.kind == "local":
+                elif cache is not None:
                     cache.mkdir(parents=True, exist_ok=True)
-                    shutil.copytree(ref_url, cache / "ckpt", dirs_exist_ok=True)
+                    _copy_store(open_store(ref_url), open_store(str(cache / "ckpt")))
                     lines = (out / "reference" / "metrics.observed.jsonl").read_text()
                     (cache / "reference.json").write_text(json.dumps(
                         {"metrics": lines.splitlines()}))
@@ -796,6 +803,15 @@ def run_scenario(scenario: Scenario, out_dir: str | Path, *, seed: int | None = 
         if s3 is not None:
             s3.stop()
         etcd.stop()
+
+
+def _copy_store(src: Store, dst: Store) -> int:
+    """Copy every object of `src` to `dst` (the reference checkpoints into a local cache,
+    from whichever store the reference run wrote them to). Returns the objects copied."""
+    keys = src.list()
+    for key in keys:
+        dst.put(key, src.get(key))
+    return len(keys)
 
 
 def _compare(scenario: Scenario, chaos_probe: CheckpointProbe, ref_url: str | None

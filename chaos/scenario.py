@@ -103,6 +103,12 @@ class ClusterSpec:
     """Rendezvous join timeout handed to the backend (`--rdzv-conf join_timeout=`)."""
     last_call_s: float = 2.0
     """Rendezvous last-call window after min nodes joined."""
+    lease_ttl_s: float = 0.0
+    """relight-etcd: seconds after which a silent (dead) node's lease expires and the
+    survivors stop waiting for it (`--rdzv-conf lease_ttl=`); 0 keeps the backend's default."""
+    rejoin_timeout_s: float = 0.0
+    """relight-etcd: how long a new round waits for live members of the previous round
+    (`--rdzv-conf rejoin_timeout=`); 0 keeps the backend's default."""
     launcher: str = "relight"
     """`relight` (each node runs `relight run`, i.e. `elastic.launch.main`) or `torchrun`
     (plain `python -m torch.distributed.run`, same options)."""
@@ -129,6 +135,9 @@ class ClusterSpec:
         _check(self.monitor_interval_s > 0, "cluster.monitor_interval_s", "must be > 0")
         _check(self.rdzv_timeout_s > 0, "cluster.rdzv_timeout_s", "must be > 0")
         _check(self.last_call_s >= 0, "cluster.last_call_s", "must be >= 0")
+        _check(self.lease_ttl_s == 0 or self.lease_ttl_s >= 1, "cluster.lease_ttl_s",
+               f"must be 0 (default) or >= 1 s (etcd's granularity), got {self.lease_ttl_s}")
+        _check(self.rejoin_timeout_s >= 0, "cluster.rejoin_timeout_s", "must be >= 0")
         _check(self.launcher in ("relight", "torchrun"), "cluster.launcher",
                f"must be relight or torchrun, got {self.launcher!r}")
         _check(self.rendezvous in ("relight-etcd", "c10d"), "cluster.rendezvous",

@@ -23,3 +23,20 @@ def test_probe_reads_committed_state_whole(tmp_path) -> None:
     assert torch.equal(tensors["model/w"], weights)
     assert torch.equal(tensors["model/b"], torch.ones(2))
     assert any(v == {"step": 5} or v == 5 for k, v in state.items() if k.startswith("value:"))
+
+
+def test_reference_copied_out_of_its_store_reads_the_same(tmp_path) -> None:
+    # --reference-cache keeps the reference checkpoints in a local dir whatever store the
+    # reference run wrote them to (the S3 server dies with the run).
+    from chaos.runner import _copy_store
+
+    src_url = "memory://chaos-ref-copy"
+    mgr = ckpt.CheckpointManager(src_url, keep_last=None)
+    weights = torch.arange(6, dtype=torch.float32)
+    mgr.save(3, {"model": {"w": weights}, "train": {"step": 3}}, async_save=False)
+    copied = _copy_store(open_store(src_url), open_store(tmp_path / "cache"))
+    assert copied == len(open_store(src_url).list()) > 0
+    probe = CheckpointProbe(open_store(tmp_path / "cache"))
+    assert probe.committed_steps() == [3]
+    assert torch.equal(probe.read_state(3)["model/w"], weights)
+    assert probe.verify_all() == {3: None}

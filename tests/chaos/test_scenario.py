@@ -55,6 +55,8 @@ BASE = {"name": "t", "training": {"config": "configs/tiny.toml"}}
         ({"target_step": 0}, "target_step"),
         ({"training": {}}, "training.config"),
         ({"verify": {"loss_rtol": -1.0}}, "verify.loss_rtol"),
+        ({"cluster": {"lease_ttl_s": 0.5}}, "cluster.lease_ttl_s"),
+        ({"cluster": {"rejoin_timeout_s": -1.0}}, "cluster.rejoin_timeout_s"),
     ],
 )
 def test_errors_name_the_key(patch: dict, key: str) -> None:
@@ -84,3 +86,19 @@ def test_seed_override_and_mtbf_schedule_is_deterministic() -> None:
     assert times == sorted(times) and times[0] > 5.0
     s = parse_scenario(BASE).with_seed(9)
     assert s.seed == 9
+
+
+def test_rendezvous_timings_reach_the_agents_only_when_set() -> None:
+    from chaos.runner import agent_command
+
+    def conf(cluster: dict) -> str:
+        s = parse_scenario({**BASE, "cluster": cluster})
+        argv = agent_command(s, "http://e", "job", "1:2", ["train.py"], Path("/tmp/n"))
+        return next(a for a in argv if a.startswith("--rdzv-conf="))
+
+    assert conf({}) == "--rdzv-conf=join_timeout=60,last_call_timeout=2"
+    assert conf({"lease_ttl_s": 3, "rejoin_timeout_s": 10}) == (
+        "--rdzv-conf=join_timeout=60,last_call_timeout=2,lease_ttl=3,rejoin_timeout=10")
+    # torchrun's c10d backend knows neither: they are not passed to it.
+    assert conf({"rendezvous": "c10d", "lease_ttl_s": 3}) == (
+        "--rdzv-conf=join_timeout=60,last_call_timeout=2")
