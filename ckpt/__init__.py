@@ -10,7 +10,7 @@ any mesh, stateful objects, JSON values) as zarr v3 arrays through tensorstore, 
     mgr = ckpt.CheckpointManager(root_url, keep_last=3)
 """
 
-from ckpt.engine import LoadInfo, SaveHandle, SaveOptions, load, save
+from ckpt.engine import LoadInfo, SaveHandle, SaveOptions, load, save, wait_staged
 from ckpt.errors import (
     AbsurdShapeError,
     CheckpointError,
@@ -29,6 +29,7 @@ from ckpt.errors import (
     UnsupportedStateError,
     UnsupportedVersionError,
 )
+from ckpt.guard import guard_optimizer
 from ckpt.manager import CheckpointManager, KeepEvery, KeepLast, RetentionPolicy
 from ckpt.verify import VerifyReport, verify
 
@@ -57,7 +58,9 @@ __all__ = [
     "UnsupportedStateError",
     "UnsupportedVersionError",
     "VerifyReport",
+    "guard_optimizer",
     "load",
     "save",
     "verify",
+    "wait_staged",
 ]

@@ -55,6 +55,7 @@ from ckpt.format import (
     FORMAT_VERSION,
     INDEX_PREFIX,
     WRITER_VERSION,
+    align,
     dtype_name,
     inner_chunk_shape,
     itemsize,
@@ -74,12 +75,13 @@ from ckpt.plan import (
     plan_save,
 )
 from ckpt.shardio import ShardGeometry, direct_ok, encode_shard, read_shard_region, shard_key
+from ckpt.staging import Stager, StagingBuffers
 from ckpt.tsio import map_ts_error, open_array, put_metadata, to_numpy
 from storage import ObjectNotFoundError, Store, open_store
 
 logger = logging.getLogger(__name__)
 
-__all__ = ["SaveOptions", "SaveHandle", "LoadInfo", "save", "load"]
+__all__ = ["SaveOptions", "SaveHandle", "LoadInfo", "save", "load", "wait_staged"]
 
 
 @dataclass(kw_only=True)
@@ -95,6 +97,11 @@ class SaveOptions:
     the granularity of partial reads when loading into another layout."""
     packed_inner: int = 64 * 1024
     """Inner chunk size of packed arrays."""
+    pipelined_staging: bool = False
+    """Async saves only: `save()` returns once the staging copy is scheduled and the copy
+    runs in the background thread. The saved tensors must not change in place until
+    `handle.wait_staged()` (or `ckpt.wait_staged()`) returns; `ckpt.guard_optimizer`
+    makes an optimizer's next step wait for it. See docs/ckpt.md."""
     commit_timeout_s: float = 600.0
     """How long the coordinator waits for every rank's index before giving up."""
     collective_timeout_s: float = 300.0
@@ -124,9 +131,15 @@ class SaveHandle:
         self._done = threading.Event()
         self._error: BaseException | None = None
         self.stall_s = 0.0
-        """Seconds the caller was blocked (wait for the previous save + plan + staging)."""
+        """Seconds the caller was blocked (wait for the previous save + plan + staging,
+        unless the staging is pipelined)."""
         self.stage_s = 0.0
-        """Of which: copying into the staging buffers."""
+        """Seconds copying into the staging buffers (in the caller's thread, or in the
+        background with pipelined staging)."""
+        self.staged_s = 0.0
+        """Seconds from the call until the state was no longer read (staging done)."""
+        self._staged = threading.Event()
+        self._t0 = time.perf_counter()
         self.waited_s = 0.0
         self.total_s = 0.0
         self.bytes_written = 0
@@ -134,6 +147,25 @@ class SaveHandle:
 
     def done(self) -> bool:
         return self._done.is_set()
+
+    def staged(self) -> bool:
+        """Whether the save no longer reads the state (it may be changed)."""
+        return self._staged.is_set()
+
+    def wait_staged(self, timeout: float | None = None) -> float:
+        """Block until the save no longer reads the state; returns seconds waited. A
+        staging failure is raised by `wait()`, not here."""
+        if self._staged.is_set():
+            return 0.0
+        t0 = time.perf_counter()
+        if not self._staged.wait(timeout):
+            raise TimeoutError(f"save to {self.url} still staging after {timeout} s")
+        return time.perf_counter() - t0
+
+    def _mark_staged(self) -> None:
+        if not self._staged.is_set():
+            self.staged_s = time.perf_counter() - self._t0
+            self._staged.set()
 
     def wait(self, timeout: float | None = None) -> None:
         if not self._done.wait(timeout):
@@ -147,6 +179,7 @@ class SaveHandle:
 
     def _finish(self, error: BaseException | None) -> None:
         self._error = error
+        self._mark_staged()
         self._done.set()
 
 
@@ -157,9 +190,7 @@ class SaveHandle:
 class _Cached:
     key: tuple[Any, ...]
     plan: SavePlan
-    staging: torch.Tensor | None = None
-    slots: dict[tuple[str, tuple[int, ...]], tuple[int, int]] = field(default_factory=dict)
-    packed_staging: torch.Tensor | None = None
+    bufs: StagingBuffers = field(default_factory=StagingBuffers)
 
 
 class _EngineState:
@@ -170,6 +201,13 @@ class _EngineState:
 
 
 _STATE = _EngineState()
+
+
+def wait_staged() -> float:
+    """Wait until this process's latest save no longer reads the state (pipelined
+    staging); returns seconds waited. Returns at once when nothing is staging."""
+    h = _STATE.inflight
+    return 0.0 if h is None else h.wait_staged()
 
 
 def wait_inflight() -> float:
@@ -204,10 +242,6 @@ PERSIST_THREADS = 8
 
 def _put_shard(store: Store, key: str, arr: np.ndarray, geo: ShardGeometry) -> None:
     store.put(key, encode_shard(arr, geo))
-
-
-def _align(n: int, a: int = 64) -> int:
-    return (n + a - 1) // a * a
 
 
 def save(
@@ -287,59 +321,41 @@ def save(
     plan = cached.plan
 
     t_planned = time.perf_counter()
-    # Stage: copy this rank's pieces into (reused) host buffers.
+    # Stage: copy this rank's pieces into (reused) host buffers, here or (pipelined) in
+    # the background thread before it persists.
     my_writes = plan.writes_of(comm.rank)
     need_copy = async_save or any(
         flat.tensors[t.name].tensor.device.type != "cpu" for t, _ in my_writes)
+    copies = []
+    for t, p in my_writes:
+        piece = next(x for x in pieces_of[t.name] if x.offset == p.offset and x.shape == p.shape)
+        copies.append((t, p, local_view(flat.tensors[t.name].tensor, piece)))
+    background = async_save and opts.pipelined_staging
+    stager = Stager(copies, cached.bufs, need_copy=need_copy,
+                    packed_size=plan.packed_size.get(comm.rank, 0),
+                    packed_inner=plan.packed_inner, background=background)
     staged: dict[tuple[str, tuple[int, ...]], torch.Tensor] = {}
     packed_buf: np.ndarray | None = None
-    packed_size = plan.packed_size.get(comm.rank, 0)
-    if packed_size:
-        padded = _align(packed_size, plan.packed_inner)
-        if cached.packed_staging is None or cached.packed_staging.numel() != padded:
-            cached.packed_staging = torch.zeros(padded, dtype=torch.uint8)
-        packed_t = cached.packed_staging
-        packed_buf = packed_t.numpy()
-    if need_copy and cached.staging is None:
-        total = 0
-        for t, p in my_writes:
-            if t.storage != "packed":
-                cached.slots[(t.name, p.offset)] = (total, numel(p.shape) * itemsize(t.dtype))
-                total = _align(total + numel(p.shape) * itemsize(t.dtype))
-        pin = torch.cuda.is_available() and any(
-            flat.tensors[t.name].tensor.is_cuda for t, _ in my_writes)
-        cached.staging = torch.empty(total, dtype=torch.uint8, pin_memory=pin)
-    used_cuda = False
-    for t, p in my_writes:
-        src_t = flat.tensors[t.name].tensor
-        piece = next(x for x in pieces_of[t.name] if x.offset == p.offset and x.shape == p.shape)
-        src = local_view(src_t, piece)
-        used_cuda |= src.is_cuda
-        if t.storage == "packed":
-            nb = numel(p.shape) * itemsize(t.dtype)
-            dst = packed_t[p.byte_offset: p.byte_offset + nb].view(src.dtype).view(p.shape)
-            dst.copy_(src, non_blocking=src.is_cuda)
-        elif need_copy:
-            off, nb = cached.slots[(t.name, p.offset)]
-            dst = cached.staging[off: off + nb].view(src.dtype).view(p.shape)
-            dst.copy_(src, non_blocking=src.is_cuda)
-            staged[(t.name, p.offset)] = dst
-        else:
-            staged[(t.name, p.offset)] = src.contiguous()
-    if used_cuda:
-        torch.cuda.synchronize()
+    if not background:
+        staged, packed_buf = stager.run()
     values = {n: flat.values[n].value for n, r in plan.value_owner.items() if r == comm.rank}
 
     handle = SaveHandle(store.url, step)
+    handle._t0 = t0
     job = _SaveJob(store, plan, attempt, comm.rank, staged, packed_buf, values, opts,
                    dict(step=step, config=config, layout=layout), handle, on_commit, pre)
     job.on_start = on_start if comm.is_coordinator else None
     job.before_commit = before_commit
+    if background:
+        job.stager = stager
+    else:
+        handle.stage_s = time.perf_counter() - t_planned
+        handle._mark_staged()
     handle.stall_s = time.perf_counter() - t0
     handle.waited_s = waited
-    handle.stage_s = handle.stall_s - (t_planned - t0)
-    logger.debug("%s save stall %.3f s (waited %.3f, plan+handshake %.3f, staging %.3f)",
-                 pre, handle.stall_s, waited, t_planned - t0 - waited, handle.stage_s)
+    logger.debug("%s save stall %.3f s (waited %.3f, plan+handshake %.3f, staging %.3f%s)",
+                 pre, handle.stall_s, waited, t_planned - t0 - waited, handle.stage_s,
+                 ", pipelined" if background else "")
     _STATE.inflight = handle
     if async_save:
         th = threading.Thread(target=job.run, name=f"ckpt-save-{step}", daemon=True)
@@ -506,7 +522,7 @@ class _SaveJob:
                     ps.append(pe)
                 e["pieces"] = ps
             tensors[t.name] = e
-        packed = {f"{self.data}/packed/r{r:05d}": _align(s, self.plan.packed_inner)
+        packed = {f"{self.data}/packed/r{r:05d}": align(s, self.plan.packed_inner)
                   for r, s in self.plan.packed_size.items() if s}
         now = time.time()
         return {
@@ -572,9 +588,23 @@ class _SaveJob:
 
     on_start: Callable[[], None] | None = None
     before_commit: Callable[[dict[str, Any]], None] | None = None
+    stager: Stager | None = None
+    """Pipelined staging: the copy this thread makes before persisting."""
+
+    def _stage(self) -> None:
+        assert self.stager is not None
+        t0 = time.perf_counter()
+        try:
+            self.staged, self.packed = self.stager.run()
+        finally:
+            self.handle.stage_s = time.perf_counter() - t0
+            self.handle._mark_staged()
+            self.stager = None  # drop the references to the live tensors
 
     def _persist_and_index(self) -> BaseException | None:
         try:
+            if self.stager is not None:
+                self._stage()
             if self.on_start is not None:
                 self.on_start()
             nbytes = self.persist()

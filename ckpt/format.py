@@ -64,6 +64,11 @@ def itemsize(name: str) -> int:
     return torch.empty((), dtype=DTYPES[name]).element_size()
 
 
+def align(n: int, a: int = 64) -> int:
+    """`n` rounded up to a multiple of `a`."""
+    return (n + a - 1) // a * a
+
+
 def numel(shape: tuple[int, ...] | list[int]) -> int:
     n = 1
     for s in shape:

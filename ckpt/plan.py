@@ -206,6 +206,7 @@ def plan_save(
 
     tensors: dict[str, TensorPlan] = {}
     packed_size: dict[int, int] = {}
+    meta_count: dict[int, int] = {}
     for idx, name in enumerate(sorted(by_name)):
         t = by_name[name]
         item = itemsize(t.dtype)
@@ -226,7 +227,11 @@ def plan_save(
         if chunks is not None:
             inner = inner_chunk_shape(chunks, item, inner_bytes)
             pieces = tuple(PieceWrite(b[0], b[1], writer[(name, b)], base) for b in boxes)
-            meta = pieces[0].writer if pieces else ranks[0]
+            # zarr.json goes to the piece writer with the fewest so far: each is a small
+            # durable put (two fsyncs on files), and Shard(0) would put them all on rank 0.
+            meta = min(sorted({p.writer for p in pieces}) or [ranks[0]],
+                       key=lambda r: meta_count.get(r, 0))
+            meta_count[meta] = meta_count.get(meta, 0) + 1
             tensors[name] = TensorPlan(name, t.path, t.shape, t.dtype, t.placements, "grid",
                                        base, chunks, inner, pieces, meta)
         else:

@@ -67,6 +67,9 @@ def cases(draw) -> dict:
         # small thresholds so tiny tensors exercise grid, pieces, inner chunks and packing
         "options": {"pack_bytes": draw(st.sampled_from([0, 256, 1 << 20])),
                     "inner_bytes": draw(st.sampled_from([64, 512, 1 << 20])),
+                    # zstd takes tensorstore's path, uncompressed shards the direct one
+                    "compression": draw(st.sampled_from([None, "zstd"])),
+                    "pipelined_staging": draw(st.booleans()),
                     "commit_timeout_s": 20.0},
         "values": {"step": draw(st.integers(0, 100)), "tag": "x"},
     }

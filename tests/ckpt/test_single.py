@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import logging
+import time
 
 import numpy as np
 import pytest
@@ -358,3 +359,73 @@ def test_async_stall_is_a_copy_and_one_save_in_flight(tmp_path) -> None:
     mgr.wait()
     assert h2.done() and mgr.committed_steps() == [1, 2]
     assert h2.stall_s < h2.total_s
+
+
+# ---------------------------------------------------------------------------- pipelined staging
+
+
+def _slow_staging(monkeypatch, delay: float = 0.5) -> None:
+    """Staging that starts late, so a mutation racing it would land in the snapshot."""
+    from ckpt.staging import Stager
+
+    real = Stager.run
+
+    def slow(self):
+        time.sleep(delay)
+        return real(self)
+    monkeypatch.setattr(Stager, "run", slow)
+
+
+def test_pipelined_staging_with_guarded_optimizer_is_not_torn(tmp_path, monkeypatch) -> None:
+    _slow_staging(monkeypatch)
+    model = torch.nn.Linear(256, 128)
+    opt = torch.optim.Adam(model.parameters(), lr=0.5)
+    model(torch.randn(4, 256)).sum().backward()
+    opt.step()
+    hook = ckpt.guard_optimizer(opt)
+    snap = {k: v.clone() for k, v in model.state_dict().items()}
+    opts = ckpt.SaveOptions(pipelined_staging=True)
+    h = ckpt.save({"model": model.state_dict()}, tmp_path / "c", async_save=True, options=opts)
+    assert not h.staged()  # returned before the copy ran
+    model(torch.randn(4, 256)).sum().backward()
+    opt.step()  # the guard makes this wait for the copy
+    assert opt.ckpt_waited_s > 0 and h.staged()
+    h.wait()
+    assert h.staged_s >= h.stage_s and h.staged_s > h.stall_s
+    assert not torch.equal(model.weight, snap["weight"])
+    dst = {"model": {k: torch.zeros_like(v) for k, v in snap.items()}}
+    ckpt.load(dst, tmp_path / "c")
+    assert all(torch.equal(dst["model"][k], snap[k]) for k in snap)
+    hook.remove()
+
+
+def test_wait_staged_and_default_staging(tmp_path) -> None:
+    w = torch.randn(300, 300)
+    h = ckpt.save({"w": w}, tmp_path / "a", async_save=True)
+    assert h.staged() and h.wait_staged() == 0.0  # default: staged before save() returns
+    h.wait()
+    before = w.clone()
+    h = ckpt.save({"w": w}, tmp_path / "b", async_save=True,
+                  options=ckpt.SaveOptions(pipelined_staging=True))
+    ckpt.wait_staged()
+    assert h.staged()
+    w.add_(1)  # allowed now
+    h.wait()
+    dst = {"w": torch.zeros(300, 300)}
+    ckpt.load(dst, tmp_path / "b")
+    assert torch.equal(dst["w"], before)
+
+
+def test_pipelined_staging_failure_is_reported_and_releases_waiters(tmp_path,
+                                                                    monkeypatch) -> None:
+    from ckpt.staging import Stager
+
+    def broken(self):
+        raise RuntimeError("staging copy failed")
+    monkeypatch.setattr(Stager, "run", broken)
+    h = ckpt.save({"w": torch.randn(300, 300)}, tmp_path / "c", async_save=True,
+                  options=ckpt.SaveOptions(pipelined_staging=True, commit_timeout_s=10))
+    h.wait_staged(timeout=10)
+    with pytest.raises(ckpt.CheckpointSaveError, match="staging copy failed"):
+        h.wait(timeout=20)
+    assert not storage.open_store(tmp_path / "c").exists(COMMIT_KEY)
