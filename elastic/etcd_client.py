@@ -483,7 +483,8 @@ class EtcdClient:
                         return False
         except requests.exceptions.ReadTimeout:
             return False
-        except (requests.exceptions.ConnectionError, ValueError) as exc:
+        except (requests.exceptions.RequestException, ValueError) as exc:
+            # ConnectionError, and ChunkedEncodingError when etcd dies mid-stream.
             if "Read timed out" in str(exc):
                 return False
             logger.debug("watch on %s broke (%s); caller re-reads", prefix, _short(exc))

@@ -242,7 +242,6 @@ def main(argv: Sequence[str] | None = None) -> int:
         raise SignalException(f"relight run got {signal.Signals(signum).name}",
                               sigval=signal.Signals(signum))
 
-    signal.signal(signal.SIGTERM, on_sigterm)
     metrics = None
     try:
         if args.metrics_port is not None:
@@ -251,6 +250,7 @@ def main(argv: Sequence[str] | None = None) -> int:
             except (OSError, ValueError) as exc:
                 print(f"relight run: {exc}", file=sys.stderr)
                 return 1
+        signal.signal(signal.SIGTERM, on_sigterm)
         torchrun(args)
         return 0
     except ChildFailedError as exc:

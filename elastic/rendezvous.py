@@ -72,6 +72,7 @@ from elastic.etcd_client import (
     EtcdAuthError,
     EtcdClient,
     EtcdError,
+    EtcdLeaseLostError,
     EtcdSettings,
     EtcdUnavailableError,
     KeyValue,
@@ -410,6 +411,15 @@ class EtcdRendezvousHandler(RendezvousHandler):
                         f"rendezvous for job {s.run_id!r}: {exc}") from None
                 self._log("etcd unreachable (%s); retrying", exc, level=logging.WARNING)
                 time.sleep(0.5)
+            except EtcdLeaseLostError as exc:
+                # Expired before the keeper noticed (this node was stopped longer than
+                # its TTL, or etcd lost it): register again with a new lease; the others
+                # have re-formed without the old one.
+                if _now() >= deadline:
+                    raise RendezvousTimeoutError(
+                        f"rendezvous for job {s.run_id!r}: {exc}") from None
+                self._log("lease lost (%s); registering again", exc, level=logging.WARNING)
+                self._drop_lease()
             except EtcdAuthError as exc:
                 raise RendezvousConnectionError(
                     f"rendezvous for job {s.run_id!r}: {exc}") from None
@@ -479,18 +489,19 @@ class EtcdRendezvousHandler(RendezvousHandler):
                 return False
             self._log("leaving (%s): revoking lease %x", reason, self._lease,
                       level=logging.WARNING)
-            return self._release()
+            # The keepalive client's short deadline: leaving must not hang on a dead etcd.
+            return self._release(self._keep_client)
 
     # -- internals ------------------------------------------------------------
 
-    def _release(self) -> bool:
+    def _release(self, client: EtcdClient | None = None) -> bool:
         revoked = False
         if self._keeper is not None:
             self._keeper.stop()
             self._keeper = None
         if self._lease is not None:
             try:
-                self._client.lease_revoke(self._lease)
+                (client or self._client).lease_revoke(self._lease)
                 revoked = True
             except EtcdError as exc:
                 self._log("could not revoke lease %x (%s); it expires in %.0fs", self._lease,
@@ -535,12 +546,17 @@ class EtcdRendezvousHandler(RendezvousHandler):
                       level=logging.WARNING)
         return len(dead)
 
+    def _drop_lease(self) -> None:
+        """Forget a lease etcd no longer has (nothing to revoke)."""
+        if self._keeper is not None:
+            self._keeper.stop()
+        self._keeper, self._lease = None, None
+
     def _ensure_lease(self) -> None:
         if self._keeper is not None and self._keeper.lost.is_set():
             self._log("lease lost (%s); registering again", self._keeper.error,
                       level=logging.WARNING)
-            self._keeper.stop()
-            self._keeper, self._lease = None, None
+            self._drop_lease()
         if self._lease is None:
             ttl = max(1, round(self.settings.lease_ttl))
             self._lease = self._client.lease_grant(ttl)

@@ -14,12 +14,12 @@ import torch
 from elastic.agent_metrics import AgentMetrics, AgentMetricsConfig
 from elastic.etcd_client import EtcdClient, EtcdSettings
 from elastic.etcd_server import free_port
-from elastic.launch import SHUTDOWN_MARGIN_S, shutdown_timeout_s, training_hints
+from elastic.launch import SHUTDOWN_MARGIN_S, main, shutdown_timeout_s, training_hints
 from elastic.rendezvous import _notify, record_event
 from runtime.config import PreemptionConfig
 from tests.elastic.agents import RDZV_CONF, SCRIPTS, Agents, events, wait_for
 from tests.elastic.rdzv_util import job_id
-from tests.elastic.test_launch import relight_run
+from tests.elastic.test_launch import etcd_processes_in, relight_run
 
 DEFAULT_GRACE = PreemptionConfig().grace_s
 
@@ -165,13 +165,14 @@ def test_agent_metrics_from_events_and_checkpoints(tmp_path) -> None:
     assert metrics.round._value.get() == 3
 
 
-def test_metrics_port_in_use_is_a_clear_error(tmp_path) -> None:
+def test_metrics_port_in_use_is_a_clear_error(tmp_path, capsys) -> None:
     import socket
 
     with socket.socket() as busy:
         busy.bind(("127.0.0.1", 0))
         busy.listen()
         port = busy.getsockname()[1]
-        res = relight_run(f"--metrics-port={port}", "--run-dir", str(tmp_path / "run"), "--",
-                          "true", cwd=tmp_path)
-    assert res.returncode == 1 and f"127.0.0.1:{port}" in res.stderr, res.stderr[-2000:]
+        rc = main([f"--metrics-port={port}", "--run-dir", str(tmp_path / "run"), "--", "true"])
+    assert rc == 1
+    assert f"127.0.0.1:{port}" in capsys.readouterr().err
+    assert etcd_processes_in(tmp_path / "run") == []  # the embedded etcd was stopped

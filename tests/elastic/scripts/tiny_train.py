@@ -9,7 +9,8 @@ match `reference(steps)` exactly, even after a resize.
 
 Checkpoints are plain JSON written atomically by rank 0 (temp file + rename) every
 `--ckpt-every` steps. Every process appends JSON-line events (start, resume, step,
-done, watchdog) to `{out}/events.jsonl` for the tests to measure recovery.
+done, watchdog) to `{out}/events.jsonl` for the tests to measure recovery, each with
+the rendezvous round its agent joined (`RELIGHT_RDZV_ROUND`).
 
 `--watchdog S` starts a progress watchdog thread: no completed step for S seconds
 means a peer hangs (this worker is blocked in a collective). It SIGKILLs sibling
@@ -68,7 +69,8 @@ def reference(steps: int) -> list[float]:
 
 def event(out: str, ev: str, **fields: object) -> None:
     line = json.dumps({"ev": ev, "t": time.time(), "pid": os.getpid(),
-                       "agent_pid": os.getppid(), **fields})
+                       "agent_pid": os.getppid(),
+                       "round": int(os.environ.get("RELIGHT_RDZV_ROUND", "-1")), **fields})
     fd = os.open(os.path.join(out, "events.jsonl"), os.O_WRONLY | os.O_APPEND | os.O_CREAT)
     try:
         os.write(fd, (line + "\n").encode())
