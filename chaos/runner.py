@@ -610,6 +610,11 @@ class _Watch:
             return False
         if spec.kind in DAMAGE and not self.committed:
             return False  # nothing committed to damage yet (the first save is still in flight)
+        c = self.scenario.cluster
+        if spec.kind is FaultKind.SCALE_UP and len(self.cluster.live_nodes()) >= c.max_nodes:
+            return False  # the fleet is full: grow it once a node is gone
+        if spec.kind is FaultKind.SCALE_DOWN and len(self.cluster.live_nodes()) <= c.min_nodes:
+            return False  # shrinking now would stop the job: wait for a node to come back
         if spec.during in ("persist", "before_commit"):
             return phase is not None and phase["phase"] == spec.during
         if spec.during == "restore":
@@ -675,7 +680,8 @@ def _window_plan(spec: FaultSpec) -> dict[str, Any] | None:
 
 def _mtbf_spec(kind: FaultKind, m: Any, interval: int) -> FaultSpec:
     """A drawn fault: its time gates it; the kinds aimed at a save wait for the next one,
-    and damage waits until there is a committed checkpoint to damage."""
+    damage waits until there is a committed checkpoint to damage, and a scale up (down)
+    waits until the fleet is below max_nodes (above min_nodes) — see `_Watch._due`."""
     if kind in DAMAGE:
         return FaultSpec(kind=kind, during="training", after_step=interval + 2)
     if kind is FaultKind.KILL_DURING_PERSIST:

@@ -102,3 +102,32 @@ def test_rendezvous_timings_reach_the_agents_only_when_set() -> None:
     # torchrun's c10d backend knows neither: they are not passed to it.
     assert conf({"rendezvous": "c10d", "lease_ttl_s": 3}) == (
         "--rdzv-conf=join_timeout=60,last_call_timeout=2")
+
+
+def test_drawn_faults_wait_until_they_can_happen(tmp_path: Path) -> None:
+    from chaos.runner import _mtbf_spec, _Pending, _Watch
+
+    s = parse_scenario({**BASE, "cluster": {"nodes": 2, "min_nodes": 1, "max_nodes": 2},
+                        "mtbf": {"count": 3, "kinds": ["scale_up"]}})
+
+    class Fleet:
+        live = [0, 1]
+
+        def live_nodes(self) -> list[int]:
+            return self.live
+
+    fleet = Fleet()
+    watch = _Watch(s, fleet, None, tmp_path / "m.jsonl", tmp_path / "o.jsonl")
+    watch.high, watch.first_step_time = 10, 0.0
+
+    def due(kind: FaultKind) -> bool:
+        return watch._due(_Pending(0, _mtbf_spec(kind, s.mtbf, 5), "mtbf", 1.0), 100.0, None)
+
+    assert not due(FaultKind.SCALE_UP)          # full fleet: nothing to grow into
+    assert due(FaultKind.SCALE_DOWN)
+    assert not due(FaultKind.CORRUPT_CHECKPOINT)  # nothing committed yet
+    watch.committed.add((5, "a"))
+    fleet.live = [1]
+    assert due(FaultKind.SCALE_UP) and due(FaultKind.CORRUPT_CHECKPOINT)
+    assert not due(FaultKind.SCALE_DOWN)        # at min_nodes: shrinking would stop the job
+    watch.close()
