@@ -197,7 +197,10 @@ class TrainConfig:
     peak_tflops: float = 0.0
     """Peak device TFLOP/s for MFU; 0 looks it up for known GPUs (MFU is null otherwise)."""
     prometheus_port: int = 0
-    """Serve Prometheus metrics from rank 0 on 127.0.0.1:PORT; 0 disables."""
+    """Serve Prometheus metrics from rank 0 on ``prometheus_host``:PORT; 0 disables."""
+    prometheus_host: str = "127.0.0.1"
+    """Address the Prometheus endpoint binds; loopback by default. ``0.0.0.0`` exposes it
+    to the network (a Kubernetes scrape): do that only on a trusted network."""
     tensorboard_dir: str = ""
     """Directory for TensorBoard scalars written by rank 0 every step; empty disables."""
 
@@ -209,6 +212,7 @@ class TrainConfig:
         _require(self.log_every >= 1, "train.log_every must be >= 1")
         _require(self.watchdog_timeout_s >= 0, "train.watchdog_timeout_s must be >= 0")
         _require(self.collective_timeout_s > 0, "train.collective_timeout_s must be > 0")
+        _require(bool(self.prometheus_host.strip()), "train.prometheus_host must not be empty")
         _require(0 <= self.prometheus_port <= 65535,
                  f"train.prometheus_port must be a port number, got {self.prometheus_port}")
 

@@ -331,7 +331,8 @@ class Trainer:
         """Rank 0's metrics endpoint, when configured. A port that cannot be bound is
         logged, not fatal: observability must never stop a healthy run."""
         try:
-            exporter = start_prometheus(PrometheusConfig(port=self.cfg.train.prometheus_port),
+            exporter = start_prometheus(PrometheusConfig(port=self.cfg.train.prometheus_port,
+                                                         host=self.cfg.train.prometheus_host),
                                         self.rank)
         except OSError:
             self.log.exception("Prometheus endpoint not started; training continues")

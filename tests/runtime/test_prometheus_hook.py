@@ -21,14 +21,18 @@ def _free_port() -> int:
 def test_trainer_serves_metrics_on_loopback_and_stops() -> None:
     port = _free_port()
     cfg = load_config(str(CONFIG), [f"--train.prometheus_port={port}", "--train.steps=1",
-                                    "--model.n_layers=1", "--train.watchdog_timeout_s=0"])
+                                    "--model.n_layers=1", "--train.watchdog_timeout_s=0",
+                                    "--train.prometheus_host=127.0.0.2"])
     trainer = Trainer(cfg)
     try:
         assert trainer.prometheus is not None
-        body = urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=10).read()
-        text = body.decode()
-        assert "relight_world_size 1.0" in text
+        # train.prometheus_host is the bound address (127.0.0.2 is loopback too on Linux)
+        assert trainer.prometheus._server.server_address[0] == "127.0.0.2"
+        body = urllib.request.urlopen(f"http://127.0.0.2:{port}/metrics", timeout=10).read()
+        assert "relight_world_size 1.0" in body.decode()
+        with socket.socket() as sock:  # bound to that address only
+            assert sock.connect_ex(("127.0.0.1", port)) != 0
     finally:
         trainer.close()
     with socket.socket() as sock:  # the endpoint is gone once the trainer is closed
-        assert sock.connect_ex(("127.0.0.1", port)) != 0
+        assert sock.connect_ex(("127.0.0.2", port)) != 0
