@@ -50,12 +50,19 @@ class SeedRow:
     nominal_mtbf_s: float | None
     measured_mtbf_s: float | None
     """Wall time / faults that forced a restart."""
+    interruptions: int
+    """Resumes the metrics show (worker groups that trained, minus one): faults that hit
+    while the job was already restarting merge into one interruption."""
+    interruption_mtbf_s: float | None
+    """Wall time / interruptions."""
     save_stall_s: float | None
     restore_time_s: float | None
     step_time_s: float | None
     interval_s: float | None
     predicted_goodput: float | None
     """Daly's expected goodput at `measured_mtbf_s` with the measured inputs."""
+    predicted_goodput_interruptions: float | None
+    """The same at `interruption_mtbf_s`."""
     predicted_goodput_nominal: float | None
     """The same at the scenario's nominal MTBF."""
 
@@ -93,6 +100,8 @@ def seed_row(run_dir: str | Path) -> SeedRow:
     except RunMetricsError:
         stall = restore = step = interval = None
     measured_mtbf = wall / len(restarting) if restarting else None
+    interruptions = max(0, len(rep["attempts"]) - 1)
+    interruption_mtbf = wall / interruptions if interruptions else None
     return SeedRow(
         seed=int(rep["seed"]), passed=bool(rep["passed"]), wall_s=wall,
         faults_injected=len(injected), faults_drawn=len(faults),
@@ -101,9 +110,12 @@ def seed_row(run_dir: str | Path) -> SeedRow:
         recovery_max_s=rec["max_s"], goodput=rep["goodput"]["goodput"],
         broken=tuple(i["name"] for i in rep["invariants"] if not i["ok"]),
         recoveries_s=tuple(rec["values_s"]), nominal_mtbf_s=nominal,
-        measured_mtbf_s=measured_mtbf, save_stall_s=stall, restore_time_s=restore,
+        measured_mtbf_s=measured_mtbf, interruptions=interruptions,
+        interruption_mtbf_s=interruption_mtbf, save_stall_s=stall, restore_time_s=restore,
         step_time_s=step, interval_s=interval,
         predicted_goodput=predicted_goodput(interval, stall, restore, measured_mtbf),
+        predicted_goodput_interruptions=predicted_goodput(interval, stall, restore,
+                                                          interruption_mtbf),
         predicted_goodput_nominal=predicted_goodput(interval, stall, restore, nominal),
     )
 
@@ -135,16 +147,18 @@ def render_markdown(rows: Sequence[SeedRow]) -> str:
     out += ["", f"{passed} of {len(rows)} run(s) passed. Recovery (fault -> first step), "
             f"pooled over {pooled['count']} recoveries: median {_f(pooled['median_s'])} s, "
             f"p90 {_f(pooled['p90_s'])} s, max {_f(pooled['max_s'])} s.", ""]
-    out += ["| seed | save stall s | restore s | step s | interval s | MTBF s (restarts) | "
-            "predicted goodput | measured goodput | predicted at nominal MTBF |",
-            "| --- | --- | --- | --- | --- | --- | --- | --- | --- |"]
+    out += ["| seed | save stall s | restore s | step s | interval s | MTBF s: per restart "
+            "/ per interruption / nominal | predicted goodput: per restart / per interruption "
+            "/ nominal | measured goodput |",
+            "| --- | --- | --- | --- | --- | --- | --- | --- |"]
     for r in rows:
         out.append(
             f"| {r.seed} | {_f(r.save_stall_s, '{:.3f}')} | {_f(r.restore_time_s)} | "
-            f"{_f(r.step_time_s, '{:.2f}')} | {_f(r.interval_s)} | {_f(r.measured_mtbf_s)} | "
-            f"{_f(r.predicted_goodput, '{:.2f}')} | {_f(r.goodput, '{:.2f}')} | "
-            f"{_f(r.predicted_goodput_nominal, '{:.2f}')} (MTBF {_f(r.nominal_mtbf_s, '{:.0f}')}"
-            " s) |")
+            f"{_f(r.step_time_s, '{:.2f}')} | {_f(r.interval_s)} | {_f(r.measured_mtbf_s)} "
+            f"({r.restarting_faults}) / {_f(r.interruption_mtbf_s)} ({r.interruptions}) / "
+            f"{_f(r.nominal_mtbf_s, '{:.0f}')} | {_f(r.predicted_goodput, '{:.2f}')} / "
+            f"{_f(r.predicted_goodput_interruptions, '{:.2f}')} / "
+            f"{_f(r.predicted_goodput_nominal, '{:.2f}')} | {_f(r.goodput, '{:.2f}')} |")
     return "\n".join(out) + "\n"
 
 

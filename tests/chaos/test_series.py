@@ -47,6 +47,8 @@ def test_row_measures_and_predicts(tmp_path: Path) -> None:
     assert row.interval_s == 2.5 and row.measured_mtbf_s == 40.0  # 40 s wall / 1 restart
     assert math.isclose(row.predicted_goodput, expected_goodput(2.5, 0.2, 7.0, 40.0))
     assert math.isclose(row.predicted_goodput_nominal, expected_goodput(2.5, 0.2, 7.0, 30.0))
+    assert row.interruptions == 1 and row.interruption_mtbf_s == 40.0
+    assert math.isclose(row.predicted_goodput_interruptions, row.predicted_goodput)
     assert predicted_goodput(None, 0.2, 7.0, 40.0) is None
 
 
