@@ -97,17 +97,23 @@ class TrainingHints:
 
 def training_hints(positional: Sequence[str], grace_flag: float | None) -> TrainingHints:
     """The grace period and checkpoint URL of the training command. For `-m
-    runtime.train [--config F] [overrides]` they come from its config (loaded the way
-    the trainer loads it); otherwise the grace is `--preemption-grace-s`, or the
-    runtime's default when that is not given either."""
+    runtime.train` or `relight train` `[--config F] [overrides]` they come from its
+    config (loaded the way the trainer loads it); otherwise the grace is
+    `--preemption-grace-s`, or the runtime's default when that is not given either."""
     from runtime.config import ConfigError, PreemptionConfig, load_config
 
     default = PreemptionConfig().grace_s if grace_flag is None else grace_flag
-    if list(positional[:2]) != ["--module", "runtime.train"]:
+    positional = list(positional)
+    if positional[:2] == ["--module", "runtime.train"]:
+        train_args = positional[2:]
+    elif (positional[:1] == ["--no-python"] and len(positional) > 2
+          and os.path.basename(positional[1]) == "relight" and positional[2] == "train"):
+        train_args = positional[3:]
+    else:
         return TrainingHints(default, None)
     sub = argparse.ArgumentParser(add_help=False)
     sub.add_argument("--config")
-    known, overrides = sub.parse_known_args(list(positional[2:]))
+    known, overrides = sub.parse_known_args(train_args)
     try:
         cfg = load_config(known.config, overrides)
     except (ConfigError, OSError, ValueError) as exc:
@@ -159,7 +165,8 @@ def _parser() -> argparse.ArgumentParser:
         "--preemption-grace-s", type=float, default=None,
         help="Seconds the workers have between a preemption notice and the hard kill; the "
              "agent's --shutdown-timeout is raised to this plus a margin. Default: the "
-             "training config's preemption.grace_s for `-m runtime.train`, else 30.")
+             "training config's preemption.grace_s for `-m runtime.train` or `relight "
+             "train`, else 30.")
     parser.add_argument(
         "--metrics-port", type=int, default=None,
         help="Serve this node agent's Prometheus metrics on this port (0: a free one). "

@@ -54,6 +54,8 @@ def test_shutdown_timeout_covers_the_preemption_grace(tmp_path, monkeypatch) -> 
                           None).preemption_grace_s == 12.0
     assert training_hints([*runtime_train, "--preemption.enabled=false"],
                           None).preemption_grace_s is None
+    assert training_hints(["--no-python", "/venv/bin/relight", "train", "--config", str(cfg)],
+                          None).preemption_grace_s == 75.0
     assert training_hints(["train.py"], None).preemption_grace_s == DEFAULT_GRACE
     assert training_hints(["train.py"], 50.0).preemption_grace_s == 50.0
 
