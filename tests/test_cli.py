@@ -68,10 +68,9 @@ def test_chaos_report_json(tmp_path, capsys) -> None:
         "chaos_test_report", Path(__file__).parent / "chaos" / "test_report.py")
     mod = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(mod)
-    write_report(tmp_path / "ok", mod._report())
+    # One report (each re-render draws the loss plot); the exit status carries the verdict.
     write_report(tmp_path / "bad", mod._report(broken=True))
-    assert main(["chaos", "report", str(tmp_path / "ok"), "--json"]) == 0
-    ok = json.loads(capsys.readouterr().out)
-    assert ok["passed"] is True and ok["invariants"]
+    capsys.readouterr()
     assert main(["chaos", "report", str(tmp_path / "bad"), "--json"]) == 1
-    assert json.loads(capsys.readouterr().out)["passed"] is False
+    out = json.loads(capsys.readouterr().out)  # stdout is exactly one JSON document
+    assert out["passed"] is False and any(not inv["ok"] for inv in out["invariants"])
