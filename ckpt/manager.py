@@ -38,6 +38,14 @@ __all__ = ["CheckpointManager", "RetentionPolicy", "KeepLast", "KeepEvery", "ste
 RECORDS = "steps/"
 
 
+BUSY_POLICIES = ("wait", "skip")
+
+
+def _check_busy(busy: str) -> None:
+    if busy not in BUSY_POLICIES:
+        raise ValueError(f"CheckpointManager busy must be one of {BUSY_POLICIES}, got {busy!r}")
+
+
 def step_dir(step: int) -> str:
     return f"step-{step:012d}"
 
@@ -163,7 +171,9 @@ class CheckpointManager:
         layout: dict[str, Any] | None = None,
         gc_grace_s: float = 3600.0,
         policies: list[RetentionPolicy] | None = None,
+        busy: str = "wait",
     ) -> None:
+        _check_busy(busy)
         self.store = open_store(root_url)
         self.process_group = process_group
         self.options = options or SaveOptions()
@@ -175,8 +185,17 @@ class CheckpointManager:
             self.policies.append(KeepLast(keep_last))
         if keep_every is not None:
             self.policies.append(KeepEvery(keep_every))
+        self.busy = busy
+        """What `save` does while the previous save is still persisting: "wait" for it
+        (training stalls, every checkpoint is taken) or "skip" this one (training goes
+        on; the next save point tries again). Either way at most one save is in flight
+        and its staging buffers are reused, so memory stays bounded."""
         self._handle: SaveHandle | None = None
         self.failed_saves = 0
+        self.waited_saves = 0
+        """Saves that had to wait for the previous one to finish persisting."""
+        self.skipped_saves = 0
+        """Saves dropped by busy="skip" because the previous one was still persisting."""
         self.last_error: BaseException | None = None
         self.last_wait_s = 0.0
 
@@ -184,10 +203,32 @@ class CheckpointManager:
 
     def save(self, step: int, state_dict: dict[str, Any], async_save: bool = True, *,
              config: dict[str, Any] | None = None,
-             layout: dict[str, Any] | None = None) -> SaveHandle:
+             layout: dict[str, Any] | None = None,
+             busy: str | None = None) -> SaveHandle | None:
         """Checkpoint `state_dict` as `step`. A failure of the previous save is logged and
-        counted here (training goes on) and raised by `wait()`."""
+        counted here (training goes on) and raised by `wait()`.
+
+        While the previous save is still persisting, `busy` (default: the manager's) says
+        whether to wait for it or skip this step: skipped, it returns None, and the
+        caller's state was not touched. Pass busy="wait" for a save that must happen (the
+        last step, a preemption). With "skip" the ranks agree (one small all-gather): a
+        step is skipped on every rank if any rank's previous save is still running."""
+        policy = self.busy if busy is None else busy
+        _check_busy(policy)
         prev = self._handle
+        running = prev is not None and not prev.done()
+        if policy == "skip":
+            running = any(Comm(self.process_group).allgather_json(running))
+        if running:
+            if policy == "skip":
+                self.skipped_saves += 1
+                logger.warning("checkpoint step %d skipped: step %s is still persisting to "
+                               "%s (busy=skip; %d skipped so far)", step,
+                               getattr(prev, "step", None), self.store.url, self.skipped_saves)
+                return None
+            self.waited_saves += 1
+            logger.info("checkpoint step %d waits for step %s, still persisting to %s "
+                        "(busy=wait)", step, getattr(prev, "step", None), self.store.url)
         if prev is not None:
             t0 = time.perf_counter()
             try:

@@ -1,0 +1,137 @@
+"""Storage slower than the checkpoint interval: the next save waits or is skipped, per
+`CheckpointManager(busy=...)`, with at most one save in flight and its staging buffers
+reused, so memory does not grow with the backlog."""
+
+from __future__ import annotations
+
+import logging
+import threading
+import time
+
+import psutil
+import pytest
+import torch
+
+import ckpt
+import ckpt.engine
+import storage
+
+from ._util import assert_bitwise, tally
+
+LATENCY_S = 0.02
+"""Added to every put: one save (about 20 puts) then takes far longer than a step."""
+STEP_S = 0.01
+
+
+def big_state(seed: int) -> dict:
+    g = torch.Generator().manual_seed(seed)
+    return {"w": torch.randn(2048, 2048, generator=g), "b": torch.randn(64, generator=g)}
+
+
+def zeros() -> dict:
+    return {"w": torch.zeros(2048, 2048), "b": torch.zeros(64)}
+
+
+def slow_manager(tmp_path, busy: str) -> ckpt.CheckpointManager:
+    root = storage.open_store(tmp_path / "run")
+    slow = storage.FaultyStore(root, storage.FaultPlan(latency_s=LATENCY_S, ops=("put",)))
+    return ckpt.CheckpointManager(slow, keep_last=2, busy=busy)
+
+
+def staging_buffers() -> set[int]:
+    """Addresses of the host buffers the engine keeps between saves (whatever its
+    internals call them: every tensor held by its cached plan, one level down)."""
+    cached = ckpt.engine._STATE.cached
+    found = set()
+    for obj in (cached, *vars(cached).values()):
+        for v in getattr(obj, "__dict__", {}).values():
+            if isinstance(v, torch.Tensor):
+                found.add(v.data_ptr())
+    assert found, "no staging buffer found in the engine's cached plan"
+    return found
+
+
+def save_threads() -> int:
+    return sum(t.name.startswith("ckpt-save-") for t in threading.enumerate())
+
+
+def train(mgr: ckpt.CheckpointManager, steps: range, state: dict,
+          rss: list[int]) -> list[float]:
+    """A loop that updates the state and saves every step; returns each save's stall
+    and appends the process's RSS after each save to `rss`."""
+    stalls = []
+    for step in steps:
+        time.sleep(STEP_S)
+        state["w"][0, 0] = float(step)  # this step's update, saved below
+        t0 = time.perf_counter()
+        mgr.save(step, state)
+        stalls.append(time.perf_counter() - t0)
+        rss.append(psutil.Process().memory_info().rss)
+        assert save_threads() <= 1
+    return stalls
+
+
+@pytest.mark.parametrize("busy", ["wait", "skip"])
+def test_bounded_memory_and_one_save_in_flight(tmp_path, busy: str, caplog) -> None:
+    mgr = slow_manager(tmp_path, busy)
+    state = big_state(0)
+    nbytes = state["w"].numel() * 4
+    rss: list[int] = []
+    with caplog.at_level(logging.INFO, logger="ckpt.manager"):
+        stalls = train(mgr, range(1, 5), state, rss)
+        staging = staging_buffers()
+        stalls += train(mgr, range(5, 11), state, rss)
+        mgr.wait()
+    # RSS swings by a buffer or two while a save encodes and writes; a buffer kept per
+    # backlogged save would add 16 MiB a save, 64 MiB between these two windows.
+    grown = max(rss[-3:]) - max(rss[3:6])
+    assert grown < 2 * nbytes, f"RSS grew {grown >> 20} MiB over 4 saves"
+    assert staging_buffers() == staging
+    persisted = mgr.committed_steps()
+    if busy == "wait":
+        assert mgr.waited_saves >= 8 and mgr.skipped_saves == 0
+        assert "busy=wait" in caplog.text
+        assert persisted == [9, 10]
+        assert sum(stalls) > 8 * LATENCY_S  # each save waited for a whole persist
+    else:
+        assert mgr.skipped_saves >= 5 and mgr.waited_saves == 0
+        assert "busy=skip" in caplog.text
+        assert 1 <= len(persisted) <= 10 - mgr.skipped_saves
+        taken = 10 - mgr.skipped_saves
+        # Skipping never waits for storage: the loop stalled less than the saves took.
+        assert sum(stalls) < taken * 20 * LATENCY_S
+    # The newest checkpoint holds the state as it was when its save was called, though
+    # the loop kept changing it while the save persisted.
+    last = persisted[-1]
+    got = zeros()
+    assert mgr.restore(got) == last
+    want = big_state(0)
+    want["w"][0, 0] = float(last)
+    assert_bitwise(got, want)
+    tally("faults_injected", 10)
+    tally("runs_completed")
+
+
+def test_skip_then_a_forced_save_waits(tmp_path) -> None:
+    mgr = slow_manager(tmp_path, "skip")
+    state = big_state(1)
+    h1 = mgr.save(1, state)
+    assert h1 is not None and not h1.done()
+    assert mgr.save(2, state) is None and mgr.skipped_saves == 1
+    h3 = mgr.save(3, state, busy="wait")  # the last step: must be taken
+    assert h1.done() and h3 is not None
+    mgr.wait()
+    assert mgr.committed_steps() == [1, 3]
+    got = zeros()
+    assert mgr.restore(got) == 3
+    assert_bitwise(got, state)
+    tally("runs_completed")
+
+
+def test_busy_policy_is_checked(tmp_path) -> None:
+    with pytest.raises(ValueError, match="busy"):
+        ckpt.CheckpointManager(tmp_path / "x", busy="queue")
+    mgr = ckpt.CheckpointManager(tmp_path / "x")
+    with pytest.raises(ValueError, match="'later'"):
+        mgr.save(1, {"a": torch.zeros(1)}, busy="later")
+    tally("bad_inputs", 2)
