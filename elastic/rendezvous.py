@@ -307,7 +307,9 @@ def release_leases(reason: str) -> int:
     signal, so as not to close the rendezvous)."""
     released = 0
     for handler in list(_live):
-        released += handler.leave(reason)
+        # Only in the process that granted the lease (a forked child inherits the set).
+        if handler._lease_pid == os.getpid():
+            released += handler.leave(reason)
     return released
 
 
@@ -348,6 +350,7 @@ class EtcdRendezvousHandler(RendezvousHandler):
         self._keep_client = EtcdClient(dataclasses.replace(
             settings.etcd, timeout=max(0.5, settings.lease_ttl / 3)))
         self._lease: int | None = None
+        self._lease_pid = -1
         self._keeper: LeaseKeeper | None = None
         self._round = -1
         self._participants: list[str] = []
@@ -562,6 +565,7 @@ class EtcdRendezvousHandler(RendezvousHandler):
             self._lease = self._client.lease_grant(ttl)
             self._keeper = LeaseKeeper(self._keep_client, self._lease, ttl,
                                        name=f"relight-lease-{self.settings.run_id}").start()
+            self._lease_pid = os.getpid()
             _live.add(self)
         addr = self._local_addr()
         self._client.put(self._nodes + self.node_id,

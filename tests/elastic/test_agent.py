@@ -4,6 +4,7 @@ lease revoked on SIGTERM, exit status 76 and max-restarts, the agent's metrics."
 from __future__ import annotations
 
 import signal
+import subprocess
 import sys
 import time
 import urllib.request
@@ -17,7 +18,7 @@ from elastic.etcd_server import free_port
 from elastic.launch import SHUTDOWN_MARGIN_S, main, shutdown_timeout_s, training_hints
 from elastic.rendezvous import _notify, record_event
 from runtime.config import PreemptionConfig
-from tests.elastic.agents import RDZV_CONF, SCRIPTS, Agents, events, wait_for
+from tests.elastic.agents import RDZV_CONF, ROOT, SCRIPTS, Agents, events, wait_for
 from tests.elastic.rdzv_util import job_id
 from tests.elastic.test_launch import etcd_processes_in, relight_run
 
@@ -134,6 +135,30 @@ def test_sigterm_revokes_the_lease_after_the_workers_saved(etcd_server, tmp_path
         assert "round=1] joined as rank 0 of 1" in log, log[-3000:]
     finally:
         agents.close()
+
+
+_EXITING_NODE = """
+import sys
+from tests.elastic.rdzv_util import handler
+h = handler(sys.argv[1], sys.argv[2], 1, 1, lease_ttl="30")
+h.next_rendezvous()
+print(h.node_id, flush=True)
+# exits without shutdown(), as plain torchrun's agent does when a signal stops it
+"""
+
+
+@pytest.mark.etcd
+def test_lease_revoked_at_exit_without_shutdown(etcd_server) -> None:
+    run = job_id()
+    res = subprocess.run([sys.executable, "-c", _EXITING_NODE, etcd_server.endpoint, run],
+                         capture_output=True, text=True, timeout=60, cwd=ROOT)
+    assert res.returncode == 0, res.stderr[-2000:]
+    node = res.stdout.strip()
+    client = EtcdClient(EtcdSettings(endpoints=(etcd_server.endpoint,)))
+    # Gone as the process exited, not 30 s later; the rendezvous was not closed.
+    assert client.get(f"{RDZV_CONF['prefix']}/{run}/nodes/{node}") is None
+    assert "leaving (process exit)" in res.stderr
+    assert not client.get(f"{RDZV_CONF['prefix']}/{run}/state").json()["closed"]
 
 
 def test_agent_metrics_from_events_and_checkpoints(tmp_path) -> None:
