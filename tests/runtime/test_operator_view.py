@@ -132,3 +132,21 @@ def test_plan_from_run_uses_the_measured_inputs(run: dict, capsys, tmp_path: Pat
 def test_plan_from_run_without_metrics_exits_3(tmp_path: Path, capsys) -> None:
     assert plan_main(["--from-run", str(tmp_path), "--mtbf-hours-per-gpu", "1"]) == 3
     assert "no metrics file" in capsys.readouterr().err
+
+
+def test_a_failed_restore_is_logged_as_a_fault(run: dict, caplog) -> None:
+    """An explicit restore_step that is not committed: the rank says `fault detected` with
+    its rank and step, then raises (the process exits non-zero and the agent restarts)."""
+    from ckpt.errors import CheckpointNotFoundError
+    from runtime.config import load_config
+    from runtime.train import run_training
+
+    cfg = load_config(ROOT / "configs/tiny.toml", [
+        "--model.n_layers=1", "--train.steps=6", "--train.watchdog_timeout_s=0",
+        f"--checkpoint.url={run['dir'] / 'ckpt'}", "--checkpoint.restore_step=5"])
+    with caplog.at_level("ERROR", logger="runtime.train"), \
+            pytest.raises(CheckpointNotFoundError):
+        run_training(cfg)
+    lines = [r.getMessage() for r in caplog.records if "fault detected" in r.getMessage()]
+    assert lines and lines[0].startswith("[rank 0 step 0] fault detected: "
+                                         "CheckpointNotFoundError")
