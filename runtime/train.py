@@ -299,6 +299,8 @@ class Trainer:
             self._poll_save()
             return time.perf_counter() - t0, False, True
         self._poll_save()  # the manager waited for the previous save: report it first
+        if handle is None:  # skipped by the manager's busy="skip" policy: nothing started
+            return time.perf_counter() - t0, True, False
         self._pending = (handle, began)
         return time.perf_counter() - t0, True, True
 
