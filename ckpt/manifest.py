@@ -254,10 +254,13 @@ def publish_commit(store: Store, attempt: str, raw: bytes, marker: dict[str, Any
     if not store.put_if_absent(COMMIT_KEY, data) and read_commit(store).get("attempt") != attempt:
         _restore_winner_manifest(store)
         raise _exists_error(url, attempt)
-    if store.get(MANIFEST_KEY) != raw:
-        logger.warning("%s: %s was replaced by a racing writer; restoring this commit's",
-                       url, MANIFEST_KEY)
-        store.put(MANIFEST_KEY, raw)
+    try:
+        if store.get(MANIFEST_KEY) != raw:
+            logger.warning("%s: %s was replaced by a racing writer; restoring this commit's",
+                           url, MANIFEST_KEY)
+            store.put(MANIFEST_KEY, raw)
+    except StorageError as e:  # committed already: a failed check must not fail the save
+        logger.warning("%s: committed, but could not re-check %s: %s", url, MANIFEST_KEY, e)
 
 
 def _restore_winner_manifest(store: Store) -> None:

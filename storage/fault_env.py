@@ -144,8 +144,10 @@ class ReloadingFaultyStore(FaultyStore):
         return super()._enter(op, path)
 
     def _with_location(self, location: StorageLocation) -> Store:
-        return ReloadingFaultyStore(self.inner._with_location(location), self.plan_path,
-                                    self.log)
+        child = ReloadingFaultyStore(self.inner._with_location(location), self.plan_path,
+                                     self.log)
+        child.retry = self.retry
+        return child
 
 
 def wrap_store_from_env(store: Store, environ: Mapping[str, str] | None = None) -> Store:

@@ -126,7 +126,9 @@ class FaultyStore(Store):
         return self.inner._root_path()
 
     def _with_location(self, location: StorageLocation) -> Store:
-        return FaultyStore(self.inner._with_location(location), self.plan, self.log)
+        child = FaultyStore(self.inner._with_location(location), self.plan, self.log)
+        child.retry = self.retry  # a retry policy set on the wrapper holds for its children
+        return child
 
     def _put(self, path: str, data: bytes) -> None:
         index = self._enter("put", path)
