@@ -26,7 +26,7 @@ def _train(run: Path, extra: list[str], agent_env: dict[str, str]) -> str:
     env.update(OMP_NUM_THREADS="1", RELIGHT_LOG_LEVEL="INFO", **agent_env)
     proc = subprocess.run(
         [sys.executable, "-m", "runtime.train", "--config", "configs/tiny.toml",
-         "--model.n_layers=1", "--train.steps=6", "--checkpoint.every=2",
+         "--model.n_layers=1", "--train.steps=6", "--checkpoint.every=2", "--train.device=cpu",
          "--train.watchdog_timeout_s=0", f"--checkpoint.url={run / 'ckpt'}",
          f"--train.metrics_path={run / 'metrics.jsonl'}",
          f"--train.tensorboard_dir={run / 'tb'}", *extra],
@@ -143,7 +143,8 @@ def test_a_failed_restore_is_logged_as_a_fault(run: dict, caplog) -> None:
 
     cfg = load_config(ROOT / "configs/tiny.toml", [
         "--model.n_layers=1", "--train.steps=6", "--train.watchdog_timeout_s=0",
-        f"--checkpoint.url={run['dir'] / 'ckpt'}", "--checkpoint.restore_step=5"])
+        "--train.device=cpu", f"--checkpoint.url={run['dir'] / 'ckpt'}",
+        "--checkpoint.restore_step=5"])
     with caplog.at_level("ERROR", logger="runtime.train"), \
             pytest.raises(CheckpointNotFoundError):
         run_training(cfg)
