@@ -24,7 +24,11 @@ naming the tensor and the object.
 
 from __future__ import annotations
 
+import ctypes
+import ctypes.util
+import glob
 import itertools
+import os
 import struct
 import sys
 from dataclasses import dataclass
@@ -101,30 +105,87 @@ def shard_key(array: str, cell: tuple[int, ...] | list[int]) -> str:
     return f"{array}/c/" + "/".join(str(int(c)) for c in cell)
 
 
-def _crc_le(data: bytes) -> bytes:
-    return struct.pack("<I", google_crc32c.value(data))
+def _c_crc32c() -> Any:
+    """`crc32c_extend(crc, ptr, n)` of the crc32c library google_crc32c bundles (or a
+    system one): it takes any memory and releases the GIL (a ctypes call), where
+    `google_crc32c.value` takes only `bytes` and would force a copy of every slice."""
+    try:
+        base = os.path.dirname(os.path.dirname(os.path.abspath(google_crc32c.__file__)))
+        found = sorted(glob.glob(os.path.join(base, "google_crc32c.libs", "libcrc32c*.so*")))
+        found.append(ctypes.util.find_library("crc32c") or "")
+        for path in filter(None, found):
+            fn = ctypes.CDLL(path).crc32c_extend
+            fn.restype, fn.argtypes = ctypes.c_uint32, (ctypes.c_uint32, ctypes.c_void_p,
+                                                        ctypes.c_size_t)
+            if fn(0, b"123456789", 9) == 0xE3069283:  # the CRC-32C check value
+                return fn
+    except (OSError, AttributeError):
+        pass
+    return None
+
+
+_CRC = _c_crc32c()
+
+
+def crc32c_of(buf: np.ndarray, lo: int, hi: int) -> int:
+    """crc32c of bytes [lo, hi) of a C-contiguous uint8 array, without copying them."""
+    if _CRC is not None:
+        return int(_CRC(0, buf.ctypes.data + lo, hi - lo))
+    return int(google_crc32c.value(buf[lo:hi].tobytes()))
+
+
+def _new_bytes(n: int) -> tuple[bytes | bytearray, np.ndarray]:
+    """A new `bytes` of length n and a writable uint8 view of its storage. Filling a bytes
+    object before anyone else holds it is how C code builds one
+    (PyBytes_FromStringAndSize(NULL, n)); it lets the shard be assembled with one copy
+    and handed to `Store.put`, which would copy anything that is not `bytes`."""
+    if sys.implementation.name != "cpython":  # pragma: no cover - other interpreters
+        ba = bytearray(n)
+        return ba, np.frombuffer(ba, dtype=np.uint8)
+    b = _PY_NEW_BYTES(None, n)
+    view = np.ctypeslib.as_array((ctypes.c_uint8 * n).from_address(_PY_BYTES_PTR(b)))
+    return b, view
+
+
+if sys.implementation.name == "cpython":
+    _PY_NEW_BYTES = ctypes.pythonapi.PyBytes_FromStringAndSize
+    _PY_NEW_BYTES.restype, _PY_NEW_BYTES.argtypes = ctypes.py_object, (ctypes.c_void_p,
+                                                                       ctypes.c_ssize_t)
+    _PY_BYTES_PTR = ctypes.pythonapi.PyBytes_AsString
+    _PY_BYTES_PTR.restype, _PY_BYTES_PTR.argtypes = ctypes.c_void_p, (ctypes.py_object,)
+
+
+def _as_bytes_grid(arr: np.ndarray) -> np.ndarray:
+    """`arr` as uint8 with the last dim widened by the item size (a view when the last
+    dim is contiguous), so tiles copy as raw bytes whatever the dtype."""
+    if arr.ndim == 0 or arr.strides[-1] != arr.itemsize:
+        arr = np.ascontiguousarray(arr)
+    return arr.view(np.uint8)
 
 
 def encode_shard(arr: np.ndarray, geo: ShardGeometry) -> bytes:
-    """The shard object of `arr` (the whole outer chunk, any strides)."""
+    """The shard object of `arr` (the whole outer chunk, any strides): one copy of the
+    data (the tile gather), one crc32c pass, no other copy."""
     if tuple(arr.shape) != geo.shape or arr.dtype.itemsize != geo.itemsize:
         raise ValueError(f"array {arr.shape} {arr.dtype} does not fit shard {geo}")
     step = geo.chunk_bytes + 4
-    parts: list[bytes] = []
-    for cell in geo.cells():
-        # tobytes() gathers the tile in C order into one new bytes object: the only copy
-        # before the join (google_crc32c takes bytes, not views).
-        data = arr[geo.tile(cell)].tobytes()
-        parts.append(data)
-        parts.append(_crc_le(data))
     n = geo.n_chunks
+    out, buf = _new_bytes(geo.object_bytes)
+    src = _as_bytes_grid(arr)
+    item = geo.itemsize
+    tile_shape = (*geo.inner[:-1], geo.inner[-1] * item)
     index = np.empty((n, 2), dtype="<u8")
-    index[:, 0] = np.arange(n, dtype=np.uint64) * np.uint64(step)
-    index[:, 1] = step
-    raw = index.tobytes()
-    parts.append(raw)
-    parts.append(_crc_le(raw))
-    return b"".join(parts)
+    for i, cell in enumerate(geo.cells()):
+        lo = i * step
+        t = geo.tile(cell)
+        last = slice(t[-1].start * item, t[-1].stop * item)
+        np.copyto(buf[lo: lo + geo.chunk_bytes].reshape(tile_shape), src[(*t[:-1], last)])
+        struct.pack_into("<I", buf, lo + geo.chunk_bytes, crc32c_of(buf, lo, lo + geo.chunk_bytes))
+        index[i] = (lo, step)
+    at = n * step
+    buf[at: at + 16 * n] = index.reshape(-1).view(np.uint8)
+    struct.pack_into("<I", buf, at + 16 * n, crc32c_of(buf, at, at + 16 * n))
+    return out if isinstance(out, bytes) else bytes(out)
 
 
 def _get(store: Store, key: str, start: int, end: int, url: str, tensor: str, what: str) -> bytes:
@@ -141,45 +202,70 @@ def _get(store: Store, key: str, start: int, end: int, url: str, tensor: str, wh
             "older checkpoint", url=url, tensor=tensor, obj=key) from e
 
 
+def _damaged(url: str, key: str, tensor: str, what: str) -> ChecksumMismatchError:
+    return ChecksumMismatchError(
+        f"tensor {tensor!r}, object {url}/{key}: {what} fails its crc32c; the stored bytes "
+        "are damaged, restore an older checkpoint", url=url, tensor=tensor, obj=key)
+
+
 def read_shard_region(store: Store, key: str, geo: ShardGeometry, region: tuple[slice, ...],
                       out: np.ndarray, *, url: str, tensor: str) -> int:
     """Fill `out` (shape of `region`, the dtype stored) with `region` of the shard object
-    at `key`, fetching only the inner chunks it overlaps. Returns the bytes fetched."""
+    at `key`. Returns the bytes fetched: the whole object in one get when every inner
+    chunk is needed, else the index and then only the inner chunks `region` overlaps
+    (adjacent ones in one ranged get)."""
     end = geo.object_bytes
-    raw = _get(store, key, end - geo.index_bytes, end, url, tensor, "the shard index")
-    if google_crc32c.value(raw) != RESIDUE:
-        raise ChecksumMismatchError(
-            f"tensor {tensor!r}, object {url}/{key}: the shard index fails its crc32c; the "
-            "stored bytes are damaged, restore an older checkpoint", url=url, tensor=tensor,
-            obj=key)
-    entries = np.frombuffer(raw, dtype="<u8", count=2 * geo.n_chunks).reshape(-1, 2)
-    fetched = len(raw)
+    data_end = end - geo.index_bytes
+    cells = geo.overlapping(region)
+    whole = len(cells) == geo.n_chunks
+    if whole:
+        blob = np.frombuffer(_get(store, key, 0, end, url, tensor, "the shard"), np.uint8)
+        raw = blob[data_end:]
+    else:
+        raw = np.frombuffer(_get(store, key, data_end, end, url, tensor, "the shard index"),
+                            np.uint8)
+    if crc32c_of(raw, 0, raw.size) != RESIDUE:
+        raise _damaged(url, key, tensor, "the shard index")
+    entries = raw[:-4].view("<u8").reshape(-1, 2)
     step = geo.chunk_bytes + 4
-    count = geo.chunk_bytes // geo.itemsize
-    for lin, cell in geo.overlapping(region):
+    spans: list[tuple[int, int, tuple[int, ...]]] = []
+    for lin, cell in cells:
         off, nb = int(entries[lin, 0]), int(entries[lin, 1])
         if off == MISSING:
             raise MissingChunkError(
                 f"tensor {tensor!r}, object {url}/{key}: inner chunk {cell} is not stored; "
                 "the checkpoint is incomplete, restore an older one", url=url, tensor=tensor,
                 obj=key)
-        if nb != step or off + nb > end - geo.index_bytes:
+        if nb != step or off + nb > data_end:
             raise CorruptCheckpointError(
                 f"tensor {tensor!r}, object {url}/{key}: index entry of inner chunk {cell} "
                 f"({off}, {nb}) does not fit the shard; restore an older checkpoint",
                 url=url, tensor=tensor, obj=key)
-        data = _get(store, key, off, off + nb, url, tensor, f"inner chunk {cell}")
-        fetched += nb
-        if google_crc32c.value(data) != RESIDUE:
-            raise ChecksumMismatchError(
-                f"tensor {tensor!r}, object {url}/{key}: inner chunk {cell} fails its crc32c; "
-                "the stored bytes are damaged, restore an older checkpoint", url=url,
-                tensor=tensor, obj=key)
-        chunk = np.frombuffer(data, dtype=out.dtype, count=count).reshape(geo.inner)
-        src, dst = [], []
-        for r, t in zip(region, geo.tile(cell), strict=True):
-            lo, hi = max(r.start, t.start), min(r.stop, t.stop)
-            src.append(slice(lo - t.start, hi - t.start))
-            dst.append(slice(lo - r.start, hi - r.start))
-        out[tuple(dst)] = chunk[tuple(src)]
+        spans.append((off, nb, cell))
+    fetched = end if whole else raw.size
+    i = 0
+    while i < len(spans):
+        j = i + 1  # a run of chunks stored back to back: one ranged get
+        while j < len(spans) and spans[j][0] == spans[j - 1][0] + step:
+            j += 1
+        lo, hi = spans[i][0], spans[j - 1][0] + step
+        if whole:
+            run, base = blob, 0
+        else:
+            run = np.frombuffer(_get(store, key, lo, hi, url, tensor, "an inner chunk"),
+                                np.uint8)
+            base = lo
+            fetched += hi - lo
+        for off, _nb, cell in spans[i:j]:
+            at = off - base
+            if crc32c_of(run, at, at + step) != RESIDUE:
+                raise _damaged(url, key, tensor, f"inner chunk {cell}")
+            chunk = run[at: at + geo.chunk_bytes].view(out.dtype).reshape(geo.inner)
+            src, dst = [], []
+            for r, t in zip(region, geo.tile(cell), strict=True):
+                lo_, hi_ = max(r.start, t.start), min(r.stop, t.stop)
+                src.append(slice(lo_ - t.start, hi_ - t.start))
+                dst.append(slice(lo_ - r.start, hi_ - r.start))
+            out[tuple(dst)] = chunk[tuple(src)]
+        i = j
     return fetched
