@@ -232,9 +232,18 @@ class CheckpointConfig:
     restore_step: int = 0
     """Restore this committed step instead of the newest (e.g. to roll back past a loss
     spike); 0 means the newest one that loads."""
+    local_tier_dir: str = ""
+    """Keep a node-local copy of the newest committed checkpoint's data objects under
+    ``<dir>/<job>/<host>`` (use a tmpfs such as ``/dev/shm/relight``: it survives a worker
+    restart, not a reboot) and restore from it when it matches (docs/tiers.md); empty
+    disables the tier."""
+    local_tier_budget_mb: int = 4096
+    """Node memory the local tier may use, split evenly over the node's ranks. Keeping a
+    copy through the next save takes twice the node's shard bytes."""
 
     def __post_init__(self) -> None:
         _require(self.every >= 1, "checkpoint.every must be >= 1")
+        _require(self.local_tier_budget_mb >= 0, "checkpoint.local_tier_budget_mb must be >= 0")
         _require(self.keep_last >= 1, "checkpoint.keep_last must be >= 1")
         _require(self.restore_step >= 0, "checkpoint.restore_step must be >= 0")
 
@@ -313,6 +322,14 @@ class Config:
             f"model.n_heads={self.model.n_heads} is not divisible by parallel.tp="
             f"{self.parallel.tp}; pick tp dividing the head count",
         )
+        if self.checkpoint.url:
+            # A bad URL is a config error (exit 2), not a fault to restart the group over.
+            from storage import InvalidStorageURLError, parse_url
+
+            try:
+                parse_url(self.checkpoint.url)
+            except InvalidStorageURLError as e:
+                raise ConfigError(f"checkpoint.url: {e}") from None
 
 
 def _section_types() -> dict[str, type]:
@@ -396,6 +413,9 @@ def load_config(path: str | Path | None, overrides: list[str] | None = None) -> 
     """Read a TOML file (or defaults when ``path`` is None), apply overrides, validate."""
     raw: dict[str, Any] = {}
     if path is not None:
-        with open(path, "rb") as fh:
-            raw = tomllib.load(fh)
+        try:
+            with open(path, "rb") as fh:
+                raw = tomllib.load(fh)
+        except (OSError, tomllib.TOMLDecodeError, UnicodeDecodeError) as e:
+            raise ConfigError(f"config file {path}: {e}") from None
     return config_from_dict(apply_overrides(raw, overrides or []))

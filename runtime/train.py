@@ -34,6 +34,7 @@ import argparse
 import contextlib
 import logging
 import os
+import socket
 import sys
 import time
 from collections.abc import Callable
@@ -213,6 +214,9 @@ class Trainer:
         self.rdzv_round = rdzv_round_from_env()
         self.restore_s: float | None = None
         """Seconds the checkpoint restore took at start (None: nothing restored)."""
+        self.restore_io: dict[str, Any] | None = None
+        """Bytes the restore read from the persistent store (all of them: data, manifests,
+        markers) and, with a local tier, what each tier served."""
         self._pending: tuple[Any, float] | None = None
         """(handle, unix time the save began) of the save not yet seen finished."""
         self._last_commit_unix: float | None = None
@@ -243,7 +247,7 @@ class Trainer:
         import ckpt  # the checkpoint engine; imported lazily so the runtime works without it
 
         self.ckpt_mgr = ckpt.CheckpointManager(
-            c.url, keep_last=c.keep_last, config=config_to_dict(self.cfg),
+            self._checkpoint_store(), keep_last=c.keep_last, config=config_to_dict(self.cfg),
             layout=self.layout.as_dict(),
         )
         if not c.resume:
@@ -252,6 +256,7 @@ class Trainer:
             self.log.info("no committed checkpoint under %s; starting from scratch", c.url)
             return
         sd = self.state_dict(with_optimizer=True)
+        read0 = self.ckpt_mgr.store.stats.snapshot()["bytes_read"]
         t0 = time.perf_counter()
         # step=None: the newest committed step that loads cleanly (older ones if damaged).
         restored = self.ckpt_mgr.restore(sd, step=c.restore_step or None)
@@ -267,8 +272,41 @@ class Trainer:
         self.log.info("restore from step %d at layout %s (saved at layout %s) from %s in "
                       "%.2f s%s", restored, self.layout.describe(), sd[st.TRAIN].get("layout"),
                       c.url, self.restore_s, rnd)
+        tiers = self.tier_stats()
+        self.restore_io = {"persistent_bytes_read":
+                           self.ckpt_mgr.store.stats.snapshot()["bytes_read"] - read0,
+                           "tiers": tiers}
+        if tiers is not None:
+            self.log.info("restore served %s bytes per tier (local tier misses: %s)",
+                          tiers["served"], tiers["misses"] or "none")
         if self.rank == 0:
             self._note_restored_commit(restored)
+
+    def _checkpoint_store(self) -> Any:
+        """The checkpoint root: the persistent store, fronted by the node-local tier when
+        ``checkpoint.local_tier_dir`` is set (its budget split over this host's ranks)."""
+        from storage import open_store
+
+        c = self.cfg.checkpoint
+        store = open_store(c.url)
+        if not c.local_tier_dir:
+            return store
+        from ckpt.comm import Comm
+        from storage.tiered import TieredStore, local_tier_dir
+
+        host = socket.gethostname()
+        local_ranks = sum(h == host for h in Comm(None).allgather_json(host))
+        budget = c.local_tier_budget_mb * (1 << 20) // max(1, local_ranks)
+        tiered = TieredStore(store, local_tier_dir(c.local_tier_dir, store.url, host), budget,
+                             writer=self.rank)
+        self.log.info("local tier %s, %d MiB for this rank", tiered.local_dir, budget >> 20)
+        return tiered
+
+    def tier_stats(self) -> dict[str, Any] | None:
+        """What each checkpoint tier served (None without a local tier)."""
+        store = getattr(self.ckpt_mgr, "store", None)
+        stats = getattr(store, "tier_stats", None)
+        return None if stats is None else stats.snapshot()
 
     def _note_restored_commit(self, step: int) -> None:
         """The restored checkpoint is the newest commit until this run commits one."""
