@@ -7,7 +7,6 @@ import math
 import sys
 from pathlib import Path
 
-from chaos.report import write_report
 from chaos.series import main, predicted_goodput, seed_row
 from runtime.plan import expected_goodput
 
@@ -19,7 +18,8 @@ def _run_dir(tmp_path: Path, name: str, broken: bool = False) -> Path:
     d = tmp_path / name
     rep = _report(broken=broken)
     rep["scenario_config"] = {"mtbf": {"mean_s": 30.0, "count": 2}}
-    write_report(d, rep)
+    d.mkdir()
+    (d / "report.json").write_text(json.dumps(rep))  # all a row reads
     # Two process lifetimes: steps 1-12 (saving every 5 steps, 0.2 s stall), a fault, a
     # 7 s gap, and steps 11-20 resumed from step 10; 0.5 s per step.
     lines, t = [], 1000.0
