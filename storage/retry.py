@@ -90,6 +90,13 @@ def classify(exc: BaseException, url: str) -> StorageError:
         return TransientStorageError(f"transient failure on {url}: {text}", url=url)
     if isinstance(exc, OSError) and exc.errno in _TRANSIENT_ERRNOS:
         return TransientStorageError(f"transient failure on {url}: {text}", url=url)
+    if type(exc).__name__ in ("NoCredentialsError", "PartialCredentialsError"):
+        # botocore found no (or half a) key pair: retrying cannot help.
+        return StoragePermissionError(
+            f"no S3 credentials for {url}: set AWS_ACCESS_KEY_ID and AWS_SECRET_ACCESS_KEY "
+            "(or AWS_PROFILE) in the environment of every process",
+            url=url,
+        )
     module = type(exc).__module__ or ""
     if module.startswith(("botocore", "aiohttp", "urllib3")) or any(
         marker in text for marker in _TRANSIENT_MARKERS
