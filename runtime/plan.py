@@ -57,6 +57,15 @@ class PlanInputs:
     """Seconds per training step; gives intervals in steps."""
     current_interval_s: float | None = None
     """The interval in use now, to compare with the optimum."""
+    local_restore_time_s: float | None = None
+    """Fault to first useful step when the restore is served by the node-local tier
+    (docs/tiers.md); None: no local tier."""
+    local_hit_fraction: float = 0.0
+    """Share of failures that leave the failed ranks' node memory intact (a process or
+    GPU fault, not a lost host), so the local tier serves the restore."""
+    tier_shard_gb_per_node: float | None = None
+    """Checkpoint data bytes one node holds (its ranks' shards), for the tier's memory
+    cost."""
 
     def __post_init__(self) -> None:
         checks = {
@@ -66,6 +75,12 @@ class PlanInputs:
             "restore_time_s": self.restore_time_s >= 0,
             "step_time_s": self.step_time_s is None or self.step_time_s > 0,
             "current_interval_s": self.current_interval_s is None or self.current_interval_s > 0,
+            "local_restore_time_s": self.local_restore_time_s is None
+            or self.local_restore_time_s >= 0,
+            "local_hit_fraction": 0.0 <= self.local_hit_fraction <= 1.0
+            and (self.local_hit_fraction == 0.0 or self.local_restore_time_s is not None),
+            "tier_shard_gb_per_node": self.tier_shard_gb_per_node is None
+            or self.tier_shard_gb_per_node >= 0,
         }
         for name, ok in checks.items():
             if not ok:
@@ -74,6 +89,15 @@ class PlanInputs:
     @property
     def job_mtbf_s(self) -> float:
         return self.mtbf_hours_per_gpu * 3600.0 / self.gpus
+
+    @property
+    def effective_restore_time_s(self) -> float:
+        """Mean restore time over failures: the local tier's for the share it serves,
+        the persistent store's for the rest."""
+        if self.local_restore_time_s is None:
+            return self.restore_time_s
+        h = self.local_hit_fraction
+        return h * self.local_restore_time_s + (1 - h) * self.restore_time_s
 
 
 @dataclass(frozen=True, slots=True)
@@ -85,6 +109,11 @@ class PlanResult:
     optimal_interval_steps: int | None
     current_interval_s: float | None
     current_goodput: float | None
+    effective_restore_time_s: float
+    """The restore time the goodput uses (per tier, weighted by the hit fraction)."""
+    tier_memory_gb_per_node: float | None
+    """Node memory the local tier holds between saves: the node's shard bytes (twice that
+    while a save is being copied, to keep the committed copy meanwhile)."""
 
 
 def daly_interval(save_stall_s: float, job_mtbf_s: float) -> float:
@@ -112,20 +141,23 @@ def plan(inputs: PlanInputs) -> PlanResult:
     m = inputs.job_mtbf_s
     best = daly_interval(inputs.save_stall_s, m)
     current = inputs.current_interval_s
+    restore = inputs.effective_restore_time_s
     return PlanResult(
         job_mtbf_s=m,
         optimal_interval_s=best,
-        optimal_goodput=expected_goodput(best, inputs.save_stall_s, inputs.restore_time_s, m),
+        optimal_goodput=expected_goodput(best, inputs.save_stall_s, restore, m),
         young_interval_s=math.sqrt(2 * inputs.save_stall_s * m),
         optimal_interval_steps=(
             max(1, round(best / inputs.step_time_s)) if inputs.step_time_s else None
         ),
         current_interval_s=current,
         current_goodput=(
-            expected_goodput(current, inputs.save_stall_s, inputs.restore_time_s, m)
+            expected_goodput(current, inputs.save_stall_s, restore, m)
             if current
             else None
         ),
+        effective_restore_time_s=restore,
+        tier_memory_gb_per_node=inputs.tier_shard_gb_per_node,
     )
 
 
@@ -252,7 +284,8 @@ def goodput_curve(inputs: PlanInputs, points: int = 60) -> list[tuple[float, flo
     lo, hi = math.log(best / 30), math.log(best * 30)
     grid = [math.exp(lo + (hi - lo) * i / (points - 1)) for i in range(points)]
     return [
-        (t, expected_goodput(t, inputs.save_stall_s, inputs.restore_time_s, inputs.job_mtbf_s))
+        (t, expected_goodput(t, inputs.save_stall_s, inputs.effective_restore_time_s,
+                             inputs.job_mtbf_s))
         for t in grid
     ]
 
@@ -311,6 +344,14 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("--step-time", type=float, help="seconds per training step")
     p.add_argument("--interval", type=float,
                    help="current checkpoint interval, seconds of compute")
+    p.add_argument("--local-restore-time", type=float,
+                   help="seconds from a fault to the first step when the node-local tier "
+                   "serves the restore (checkpoint.local_tier_dir)")
+    p.add_argument("--local-hit-fraction", type=float, default=0.0,
+                   help="share of failures the local tier serves (node memory intact: "
+                   "process and GPU faults, not lost hosts); default 0")
+    p.add_argument("--tier-shard-gb", type=float,
+                   help="checkpoint GB one node holds, for the local tier's memory cost")
     p.add_argument("--json", action="store_true", help="print JSON")
     p.add_argument("--plot", type=Path, help="write a PNG of goodput vs interval")
     return p
@@ -339,7 +380,10 @@ def _inputs(args: argparse.Namespace, measured: RunMeasurements | None) -> PlanI
     return PlanInputs(gpus=int(values["gpus"]), mtbf_hours_per_gpu=args.mtbf_hours_per_gpu,
                       save_stall_s=float(values["save_stall_s"]),
                       restore_time_s=float(values["restore_time_s"]), step_time_s=step,
-                      current_interval_s=current)
+                      current_interval_s=current,
+                      local_restore_time_s=args.local_restore_time,
+                      local_hit_fraction=args.local_hit_fraction,
+                      tier_shard_gb_per_node=args.tier_shard_gb)
 
 
 def _print_text(inputs: PlanInputs, result: PlanResult, m: RunMeasurements | None) -> None:
@@ -356,6 +400,15 @@ def _print_text(inputs: PlanInputs, result: PlanResult, m: RunMeasurements | Non
             print(f"  checkpoint every {m.interval_steps} steps")
     print(f"inputs: {inputs.gpus} GPUs, MTBF {inputs.mtbf_hours_per_gpu:g} h per GPU, save "
           f"stall {inputs.save_stall_s:.3g} s, restore {inputs.restore_time_s:.3g} s")
+    if inputs.local_restore_time_s is not None:
+        print(f"tiers: local tier serves {inputs.local_hit_fraction:.0%} of failures in "
+              f"{inputs.local_restore_time_s:.3g} s, the persistent store the rest in "
+              f"{inputs.restore_time_s:.3g} s: mean restore "
+              f"{result.effective_restore_time_s:.3g} s")
+    if result.tier_memory_gb_per_node is not None:
+        gb = result.tier_memory_gb_per_node
+        print(f"local tier memory: {gb:.3g} GB per node between saves, {2 * gb:.3g} GB "
+              "while a save is copied (checkpoint.local_tier_budget_mb)")
     print(f"job MTBF: {result.job_mtbf_s / 3600:.2f} h ({inputs.gpus} GPUs)")
     steps = f" (~{result.optimal_interval_steps} steps)" if result.optimal_interval_steps else ""
     print(f"optimal interval: {result.optimal_interval_s:.0f} s{steps}; "
