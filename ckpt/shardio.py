@@ -31,6 +31,7 @@ import itertools
 import os
 import struct
 import sys
+from contextlib import AbstractContextManager, nullcontext
 from dataclasses import dataclass
 from typing import Any
 
@@ -202,6 +203,21 @@ def _get(store: Store, key: str, start: int, end: int, url: str, tensor: str, wh
             "older checkpoint", url=url, tensor=tensor, obj=key) from e
 
 
+def _decode(run: np.ndarray, at: int, geo: ShardGeometry, cell: tuple[int, ...],
+            region: tuple[slice, ...], out: np.ndarray, url: str, key: str,
+            tensor: str) -> None:
+    """Check the inner chunk at `run[at:]` and copy its part of `region` into `out`."""
+    if crc32c_of(run, at, at + geo.chunk_bytes + 4) != RESIDUE:
+        raise _damaged(url, key, tensor, f"inner chunk {cell}")
+    chunk = run[at: at + geo.chunk_bytes].view(out.dtype).reshape(geo.inner)
+    src, dst = [], []
+    for r, t in zip(region, geo.tile(cell), strict=True):
+        lo, hi = max(r.start, t.start), min(r.stop, t.stop)
+        src.append(slice(lo - t.start, hi - t.start))
+        dst.append(slice(lo - r.start, hi - r.start))
+    out[tuple(dst)] = chunk[tuple(src)]
+
+
 def _damaged(url: str, key: str, tensor: str, what: str) -> ChecksumMismatchError:
     return ChecksumMismatchError(
         f"tensor {tensor!r}, object {url}/{key}: {what} fails its crc32c; the stored bytes "
@@ -209,11 +225,13 @@ def _damaged(url: str, key: str, tensor: str, what: str) -> ChecksumMismatchErro
 
 
 def read_shard_region(store: Store, key: str, geo: ShardGeometry, region: tuple[slice, ...],
-                      out: np.ndarray, *, url: str, tensor: str) -> int:
+                      out: np.ndarray, *, url: str, tensor: str,
+                      cpu: AbstractContextManager[Any] | None = None) -> int:
     """Fill `out` (shape of `region`, the dtype stored) with `region` of the shard object
     at `key`. Returns the bytes fetched: the whole object in one get when every inner
     chunk is needed, else the index and then only the inner chunks `region` overlaps
-    (adjacent ones in one ranged get)."""
+    (adjacent ones in one ranged get). `cpu` (e.g. a lock shared by reader threads) is
+    held while fetched bytes are checked and copied, not while fetching."""
     end = geo.object_bytes
     data_end = end - geo.index_bytes
     cells = geo.overlapping(region)
@@ -256,16 +274,8 @@ def read_shard_region(store: Store, key: str, geo: ShardGeometry, region: tuple[
                                 np.uint8)
             base = lo
             fetched += hi - lo
-        for off, _nb, cell in spans[i:j]:
-            at = off - base
-            if crc32c_of(run, at, at + step) != RESIDUE:
-                raise _damaged(url, key, tensor, f"inner chunk {cell}")
-            chunk = run[at: at + geo.chunk_bytes].view(out.dtype).reshape(geo.inner)
-            src, dst = [], []
-            for r, t in zip(region, geo.tile(cell), strict=True):
-                lo_, hi_ = max(r.start, t.start), min(r.stop, t.stop)
-                src.append(slice(lo_ - t.start, hi_ - t.start))
-                dst.append(slice(lo_ - r.start, hi_ - r.start))
-            out[tuple(dst)] = chunk[tuple(src)]
+        with cpu or nullcontext():
+            for off, _nb, cell in spans[i:j]:
+                _decode(run, off - base, geo, cell, region, out, url, key, tensor)
         i = j
     return fetched
