@@ -64,8 +64,11 @@ def test_client_without_the_role_is_refused(etcd_secure, tls_certs, monkeypatch)
     conf = {"prefix": "/relight-secure", "username": "mallory", "ca_file": tls_certs.ca,
             "cert_file": tls_certs.client_cert, "key_file": tls_certs.client_key}
     intruder = handler(etcd_secure.endpoint, job_id(), 1, 1, **conf)
-    with pytest.raises(RendezvousConnectionError, match="denied"):
-        intruder.next_rendezvous()
+    try:
+        with pytest.raises(RendezvousConnectionError, match="denied"):
+            intruder.next_rendezvous()
+    finally:
+        intruder.shutdown()  # as torchrun's agent does: stops the lease keeper
 
 
 def _running(pid: int) -> bool:

@@ -306,11 +306,13 @@ def test_tls_and_auth(etcd_secure, tls_certs, monkeypatch) -> None:
     bad = handler(etcd_secure.endpoint, job_id(), 1, 1, **{**conf, "prefix": "/other"})
     with pytest.raises(RendezvousConnectionError, match="denied"):
         bad.next_rendezvous()
+    bad.shutdown()  # as torchrun's agent does: stops the lease keeper
     monkeypatch.setenv(PASSWORD_ENV, "wrong")
     wrong = create_handler(RendezvousParameters(
         "relight-etcd", etcd_secure.endpoint, job_id(), 1, 1, **conf))
     with pytest.raises(RendezvousConnectionError, match="alice"):
         wrong.next_rendezvous()
+    wrong.shutdown()
 
 
 def test_entry_point_registers_when_elastic_rendezvous_is_imported_first() -> None:
