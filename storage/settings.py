@@ -2,11 +2,24 @@
 
 from __future__ import annotations
 
+import logging
 import os
 from dataclasses import dataclass, field
 from typing import Any
 
 __all__ = ["S3Settings"]
+
+SDK_LOGGERS = ("botocore", "aiobotocore", "s3fs", "urllib3", "aiohttp")
+"""At DEBUG these print every request's headers, the access key id included."""
+
+
+def quiet_sdk_loggers() -> None:
+    """Keep the S3 SDK's loggers at INFO or above even when the process logs at DEBUG
+    (RELIGHT_LOG_LEVEL=DEBUG): credentials must not reach a log."""
+    for name in SDK_LOGGERS:
+        sdk = logging.getLogger(name)
+        if sdk.getEffectiveLevel() < logging.INFO:
+            sdk.setLevel(logging.INFO)
 
 
 @dataclass(frozen=True, slots=True)
@@ -37,6 +50,8 @@ class S3Settings:
 
     def filesystem(self) -> Any:
         import s3fs
+
+        quiet_sdk_loggers()
 
         client_kwargs: dict[str, Any] = {"region_name": self.region}
         if self.endpoint_url:
