@@ -27,6 +27,7 @@ Every other option is torchrun's, with torchrun's meaning (`--nnodes`,
 from __future__ import annotations
 
 import argparse
+import contextlib
 import logging
 import math
 import os
@@ -35,13 +36,13 @@ import signal
 import sys
 import time
 import uuid
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING
 
 from elastic.etcd_server import EtcdServer, EtcdServerError
-from elastic.rendezvous import BACKEND_NAME, EVENTS_ENV, release_leases
+from elastic.rendezvous import BACKEND_NAME, EVENTS_ENV, RDZV_ROUND_ENV, release_leases
 
 if TYPE_CHECKING:
     from elastic.agent_metrics import AgentMetrics
@@ -209,6 +210,39 @@ def main(argv: Sequence[str] | None = None) -> int:
               "its own etcd when --rdzv-endpoint is not given: drop --standalone",
               file=sys.stderr)
         return 2
+    with _scoped_process_state():
+        return _launch(args, opts, positional)
+
+
+_RESTORED_SIGNALS = (signal.SIGTERM, signal.SIGINT, signal.SIGHUP, signal.SIGQUIT)
+
+
+@contextlib.contextmanager
+def _scoped_process_state() -> Iterator[None]:
+    """`main()` may be called in-process (tests, scripts): what a launch changes in the
+    process (the events and round variables, the signal handlers torchrun and this
+    module install, the `elastic` logger's handler) is put back when it returns."""
+    saved_env = {k: os.environ.get(k) for k in (EVENTS_ENV, RDZV_ROUND_ENV)}
+    saved_signals = {s: signal.getsignal(s) for s in _RESTORED_SIGNALS}
+    log = logging.getLogger("elastic")
+    saved_log = (list(log.handlers), log.level, log.propagate)
+    try:
+        yield
+    finally:
+        for key, value in saved_env.items():
+            if value is None:
+                os.environ.pop(key, None)
+            else:
+                os.environ[key] = value
+        for sig, handler in saved_signals.items():
+            if handler is not None:
+                signal.signal(sig, handler)
+        log.handlers[:] = saved_log[0]
+        log.setLevel(saved_log[1])
+        log.propagate = saved_log[2]
+
+
+def _launch(args: argparse.Namespace, opts: Sequence[str], positional: list[str]) -> int:
     if not _given(opts, "--rdzv-backend", "--rdzv_backend"):
         args.rdzv_backend = BACKEND_NAME
     hints = training_hints(positional, args.preemption_grace_s)

@@ -3,6 +3,8 @@ lease revoked on SIGTERM, exit status 76 and max-restarts, the agent's metrics."
 
 from __future__ import annotations
 
+import logging
+import os
 import signal
 import subprocess
 import sys
@@ -193,7 +195,14 @@ def test_metrics_port_in_use_is_a_clear_error(tmp_path, capsys) -> None:
         busy.bind(("127.0.0.1", 0))
         busy.listen()
         port = busy.getsockname()[1]
+        sigterm_before = signal.getsignal(signal.SIGTERM)
+        events_before = os.environ.get("RELIGHT_EVENTS_FILE")
+        handlers_before = list(logging.getLogger("elastic").handlers)
         rc = main([f"--metrics-port={port}", "--run-dir", str(tmp_path / "run"), "--", "true"])
     assert rc == 1
     assert f"127.0.0.1:{port}" in capsys.readouterr().err
     assert etcd_processes_in(tmp_path / "run") == []  # the embedded etcd was stopped
+    # Called in-process, main() leaves the process as it found it.
+    assert os.environ.get("RELIGHT_EVENTS_FILE") == events_before
+    assert signal.getsignal(signal.SIGTERM) is sigterm_before
+    assert logging.getLogger("elastic").handlers == handlers_before
