@@ -727,18 +727,21 @@ PACKED_WHOLE_READ = 32 << 20
 
 
 _READ_POOL_LOCK = threading.Lock()
-_READ_POOL: ThreadPoolExecutor | None = None
-READ_THREADS = 8
+_READ_POOLS: dict[bool, ThreadPoolExecutor] = {}
+READ_THREADS = {False: 2, True: 8}
+"""Direct-read threads per process, for local stores (files, memory: a read is a copy
+in the kernel, CPU work, and ranks share the cores) and remote ones (S3: requests wait
+on the network, so more in flight hide latency)."""
 
 
-def _read_pool() -> ThreadPoolExecutor:
+def _read_pool(store: Store) -> ThreadPoolExecutor:
     """Threads for direct shard reads, shared by every load of this process."""
-    global _READ_POOL
+    remote = store.location.scheme not in ("file", "memory")
     with _READ_POOL_LOCK:
-        if _READ_POOL is None:
-            _READ_POOL = ThreadPoolExecutor(max_workers=READ_THREADS,
-                                            thread_name_prefix="ckpt-read")
-        return _READ_POOL
+        if remote not in _READ_POOLS:
+            _READ_POOLS[remote] = ThreadPoolExecutor(max_workers=READ_THREADS[remote],
+                                                     thread_name_prefix="ckpt-read")
+        return _READ_POOLS[remote]
 
 
 _DECODE = threading.Lock()
@@ -833,7 +836,7 @@ class _Reader:
             n = size if whole else (((bo + nb - 1) // pi - bo // pi + 1) * pi if nb else 0)
             self.bytes += n
             if direct:
-                fut = _read_pool().submit(_read_bytes, self.store, key, geo, lo_b, hi_b,
+                fut = _read_pool(self.store).submit(_read_bytes, self.store, key, geo, lo_b, hi_b,
                                           self.store.url, self.name)
             else:
                 self.ts_bytes += n
@@ -867,7 +870,7 @@ class _Reader:
     def _direct(self, key: str, geo: ShardGeometry, src: tuple[slice, ...],
                 dst: tuple[slice, ...]) -> None:
         view = to_numpy(self.out[dst] if dst else self.out)
-        fut = _read_pool().submit(read_shard_region, self.store, key, geo, src, view,
+        fut = _read_pool(self.store).submit(read_shard_region, self.store, key, geo, src, view,
                                   url=self.store.url, tensor=self.name, cpu=_DECODE)
         self.parts.append((fut, dst, None, key))
 

@@ -61,7 +61,7 @@ def dtype_name(dtype: torch.dtype, tensor: str = "") -> str:
 
 
 def itemsize(name: str) -> int:
-    return torch.empty((), dtype=DTYPES[name]).element_size()
+    return DTYPES[name].itemsize
 
 
 def align(n: int, a: int = 64) -> int:
