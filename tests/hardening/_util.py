@@ -62,6 +62,14 @@ OPTIONS = ckpt.SaveOptions(pack_bytes=4 << 10, inner_bytes=16 << 10)
 """w, h, bf as their own arrays of several crc32c-checked inner chunks; b, idx packed."""
 
 
+def local_store(path: str | os.PathLike[str]) -> storage.Store:
+    """A directory store without fsync: these tests check what is published, not
+    durability across power cuts, and fsync on a shared CI disk costs most of their time."""
+    from storage.fsspec_store import LocalStore
+
+    return LocalStore(storage.parse_url(os.fspath(path)), fsync=False)
+
+
 def zeros_like(state: dict[str, Any]) -> dict[str, Any]:
     return {k: torch.zeros_like(v) if isinstance(v, torch.Tensor) else None
             for k, v in state.items()}

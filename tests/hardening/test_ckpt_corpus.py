@@ -21,6 +21,7 @@ from ._util import (
     OPTIONS,
     assert_bitwise,
     edit_manifest,
+    local_store,
     make_state,
     resign,
     snapshot,
@@ -200,7 +201,7 @@ CASES: dict[str, Case] = {
 
 @pytest.fixture
 def two_steps(tmp_path):
-    root = storage.open_store(tmp_path / "run")
+    root = local_store(tmp_path / "run")
     mgr = ckpt.CheckpointManager(root, keep_last=5, options=OPTIONS)
     for step in (1, 2):
         mgr.save(step, make_state(step), async_save=False)

@@ -18,7 +18,7 @@ from ckpt.format import MANIFEST_KEY
 
 from ._util import OPTIONS, TYPED, make_state, resign, run_bounded, tally, zeros_like
 
-EXAMPLES = 200
+EXAMPLES = 150
 LOAD_TIMEOUT_S = 30.0
 FUZZ = settings(max_examples=EXAMPLES, deadline=None, derandomize=True, database=None,
                 suppress_health_check=[HealthCheck.too_slow, HealthCheck.data_too_large])

@@ -17,7 +17,7 @@ from ckpt.format import COMMIT_KEY, MANIFEST_KEY
 from ckpt.manager import step_dir
 from ckpt.manifest import publish_commit
 
-from ._util import assert_bitwise, make_state, snapshot, tally, zeros_like
+from ._util import assert_bitwise, local_store, make_state, snapshot, tally, zeros_like
 
 
 class Writer:
@@ -39,13 +39,13 @@ class Writer:
 
 @pytest.fixture
 def race(tmp_path):
-    root = storage.open_store(tmp_path / "run")
+    root = local_store(tmp_path / "run")
     mgr = ckpt.CheckpointManager(root)
     mgr.save(1, make_state(1), async_save=False)
     older = snapshot(root, step_dir(1))
     target = root.child(step_dir(2))
-    a = Writer(target, storage.open_store(tmp_path / "a"), 10)
-    b = Writer(target, storage.open_store(tmp_path / "b"), 20)
+    a = Writer(target, local_store(tmp_path / "a"), 10)
+    b = Writer(target, local_store(tmp_path / "b"), 20)
     yield root, target, a, b
     # Whatever the interleaving: step 1 is untouched and still loads bitwise.
     assert snapshot(root, step_dir(1)) == older

@@ -16,7 +16,7 @@ import ckpt
 import ckpt.engine
 import storage
 
-from ._util import assert_bitwise, tally
+from ._util import assert_bitwise, local_store, tally
 
 LATENCY_S = 0.02
 """Added to every put: one save (about 20 puts) then takes far longer than a step."""
@@ -33,7 +33,7 @@ def zeros() -> dict:
 
 
 def slow_manager(tmp_path, busy: str) -> ckpt.CheckpointManager:
-    root = storage.open_store(tmp_path / "run")
+    root = local_store(tmp_path / "run")
     slow = storage.FaultyStore(root, storage.FaultPlan(latency_s=LATENCY_S, ops=("put",)))
     return ckpt.CheckpointManager(slow, keep_last=2, busy=busy)
 
@@ -110,6 +110,7 @@ def test_bounded_memory_and_one_save_in_flight(tmp_path, busy: str, caplog) -> N
     assert_bitwise(got, want)
     tally("faults_injected", 10)
     tally("runs_completed")
+    tally("checkpoints_checked")
 
 
 def test_skip_then_a_forced_save_waits(tmp_path) -> None:
@@ -126,6 +127,7 @@ def test_skip_then_a_forced_save_waits(tmp_path) -> None:
     assert mgr.restore(got) == 3
     assert_bitwise(got, state)
     tally("runs_completed")
+    tally("checkpoints_checked")
 
 
 def test_busy_policy_is_checked(tmp_path) -> None:

@@ -14,33 +14,47 @@ import storage
 from ckpt.format import COMMIT_KEY
 from ckpt.manager import step_dir
 
-from ._util import OPTIONS, TYPED, assert_bitwise, make_state, snapshot, tally, zeros_like
+from ._util import (
+    OPTIONS,
+    TYPED,
+    assert_bitwise,
+    local_store,
+    make_state,
+    snapshot,
+    tally,
+    zeros_like,
+)
 
 NO_RETRY = storage.RetryPolicy(max_attempts=1)
 FAST_RETRY = storage.RetryPolicy(max_attempts=3, base_delay_s=0.0, max_delay_s=0.0)
 
 
-def _fresh_root(backend: str, tmp_path) -> storage.Store:
+def _fresh_root(backend: str, tmp_path, request) -> storage.Store:
     if backend == "file":
-        return storage.open_store(tmp_path / uuid.uuid4().hex)
+        return local_store(tmp_path / uuid.uuid4().hex)
+    if backend == "s3":
+        return storage.open_store(f"{request.getfixturevalue('s3_url')}/{uuid.uuid4().hex}")
     return storage.open_store(f"memory://faults/{uuid.uuid4().hex}")
 
 
-SWEEPS = [("file", "none"), ("memory", "none"), ("memory", "retried")]
+SWEEPS = [("file", "none"), ("memory", "none"), ("memory", "retried"),
+          pytest.param(("s3", "none"), marks=[pytest.mark.s3, pytest.mark.slow])]
 """(backend, retries): without retries every injected fault reaches the engine; with
-them (memory only: the same code path, faster) every fault must be absorbed."""
+them (memory only: the same code path, faster) every fault must be absorbed. The S3
+sweep runs against the real server (SeaweedFS)."""
+IDS = ["file-none", "memory-none", "memory-retried", "s3-none"]
 
 
 @pytest.fixture
 def template(request, tmp_path):
     """A run root holding committed step 1, as objects to copy into fresh roots."""
     backend = request.node.callspec.params["sweep"][0]
-    root = _fresh_root(backend, tmp_path)
+    root = _fresh_root(backend, tmp_path, request)
     ckpt.CheckpointManager(root, options=OPTIONS).save(1, make_state(1), async_save=False)
     objects = {k: root.get(k) for k in root.list()}
 
     def fresh() -> storage.Store:
-        store = _fresh_root(backend, tmp_path)
+        store = _fresh_root(backend, tmp_path, request)
         for key, data in objects.items():
             store.put(key, data)
         return store
@@ -75,10 +89,11 @@ def _check_root(root: storage.Store, older: dict[str, str]) -> bool:
         got = zeros_like(make_state(2))
         ckpt.load(got, root.child(step_dir(2)))
         assert_bitwise(got, make_state(2))
+    tally("checkpoints_checked", 1 + committed)
     return committed
 
 
-@pytest.mark.parametrize("sweep", SWEEPS, ids=["-".join(s) for s in SWEEPS])
+@pytest.mark.parametrize("sweep", SWEEPS, ids=IDS)
 def test_save_with_a_fault_at_every_call(template, sweep: tuple[str, str]) -> None:
     retry = sweep[1]
     count, n = _ops(_save)
@@ -108,7 +123,7 @@ def test_save_with_a_fault_at_every_call(template, sweep: tuple[str, str]) -> No
         assert outcomes["no marker"] > 0 and outcomes["committed"] > 0, outcomes
 
 
-@pytest.mark.parametrize("sweep", SWEEPS, ids=["-".join(s) for s in SWEEPS])
+@pytest.mark.parametrize("sweep", SWEEPS, ids=IDS)
 def test_load_with_a_fault_at_every_call(template, sweep: tuple[str, str]) -> None:
     retry = sweep[1]
     root = template()
