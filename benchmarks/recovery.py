@@ -50,6 +50,9 @@ from pathlib import Path
 from typing import Any
 
 ROOT = Path(__file__).resolve().parents[1]
+LOCAL_TIER_ENV = "RELIGHT_BENCH_LOCAL_TIER"
+"""When set (by benchmarks/tiers.py), the relight arm's workers front the checkpoint
+store with the node-local tier under this directory."""
 
 
 # -- the worker ---------------------------------------------------------------------
@@ -107,7 +110,15 @@ def worker(args: argparse.Namespace, t_top: float) -> None:
     else:
         import ckpt
 
-        mgr = ckpt.CheckpointManager(ckpt_root, keep_last=2)
+        store: Any = ckpt_root
+        if os.environ.get(LOCAL_TIER_ENV):  # benchmarks/tiers.py: the node-local tier on
+            from storage import open_store
+            from storage.tiered import TieredStore, local_tier_dir
+
+            store = open_store(ckpt_root)
+            store = TieredStore(store, local_tier_dir(os.environ[LOCAL_TIER_ENV], store.url),
+                                4 << 30, writer=rank)
+        mgr = ckpt.CheckpointManager(store, keep_last=2)
         if mgr.latest_step() is not None:
             mgr.restore(state)
 

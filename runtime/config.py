@@ -240,10 +240,17 @@ class CheckpointConfig:
     local_tier_budget_mb: int = 4096
     """Node memory the local tier may use, split evenly over the node's ranks. Keeping a
     copy through the next save takes twice the node's shard bytes."""
+    local_tier_node: str = ""
+    """The node's name in the tier's directory and among peers; empty: the host name."""
+    peer_replicas: int = 1
+    """With the local tier on: copy each node's data objects to this many other nodes'
+    tiers too (over HTTP, `storage.peer`), so a lost node's shards are read from a peer;
+    0 disables. Fewer other nodes than this: all of them."""
 
     def __post_init__(self) -> None:
         _require(self.every >= 1, "checkpoint.every must be >= 1")
         _require(self.local_tier_budget_mb >= 0, "checkpoint.local_tier_budget_mb must be >= 0")
+        _require(self.peer_replicas >= 0, "checkpoint.peer_replicas must be >= 0")
         _require(self.keep_last >= 1, "checkpoint.keep_last must be >= 1")
         _require(self.restore_step >= 0, "checkpoint.restore_step must be >= 0")
 

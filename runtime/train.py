@@ -214,6 +214,8 @@ class Trainer:
         self.rdzv_round = rdzv_round_from_env()
         self.restore_s: float | None = None
         """Seconds the checkpoint restore took at start (None: nothing restored)."""
+        self._peer_server: Any = None
+        """This node's replica server (`storage.peer`), run by the node's first rank."""
         self.restore_io: dict[str, Any] | None = None
         """Bytes the restore read from the persistent store (all of them: data, manifests,
         markers) and, with a local tier, what each tier served."""
@@ -294,13 +296,46 @@ class Trainer:
         from ckpt.comm import Comm
         from storage.tiered import TieredStore, local_tier_dir
 
-        host = socket.gethostname()
-        local_ranks = sum(h == host for h in Comm(None).allgather_json(host))
-        budget = c.local_tier_budget_mb * (1 << 20) // max(1, local_ranks)
-        tiered = TieredStore(store, local_tier_dir(c.local_tier_dir, store.url, host), budget,
+        comm = Comm(None)
+        node = c.local_tier_node or socket.gethostname()
+        nodes = comm.allgather_json(node)
+        budget = c.local_tier_budget_mb * (1 << 20) // nodes.count(node)
+        tiered = TieredStore(store, local_tier_dir(c.local_tier_dir, store.url, node), budget,
                              writer=self.rank)
         self.log.info("local tier %s, %d MiB for this rank", tiered.local_dir, budget >> 20)
+        if c.peer_replicas > 0:
+            self._attach_peers(tiered, comm, node, nodes)
         return tiered
+
+    def _attach_peers(self, tiered: Any, comm: Any, node: str, nodes: list[str]) -> None:
+        """The node's first rank serves the node's replicas (`storage.peer`); every rank
+        learns the servers' addresses (one all-gather here, on the main thread) and copies
+        to the next `peer_replicas` nodes in name order."""
+        from storage.peer import PeerServer
+
+        if nodes.index(node) == self.rank:
+            self._peer_server = PeerServer(os.path.join(tiered.local_dir, "replicas"),
+                                           also_serve=(tiered.local_dir,))
+        mine = self._peer_server.address if self._peer_server is not None else None
+        addrs = {n: a for n, a in comm.allgather_json([node, mine]) if a is not None}
+        ring = sorted(addrs)
+        others = [ring[(ring.index(node) + i) % len(ring)] for i in range(1, len(ring))]
+        push_to = [addrs[n] for n in others[:self.cfg.checkpoint.peer_replicas]]
+        tiered.attach_peers(push_to, [addrs[n] for n in others])
+        self.log.info("peer tier: replicas to %s, %d peer(s) to fetch from",
+                      others[:self.cfg.checkpoint.peer_replicas] or "no other node",
+                      len(others))
+
+    def _drop_local_tier(self) -> None:
+        """The run is complete: free the node memory its local tier holds (after every
+        rank has flushed its copies, so none lands after the delete)."""
+        store = self.ckpt_mgr.store
+        if not hasattr(store, "drop_local"):
+            return
+        store.flush()
+        dist.barrier()
+        store.drop_local()
+        self.log.info("run complete: dropped the local tier %s", store.local_dir)
 
     def tier_stats(self) -> dict[str, Any] | None:
         """What each checkpoint tier served (None without a local tier)."""
@@ -636,6 +671,8 @@ class Trainer:
                 # when the next save waits for them.
                 result.checkpoint_failures += (getattr(self.ckpt_mgr, "failed_saves", 0)
                                                + (0 if committed else 1))
+                if self.step >= cfg.train.steps and not result.preempted:
+                    self._drop_local_tier()
         except Exception as e:
             # A dead peer, a timed-out collective, a failed restore: this rank exits non-zero
             # and the agent re-forms the group; say so once, with rank and step.
@@ -652,6 +689,9 @@ class Trainer:
         return result
 
     def close(self) -> None:
+        if self._peer_server is not None:
+            self._peer_server.close()
+            self._peer_server = None
         if self.prometheus is not None:
             self.prometheus.close()
             self.prometheus = None

@@ -21,6 +21,11 @@ falls back to the persistent store otherwise, counting why (`TierStats.misses`):
   record), checked once per step and process with one listing and existence checks,
   no object bytes.
 
+Peers (optional, `attach_peers`): the copy thread also pushes each object to the replica
+servers of k other nodes (`storage.peer`), and a read the local tier cannot serve asks the
+other nodes' servers before the persistent store, under the same URL/key, crc32c and
+newest-committed checks (counted as served by "peer").
+
 Memory: the tier keeps the newest committed step plus the step being written; an older
 step is dropped as soon as a newer one's COMMIT is seen (polled by the write-behind
 thread while it holds two steps). `budget_bytes` bounds what this process copies; when
@@ -44,6 +49,7 @@ from typing import Any
 
 import google_crc32c
 
+from storage import peer
 from storage.base import Store
 from storage.errors import ObjectNotFoundError, StorageError
 from storage.fsspec_store import LocalStore
@@ -86,7 +92,8 @@ def local_tier_dir(base: str, persistent_url: str, node: str | None = None) -> s
 class TierStats:
     """What the tiers served. Thread-safe; shared by a tiered store and its children."""
 
-    served: dict[str, int] = field(default_factory=lambda: {"local": 0, "persistent": 0})
+    served: dict[str, int] = field(default_factory=lambda: {"local": 0, "peer": 0,
+                                                                  "persistent": 0})
     """Bytes of data objects served per tier."""
     misses: dict[str, int] = field(default_factory=dict)
     """Data object reads the local tier could not serve, by reason."""
@@ -94,6 +101,8 @@ class TierStats:
     skipped_budget: int = 0
     evicted_steps: int = 0
     copy_errors: int = 0
+    peer_copied_bytes: int = 0
+    peer_copy_errors: int = 0
     _lock: threading.Lock = field(default_factory=threading.Lock, repr=False, compare=False)
 
     def serve(self, tier: str, nbytes: int) -> None:
@@ -112,7 +121,9 @@ class TierStats:
         with self._lock:
             return {"served": dict(self.served), "misses": dict(self.misses),
                     "copied_bytes": self.copied_bytes, "skipped_budget": self.skipped_budget,
-                    "evicted_steps": self.evicted_steps, "copy_errors": self.copy_errors}
+                    "evicted_steps": self.evicted_steps, "copy_errors": self.copy_errors,
+                    "peer_copied_bytes": self.peer_copied_bytes,
+                    "peer_copy_errors": self.peer_copy_errors}
 
 
 class _Tier:
@@ -134,6 +145,10 @@ class _Tier:
         self.lock = threading.Lock()
         self.thread: threading.Thread | None = None
         self.error: BaseException | None = None
+        self.push_to: list[str] = []
+        """Peer servers (`storage.peer`) this process copies its data objects to."""
+        self.fetch_from: list[str] = []
+        """Peer servers asked for an object the local tier lacks."""
 
     def _scan(self) -> dict[int, int]:
         held: dict[int, int] = {}
@@ -202,6 +217,14 @@ class _Tier:
             "crc32c": crc, "writer": self.writer}).encode())
         self.held[step] = self.held.get(step, 0) + len(data)
         self.stats.add("copied_bytes", len(data))
+        for addr in self.push_to:
+            try:
+                peer.push(addr, rel_key, self.persistent.url_of(rel_key), data, crc)
+                self.stats.add("peer_copied_bytes", len(data))
+            except OSError as e:
+                self.stats.add("peer_copy_errors")
+                logger.warning("local tier %s: replica of %s to peer %s failed: %s",
+                               self.local_dir, rel_key, addr, e)
 
     def _start_step(self, step: int) -> None:
         """A new step begins: keep only the newest committed older step."""
@@ -254,7 +277,29 @@ class _Tier:
             self.newest_ok[step] = ok
         return ok
 
-    def read(self, rel_key: str, start: int | None, end: int | None) -> bytes | None:
+    def read(self, rel_key: str, start: int | None, end: int | None
+             ) -> tuple[str, bytes] | None:
+        """(tier, bytes [start, end)) from the local tier, else from a peer; None (counted)
+        when neither may be used."""
+        data = self.read_local(rel_key, start, end)
+        if data is not None:
+            return "local", data
+        if not self.fetch_from:
+            return None
+        step = step_of_key(rel_key)
+        if step is None or not self.is_newest_committed(step):
+            return None
+        url = self.persistent.url_of(rel_key)
+        for addr in self.fetch_from:
+            rep = peer.fetch(addr, rel_key)
+            if rep is None or rep["url"] != url:
+                continue
+            whole = rep["data"]
+            return "peer", whole if start is None and end is None else whole[start or 0: end]
+        self.stats.miss("peer_absent")
+        return None
+
+    def read_local(self, rel_key: str, start: int | None, end: int | None) -> bytes | None:
         """The local copy's bytes [start, end), or None (counted) when it may not be used."""
         try:
             meta = json.loads(self.local.get(f"{_META}/{rel_key}.json"))
@@ -292,7 +337,7 @@ class _Tier:
 
 class TieredStore(Store):
     """The persistent store, with reads of the newest committed checkpoint's data objects
-    served from a node-local copy when it matches (see the module docstring).
+    served from a node-local copy (or a peer's) when it matches (see the module docstring).
 
     Every call but `get` of a data object goes to the persistent store; `stats` is the
     persistent store's (so tensorstore bytes the engine records land there too) and
@@ -320,6 +365,19 @@ class TieredStore(Store):
         """Wait until the write-behind copies queued so far are in the local tier."""
         self._tier.flush()
 
+    def attach_peers(self, push_to: list[str], fetch_from: list[str]) -> None:
+        """Copy data objects to the peer servers `push_to` too, and ask `fetch_from` for
+        objects the local tier lacks (`ip:port` of `storage.peer.PeerServer`s)."""
+        self._tier.push_to = list(push_to)
+        self._tier.fetch_from = list(fetch_from)
+
+    def drop_local(self) -> None:
+        """Delete this node's local tier (the job is over). Every rank of the node calls it
+        after the others have flushed (a barrier), so no copy lands after the delete."""
+        self._tier.flush()
+        shutil.rmtree(self._tier.local_dir, ignore_errors=True)
+        self._tier.held.clear()
+
     # -- the Store surface -------------------------------------------------------------
 
     def put(self, key: str, data: bytes | bytearray | memoryview) -> None:
@@ -337,11 +395,11 @@ class TieredStore(Store):
         rel = self._prefix + key
         if step_of_key(rel) is None:
             return self.persistent.get(key, start, end)
-        data = self._tier.read(rel, start, end)
-        if data is not None and (end is None or len(data) == end - (start or 0)):
-            self._tier.stats.serve("local", len(data))
-            return data
-        if data is not None:
+        got = self._tier.read(rel, start, end)
+        if got is not None and (end is None or len(got[1]) == end - (start or 0)):
+            self._tier.stats.serve(got[0], len(got[1]))
+            return got[1]
+        if got is not None:
             self._tier.stats.miss("short_range")
         data = self.persistent.get(key, start, end)
         self._tier.stats.serve("persistent", len(data))

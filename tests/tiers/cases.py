@@ -7,16 +7,25 @@ from typing import Any
 from tests.runtime.cases import _full, _trainer
 
 
-def train(overrides: list[str], config: str = "configs/tiny.toml") -> dict[str, Any]:
-    """Train per config; return the final state (full tensors), the storage counters of
-    the persistent store and what each tier served."""
+def train(overrides: list[str], config: str = "configs/tiny.toml",
+          node_per_rank: bool = False) -> dict[str, Any]:
+    """Train per config; return the final state (full tensors), what the restore read
+    from the persistent store and what each tier served. `node_per_rank`: each rank is a
+    node of its own (`checkpoint.local_tier_node=n<rank>`), as on a cluster."""
+    import torch.distributed as dist
+
     from runtime.state import flat_names
 
+    if node_per_rank:
+        overrides = [*overrides, f"--checkpoint.local_tier_node=n{dist.get_rank()}"]
     trainer = _trainer(config, overrides)
-    res = trainer.run()
-    store = trainer.ckpt_mgr.store
-    if hasattr(store, "flush"):
-        store.flush()
+    try:
+        res = trainer.run()
+        store = trainer.ckpt_mgr.store
+        if hasattr(store, "flush"):
+            store.flush()
+    finally:
+        trainer.close()
     return {"restored_step": res.restored_step, "final_step": res.final_step,
             "tiers": trainer.tier_stats(), "restore_io": trainer.restore_io,
             "state": {k: _full(v) for k, v in flat_names(trainer.state_dict()).items()}}

@@ -46,14 +46,14 @@ def test_newest_committed_step_is_served_locally_older_and_uncommitted_are_not(s
     _commit(persistent, 1)
     again = TieredStore(persistent, tiered.local_dir, 10_000)
     assert again.get(_data(1, "t0/c/0"), 10, 20) == b"x" * 10
-    assert again.tier_stats.served == {"local": 10, "persistent": 0}
+    assert again.tier_stats.served == {"local": 10, "peer": 0, "persistent": 0}
     assert again.get(f"{step_dir(1)}/{COMMIT_KEY}") == b"{}"  # markers: persistent only
-    assert again.tier_stats.served == {"local": 10, "persistent": 0}
+    assert again.tier_stats.served == {"local": 10, "peer": 0, "persistent": 0}
     _commit(persistent, 2)
     again = TieredStore(persistent, tiered.local_dir, 10_000)
     assert again.get(_data(1, "t0/c/0")) == b"x" * 100
     assert again.tier_stats.misses == {"not_newest_committed": 1}
-    assert again.tier_stats.served == {"local": 0, "persistent": 100}
+    assert again.tier_stats.served == {"local": 0, "peer": 0, "persistent": 100}
 
 
 def test_copy_of_another_object_under_the_same_path_is_refused(stores) -> None:
