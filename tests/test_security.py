@@ -14,7 +14,7 @@ from pathlib import Path
 import pytest
 
 ROOT = Path(__file__).resolve().parents[1]
-PACKAGES = ("storage", "ckpt", "elastic", "runtime", "chaos")
+PACKAGES = ("storage", "ckpt", "elastic", "runtime", "chaos", "benchmarks")
 UNSAFE_MODULES = {"pickle", "cPickle", "_pickle", "dill", "marshal", "shelve", "cloudpickle"}
 
 
