@@ -11,9 +11,10 @@ states) and the unit tests build it by hand, including runs that are broken on p
 3. checkpoints - every committed checkpoint verifies (one the harness damaged must fail
                verification); every restore loaded a checkpoint that was committed, and not
                damaged since, when the restore happened;
-4. lost work - per resume, steps lost (highest step done before it - step restored)
-               <= interval + 1, plus one interval per checkpoint-destroying fault since the
-               previous resume (such a fault legitimately sends the resume one save back);
+4. lost work - per resume, steps lost (the stopped group's highest step done or committed
+               - step restored) <= interval + 1, plus one interval per checkpoint-destroying
+               fault since the previous resume (such a fault legitimately sends the resume
+               one save back); no resume restores beyond the highest step ever reached;
 5. loss curve - every logged step's loss equals the reference's at that step (exactly while
                the layout never changed; within `loss_rtol` once it has);
 6. data      - every step consumed exactly the samples the reference did at that step (its
@@ -285,25 +286,36 @@ def check_lost_work(ev: RunEvidence) -> InvariantResult:
     problems = []
     lost_per_resume: list[dict[str, Any]] = []
     attempts = split_attempts(ev.records)
-    high = 0
+    high = 0  # highest step ever done or committed: no resume may restore beyond it
     prev_start = -math.inf
     for att in attempts:
         if att.index > 0:
             r = att.restored_step or 0
             start = att.start_time if att.start_time is not None else math.inf
-            # A step whose checkpoint committed was done even if the kill took its log line.
-            high = max([high] + [e.step for e in ev.checkpoint_events
-                                 if e.kind == "commit" and e.time <= start])
+            commits = [e.step for e in ev.checkpoint_events
+                       if e.kind == "commit" and e.time <= start]
+            high = max([high, *commits])
+            # What this interruption cost: from the work of the group it stopped (its last
+            # step, or a later one whose checkpoint committed, the kill taking its log line)
+            # or the newest checkpoint still intact, back to the restored step. Work an
+            # earlier interruption already lost is not charged again: after a damaged
+            # checkpoint sent one resume a save back, the next may go back as far.
+            damaged = {e.step for e in ev.checkpoint_events
+                       if e.kind == "damage" and e.time <= start}
+            done = max([attempts[att.index - 1].last.step,
+                        *(e.step for e in ev.checkpoint_events
+                          if e.kind == "commit" and e.time <= start
+                          and (e.time > prev_start or e.step not in damaged))])
             attacks = [f for f in ev.faults if f.ok and f.kind in CHECKPOINT_ATTACKS
                        and prev_start < f.time <= start]
             allowed = ev.interval + 1 + ev.interval * len(attacks)
-            lost = high - r
+            lost = done - r
             lost_per_resume.append({"attempt": att.index, "restored_step": r,
-                                    "highest_step_before": high, "lost_steps": lost,
+                                    "highest_step_before": done, "lost_steps": lost,
                                     "allowed": allowed})
             if lost > allowed:
                 problems.append(
-                    f"attempt {att.index} resumed from step {r} after step {high} was done: "
+                    f"attempt {att.index} resumed from step {r} after step {done} was done: "
                     f"{lost} steps lost > allowed {allowed} (interval {ev.interval} + 1"
                     f"{f' + {len(attacks)} checkpoint-destroying fault(s)' if attacks else ''})"
                 )

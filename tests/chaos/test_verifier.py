@@ -304,3 +304,33 @@ def test_layout_changed_and_back_is_judged_by_tolerance() -> None:
     assert res[2].ok and "layout changed" in res[2].tolerance
     ev.weights.mismatched.append("model/w: outside rtol")
     assert not verify(ev)[2].ok
+
+
+
+def test_work_lost_to_a_damaged_checkpoint_is_charged_once() -> None:
+    # Step 10's checkpoint is destroyed (never committed here, a fault to excuse it): the
+    # kill at step 14 resumes from step 5 (9 lost, allowed by the fault). That group dies
+    # at step 8 before saving again and the next resumes from step 5 too: 3 steps lost,
+    # not 9 again (seed 4 of the preemptible-fleet series was failed that way).
+    ev = simulate([14.5, 20.5], lose=frozenset({10}))
+    ev.faults.append(FaultMark(2, FaultKind.TRUNCATE_CHECKPOINT, 11.0))
+    res = verify(ev)[4]
+    assert res.ok, res.details
+    assert [x["lost_steps"] for x in res.measured["resumes"]] == [9, 3]
+    # Without the fault the first resume's loss is not excused (and only the first's).
+    ev.faults.pop()
+    assert [d.split(":")[0] for d in verify(ev)[4].details] == [
+        "attempt 1 resumed from step 5 after step 14 was done"]
+
+
+def test_resume_behind_an_intact_checkpoint_counts_from_it() -> None:
+    # Kills at steps 14 and 12: both resumes restore step 10. Had the second restored step
+    # 5 instead, it would lose 7 steps (from step 12) > interval + 1.
+    ev = simulate([14.5, 19.5])
+    res = verify(ev)[4]
+    assert res.ok and [x["lost_steps"] for x in res.measured["resumes"]] == [4, 2]
+    third = split_attempts(ev.records)[2]
+    bad = [replace(r, restored_step=5) if r.time >= third.start_time else r
+           for r in ev.records]
+    res = verify(replace(ev, records=bad))[4]
+    assert not res.ok and res.measured["resumes"][1]["lost_steps"] == 7
