@@ -1,0 +1,56 @@
+"""`storage.peer`: the replica server and its client, in one process over loopback."""
+
+from __future__ import annotations
+
+import http.client
+from collections.abc import Iterator
+from pathlib import Path
+
+import google_crc32c
+import pytest
+
+from storage.peer import PeerServer, fetch, push
+
+
+@pytest.fixture()
+def server(tmp_path: Path) -> Iterator[tuple[PeerServer, str]]:
+    s = PeerServer(str(tmp_path / "replicas"), host="127.0.0.1")
+    try:
+        yield s, f"127.0.0.1:{s.address.rsplit(':', 1)[1]}"
+    finally:
+        s.close()
+
+
+def _key(step: int) -> str:
+    return f"step-{step:012d}/data/a1/t0/c/0"
+
+
+def test_replica_round_trip_and_damage_refused(server: tuple[PeerServer, str]) -> None:
+    srv, addr = server
+    data = b"shard bytes" * 100
+    push(addr, _key(1), "file:///ckpt/" + _key(1), data, google_crc32c.value(data))
+    got = fetch(addr, _key(1))
+    assert got is not None and got["data"] == data and got["url"] == "file:///ckpt/" + _key(1)
+    with pytest.raises(ConnectionError, match="422"):
+        push(addr, _key(2), "u", data, google_crc32c.value(data) ^ 1)  # damaged in flight
+    assert fetch(addr, _key(2)) is None
+    stored = Path(srv.root) / _key(1)
+    stored.write_bytes(b"X" + data[1:])  # damaged at rest: never served
+    assert fetch(addr, _key(1)) is None
+
+
+def test_keys_leaving_the_root_are_refused(server: tuple[PeerServer, str]) -> None:
+    _, addr = server
+    host, port = addr.rsplit(":", 1)
+    conn = http.client.HTTPConnection(host, int(port), timeout=10)
+    conn.request("PUT", "/../escape", body=b"x", headers={"X-Relight-Crc32c": "0"})
+    assert conn.getresponse().status == 400
+    conn.close()
+
+
+def test_server_keeps_the_two_newest_steps(server: tuple[PeerServer, str]) -> None:
+    srv, addr = server
+    for step in (1, 2, 3):
+        push(addr, _key(step), "u", b"d", google_crc32c.value(b"d"))
+    assert fetch(addr, _key(1)) is None
+    assert fetch(addr, _key(2)) is not None and fetch(addr, _key(3)) is not None
