@@ -91,24 +91,26 @@ def test_bounded_memory_and_one_save_in_flight(tmp_path, busy: str, caplog) -> N
     with caplog.at_level(logging.INFO, logger="ckpt.manager"):
         stalls = train(mgr, range(1, 5), state, rss)
         staging = staging_buffers()
-        stalls += train(mgr, range(5, 11), state, rss)
+        stalls += train(mgr, range(5, 15), state, rss)
         mgr.wait()
-    # RSS swings by a buffer or two while a save encodes and writes (so compare the
-    # floors); a buffer kept per backlogged save would add 16 MiB a save, 64 MiB here.
+    # RSS swings by a few buffers while a save encodes and writes, more so in a long
+    # test process (so compare floors, 8 saves apart); a buffer kept per backlogged save
+    # would add 16 MiB a save, 128 MiB here.
     grown = min(rss[-3:]) - min(rss[3:6])
-    assert grown < 2 * nbytes, f"RSS grew {grown >> 20} MiB over 4 saves"
+    assert grown < 4 * nbytes, f"RSS grew {grown >> 20} MiB over 8 saves: " \
+        f"{[r >> 20 for r in rss]} MiB"
     assert staging_buffers() == staging
     persisted = mgr.committed_steps()
     if busy == "wait":
-        assert mgr.waited_saves >= 8 and mgr.skipped_saves == 0
+        assert mgr.waited_saves >= 12 and mgr.skipped_saves == 0
         assert "busy=wait" in caplog.text
-        assert persisted == [9, 10]
-        assert sum(stalls) > 8 * LATENCY_S  # each save waited for a whole persist
+        assert persisted == [13, 14]
+        assert sum(stalls) > 12 * LATENCY_S  # each save waited for a whole persist
     else:
-        assert mgr.skipped_saves >= 5 and mgr.waited_saves == 0
+        assert mgr.skipped_saves >= 7 and mgr.waited_saves == 0
         assert "busy=skip" in caplog.text
-        assert 1 <= len(persisted) <= 10 - mgr.skipped_saves
-        taken = 10 - mgr.skipped_saves
+        assert 1 <= len(persisted) <= 14 - mgr.skipped_saves
+        taken = 14 - mgr.skipped_saves
         # Skipping never waits for storage: the loop stalled less than the saves took.
         assert sum(stalls) < taken * 20 * LATENCY_S
     # The newest checkpoint holds the state as it was when its save was called, though
@@ -119,7 +121,7 @@ def test_bounded_memory_and_one_save_in_flight(tmp_path, busy: str, caplog) -> N
     want = big_state(0)
     want["w"][0, 0] = float(last)
     assert_bitwise(got, want)
-    tally("faults_injected", 10)
+    tally("faults_injected", 14)
     tally("runs_completed")
     tally("checkpoints_checked")
 
