@@ -35,6 +35,7 @@ a new object does not fit, older steps are dropped first, then the object is ski
 
 from __future__ import annotations
 
+import contextlib
 import hashlib
 import json
 import logging
@@ -376,6 +377,8 @@ class TieredStore(Store):
         after the others have flushed (a barrier), so no copy lands after the delete."""
         self._tier.flush()
         shutil.rmtree(self._tier.local_dir, ignore_errors=True)
+        with contextlib.suppress(OSError):  # the job's directory, once its last node is gone
+            os.rmdir(os.path.dirname(self._tier.local_dir))
         self._tier.held.clear()
 
     # -- the Store surface -------------------------------------------------------------
