@@ -13,8 +13,9 @@ systems (ABBA order over `--rounds`), and each figure is the median over rounds:
 - bytes_written: bytes of the objects under the checkpoint prefix after the save;
 - bytes_read_reshard: bytes the ranks read during the reshard load, summed over ranks:
   on files the /proc/self/io rchar delta (read()/pread() syscalls, page cache included);
-  on S3 the payload bytes fetched, counted in s3fs (DCP's fsspec reader) and by
-  tensorstore's own kvstore counters (Relight); Relight's chunk accounting is in "extra";
+  on S3 the payload bytes fetched, counted in s3fs (DCP's fsspec reader, Relight's direct
+  shard reads) and by tensorstore's own kvstore counters (Relight's tensorstore reads);
+  Relight's chunk accounting is in "extra";
 - peak_rss_mb: extra host memory: the largest rise of a rank's RSS during any timed
   phase of that system (targets are allocated before a phase starts), sampled every 5 ms;
 - ratios: dcp/relight per round (the systems ran back to back), median over rounds;
