@@ -112,6 +112,12 @@ class SaveOptions:
             raise ValueError(f"compression must be None or 'zstd', got {self.compression!r}")
 
 
+def _exists(url: str) -> CheckpointExistsError:
+    return CheckpointExistsError(
+        f"{url} already holds a committed checkpoint; saves never overwrite one "
+        "(choose another URL or delete it first)", url=url)
+
+
 def _err_json(e: BaseException) -> dict[str, Any]:
     return {"type": type(e).__name__, "msg": str(e)}
 
@@ -291,10 +297,10 @@ def save(
         lay, pieces_of = _rank_layout(flat, comm.rank)
         digest = layout_digest(lay, [comm.ranks, opts.pack_bytes, opts.inner_bytes,
                                      opts.packed_inner])
-        if comm.is_coordinator and store.exists(COMMIT_KEY):
-            raise CheckpointExistsError(
-                f"{store.url} already holds a committed checkpoint; saves never overwrite one "
-                "(choose another URL or delete it first)", url=store.url)
+        # Async saves check in the background thread (every rank, before writing): on S3
+        # the request would otherwise hold every rank in the handshake.
+        if not async_save and comm.is_coordinator and store.exists(COMMIT_KEY):
+            raise _exists(store.url)
     except Exception as e:  # noqa: BLE001 - re-raised below, after telling the others
         error = e
     attempt = uuid.uuid4().hex[:16]
@@ -605,8 +611,10 @@ class _SaveJob:
             self.handle._mark_staged()
             self.stager = None  # drop the references to the live tensors
 
-    def _persist_and_index(self) -> BaseException | None:
+    def _persist_and_index(self, check_exists: bool = False) -> BaseException | None:
         try:
+            if check_exists and self.store.exists(COMMIT_KEY):
+                raise _exists(self.store.url)
             if self.stager is not None:
                 self._stage()
             if self.on_start is not None:
@@ -655,7 +663,7 @@ class _SaveJob:
                 url=self.store.url, failures={comm.coordinator: outcome[0]})
 
     def _run_async(self) -> None:
-        local = self._persist_and_index()
+        local = self._persist_and_index(check_exists=True)
         if local is not None:
             raise local
         if self.rank == self.plan.coordinator:

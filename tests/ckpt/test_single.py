@@ -99,6 +99,9 @@ def test_never_overwrites_committed(tmp_path) -> None:
     ckpt.save(make_state(), tmp_path / "c")
     with pytest.raises(ckpt.CheckpointExistsError):
         ckpt.save(make_state(1), tmp_path / "c")
+    h = ckpt.save(make_state(1), tmp_path / "c", async_save=True)  # checked in the background
+    with pytest.raises(ckpt.CheckpointExistsError):
+        h.wait(timeout=60)
     dst = zeros_like_state()
     ckpt.load(dst, tmp_path / "c")
     assert_state_equal(dst, make_state(0))
