@@ -232,6 +232,11 @@ class CheckpointConfig:
     restore_step: int = 0
     """Restore this committed step instead of the newest (e.g. to roll back past a loss
     spike); 0 means the newest one that loads."""
+    busy: str = "wait"
+    """When a save is due while the previous one is still persisting (storage slower than
+    the interval): "wait" for it (training stalls, every checkpoint is taken) or "skip"
+    this one (training goes on, the next save point tries again). The last step's save and
+    the emergency save on a preemption notice always wait."""
     local_tier_dir: str = ""
     """Keep a node-local copy of the newest committed checkpoint's data objects under
     ``<dir>/<job>/<host>`` (use a tmpfs such as ``/dev/shm/relight``: it survives a worker
@@ -253,6 +258,8 @@ class CheckpointConfig:
         _require(self.peer_replicas >= 0, "checkpoint.peer_replicas must be >= 0")
         _require(self.keep_last >= 1, "checkpoint.keep_last must be >= 1")
         _require(self.restore_step >= 0, "checkpoint.restore_step must be >= 0")
+        _require(self.busy in ("wait", "skip"),
+                 f"checkpoint.busy must be 'wait' or 'skip', not {self.busy!r}")
 
 
 @dataclass(kw_only=True, slots=True)

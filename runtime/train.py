@@ -250,7 +250,7 @@ class Trainer:
 
         self.ckpt_mgr = ckpt.CheckpointManager(
             self._checkpoint_store(), keep_last=c.keep_last, config=config_to_dict(self.cfg),
-            layout=self.layout.as_dict(),
+            layout=self.layout.as_dict(), busy=c.busy,
         )
         if not c.resume:
             return
@@ -365,7 +365,8 @@ class Trainer:
             return 0.0, True, False
         t0, began = time.perf_counter(), time.time()
         try:
-            handle = self.ckpt_mgr.save(self.step, self.state_dict(), async_save=c.async_save)
+            handle = self.ckpt_mgr.save(self.step, self.state_dict(), async_save=c.async_save,
+                                        busy="wait" if last else None)
         except Exception:  # a failed save must not stop training; older checkpoints remain
             self.log.exception("checkpoint save of step %d failed; training continues and "
                                "older checkpoints are untouched", self.step)
@@ -509,7 +510,7 @@ class Trainer:
                       "%s)", self.step, nbytes / 2**20, decision.reason)
         t0 = time.perf_counter()
         try:
-            mgr.save(self.step, sd, async_save=False)
+            mgr.save(self.step, sd, async_save=False, busy="wait")
             mgr.wait()
         except Exception as e:
             result.emergency_note = (f"emergency save failed ({type(e).__name__}: {e}); "

@@ -67,3 +67,19 @@ def cli(argv: list[str]) -> int:
     from runtime.train import main
 
     return main(argv)
+
+
+def train_on_slow_storage(plan_json: str, overrides: list[str]) -> dict[str, Any]:
+    """Train with the checkpoint store slowed by a fault plan (RELIGHT_FAULT_PLAN, read by
+    open_store); report the manager's wait/skip counters and the committed steps."""
+    import os
+
+    os.environ["RELIGHT_FAULT_PLAN"] = plan_json
+    try:
+        trainer = _trainer("configs/tiny.toml", overrides)
+        res = trainer.run()
+        mgr = trainer.ckpt_mgr
+        return {"final_step": res.final_step, "skipped": mgr.skipped_saves,
+                "waited": mgr.waited_saves, "committed": mgr.committed_steps()}
+    finally:
+        os.environ.pop("RELIGHT_FAULT_PLAN", None)

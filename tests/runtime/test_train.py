@@ -88,3 +88,29 @@ def test_main_reports_a_bad_layout_with_status_2(rank_pool: RankPool) -> None:
     rc = rank_pool.run("tests.runtime.cases:cli", 1, argv=[
         "--config", str(ROOT / "configs/tiny.toml"), "--parallel.pp=2"])
     assert rc == [2]
+
+
+@pytest.mark.multirank
+@pytest.mark.parametrize("busy", ["skip", "wait"])
+def test_checkpoint_busy_policy_on_slow_storage(rank_pool: RankPool, tmp_path: Path,
+                                                busy: str) -> None:
+    """Storage slower than the interval: "skip" drops saves while one persists (training
+    goes on), "wait" takes every one; the last step's save is taken either way."""
+    # Each data object put sleeps: a persist takes many steps' time under "skip"; "wait"
+    # only has to take every checkpoint, so its storage is slowed less.
+    latency = 0.3 if busy == "skip" else 0.05
+    slow = json.dumps({"ops": ["put"], "key_contains": "/data/", "latency_s": latency})
+    steps = 6
+    out = rank_pool.run("tests.runtime.cases:train_on_slow_storage", 2, plan_json=slow,
+                        overrides=[f"--train.steps={steps}", "--checkpoint.every=1",
+                                   f"--checkpoint.url={tmp_path / 'ckpt'}",
+                                   "--checkpoint.keep_last=100", f"--checkpoint.busy={busy}"])
+    for r in out:
+        assert r["final_step"] == steps
+        assert r["committed"][-1] == steps  # the last save always waits for the one before
+    if busy == "skip":
+        assert all(r["skipped"] > 0 for r in out), out
+        assert len(out[0]["committed"]) < steps
+    else:
+        assert all(r["skipped"] == 0 for r in out), out
+        assert out[0]["committed"] == list(range(1, steps + 1))
