@@ -232,6 +232,11 @@ class CheckpointConfig:
     restore_step: int = 0
     """Restore this committed step instead of the newest (e.g. to roll back past a loss
     spike); 0 means the newest one that loads."""
+    pipelined_staging: bool = False
+    """Async saves return before the copy into the staging buffers is done (CheckFreq-style):
+    the copy overlaps the next step's forward and backward, and the optimizer step waits
+    for it (`ckpt.guard_optimizer`), so a snapshot is never torn. Off: the copy blocks
+    the save call (docs/ckpt.md, "pipelined staging")."""
     busy: str = "wait"
     """When a save is due while the previous one is still persisting (storage slower than
     the interval): "wait" for it (training stalls, every checkpoint is taken) or "skip"

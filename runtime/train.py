@@ -251,7 +251,10 @@ class Trainer:
         self.ckpt_mgr = ckpt.CheckpointManager(
             self._checkpoint_store(), keep_last=c.keep_last, config=config_to_dict(self.cfg),
             layout=self.layout.as_dict(), busy=c.busy,
+            options=ckpt.SaveOptions(pipelined_staging=c.pipelined_staging),
         )
+        if c.pipelined_staging:  # the snapshot copy may still read the state: guard updates
+            ckpt.guard_optimizer(self.optimizer)
         if not c.resume:
             return
         if self.ckpt_mgr.latest_step() is None:

@@ -67,13 +67,16 @@ def test_resume_same_layout_is_bitwise_exact(rank_pool: RankPool, straight: dict
     assert_states_equal(state, straight["state"])
 
 
+@pytest.mark.parametrize("pipelined", [False, True], ids=["staged-in-call", "pipelined"])
 def test_checkpoint_persisted_while_training_goes_on_restores_exactly(
-        rank_pool: RankPool, straight: dict, tmp_path: Path) -> None:
+        rank_pool: RankPool, straight: dict, tmp_path: Path, pipelined: bool) -> None:
     """Step 5 is saved asynchronously while steps 6-8 update the same tensors: the checkpoint
-    must hold step 5's values (the runtime hands the engine live tensors)."""
+    must hold step 5's values (the runtime hands the engine live tensors). Pipelined, the
+    copy itself overlaps step 6 and only the optimizer step waits for it."""
     root = tmp_path / "ckpt"
-    rank_pool.run("tests.runtime.cases:train", 4,
-                  overrides=RUN + [f"--checkpoint.url={root}", "--train.stop_at=8"])
+    rank_pool.run("tests.runtime.cases:train", 4, overrides=RUN + [
+        f"--checkpoint.url={root}", "--train.stop_at=8",
+        f"--checkpoint.pipelined_staging={str(pipelined).lower()}"])
     results = rank_pool.run("tests.runtime.cases:train", 4, overrides=RUN + [
         f"--checkpoint.url={root}", "--checkpoint.restore_step=5"], dump=True)
     assert results[0]["restored_step"] == 5
