@@ -326,10 +326,9 @@ def _median_breakdown(breakdowns: list[dict[str, float]]) -> dict[str, float]:
             for k in keys}
 
 
-def main(argv: list[str] | None = None) -> int:
-    t_top = time.time()
-    p = argparse.ArgumentParser(prog="python -m benchmarks.recovery",
-                                description=__doc__.split("\n\n")[0] if __doc__ else None)
+def job_argument_parser(prog: str, doc: str | None, arms: str) -> argparse.ArgumentParser:
+    """The options of a kill-and-recover job (shared by benchmarks.recovery and .tiers)."""
+    p = argparse.ArgumentParser(prog=prog, description=doc.split("\n\n")[0] if doc else None)
     p.add_argument("--json", help="write the results here")
     p.add_argument("--state-mib", type=int, default=256)
     p.add_argument("--kills", type=int, default=3, help="kills per job")
@@ -338,8 +337,14 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--ckpt-every", type=int, default=5)
     p.add_argument("--step-sleep", type=float, default=0.05)
     p.add_argument("--recovery-timeout", type=float, default=180.0)
-    p.add_argument("--arms", default="baseline,relight")
+    p.add_argument("--arms", default=arms)
     p.add_argument("--workdir", default=None)
+    return p
+
+
+def main(argv: list[str] | None = None) -> int:
+    t_top = time.time()
+    p = job_argument_parser("python -m benchmarks.recovery", __doc__, "baseline,relight")
     p.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)
     p.add_argument("--arm", help=argparse.SUPPRESS)
     p.add_argument("--out", help=argparse.SUPPRESS)

@@ -85,18 +85,7 @@ def restore_only(args: argparse.Namespace, s3: Any, local: str) -> dict[str, Any
 
 
 def main(argv: list[str] | None = None) -> int:
-    p = argparse.ArgumentParser(prog="python -m benchmarks.tiers",
-                                description=__doc__.split("\n\n")[0] if __doc__ else None)
-    p.add_argument("--json", help="write the results here")
-    p.add_argument("--state-mib", type=int, default=256)
-    p.add_argument("--kills", type=int, default=3, help="kills per job")
-    p.add_argument("--jobs", type=int, default=1, help="fresh jobs per arm")
-    p.add_argument("--nproc", type=int, default=2)
-    p.add_argument("--ckpt-every", type=int, default=5)
-    p.add_argument("--step-sleep", type=float, default=0.05)
-    p.add_argument("--recovery-timeout", type=float, default=180.0)
-    p.add_argument("--arms", default=",".join(ARMS))
-    p.add_argument("--workdir", default=None)
+    p = recovery.job_argument_parser("python -m benchmarks.tiers", __doc__, ",".join(ARMS))
     p.add_argument("--restores", type=int, default=5,
                    help="interleaved rounds of the restore-only measurement (0: skip it)")
     args = p.parse_args(argv)

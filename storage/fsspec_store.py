@@ -67,8 +67,9 @@ class LocalStore(_FsspecStore):
     def _with_location(self, location: StorageLocation) -> Store:
         return LocalStore(location, self.retry, self.stats, self.fsync)
 
-    def _put(self, path: str, data: bytes) -> None:
-        directory = os.path.dirname(path)
+    def _write_temp(self, directory: str, data: bytes) -> str:
+        """Write `data` to a fresh temp file in `directory` (fsynced when durable) and
+        return its path; a failed write leaves no temp file behind."""
         os.makedirs(directory, exist_ok=True)
         tmp = os.path.join(directory, f"{TEMP_MARKER}{uuid.uuid4().hex}")
         try:
@@ -77,13 +78,13 @@ class LocalStore(_FsspecStore):
                 if self.fsync:
                     handle.flush()
                     os.fsync(handle.fileno())
-            os.replace(tmp, path)
         except BaseException:
-            try:
-                os.unlink(tmp)
-            except FileNotFoundError:
-                pass
+            _unlink_quietly(tmp)
             raise
+        return tmp
+
+    def _sync_directory(self, directory: str) -> None:
+        """fsync the directory, so the new name survives a power cut."""
         if self.fsync:
             fd = os.open(directory, os.O_RDONLY)
             try:
@@ -91,33 +92,28 @@ class LocalStore(_FsspecStore):
             finally:
                 os.close(fd)
 
+    def _put(self, path: str, data: bytes) -> None:
+        directory = os.path.dirname(path)
+        tmp = self._write_temp(directory, data)
+        try:
+            os.replace(tmp, path)
+        except BaseException:
+            _unlink_quietly(tmp)
+            raise
+        self._sync_directory(directory)
+
     def _put_if_absent(self, path: str, data: bytes) -> bool:
         # Write a temp file, then hard-link it into place: link() fails if the name
         # exists, so of two racing writers exactly one publishes, and never a partial file.
         directory = os.path.dirname(path)
-        os.makedirs(directory, exist_ok=True)
-        tmp = os.path.join(directory, f"{TEMP_MARKER}{uuid.uuid4().hex}")
+        tmp = self._write_temp(directory, data)
         try:
-            with open(tmp, "wb") as handle:
-                handle.write(data)
-                if self.fsync:
-                    handle.flush()
-                    os.fsync(handle.fileno())
-            try:
-                os.link(tmp, path)
-            except FileExistsError:
-                return False
+            os.link(tmp, path)
+        except FileExistsError:
+            return False
         finally:
-            try:
-                os.unlink(tmp)
-            except FileNotFoundError:
-                pass
-        if self.fsync:
-            fd = os.open(directory, os.O_RDONLY)
-            try:
-                os.fsync(fd)
-            finally:
-                os.close(fd)
+            _unlink_quietly(tmp)
+        self._sync_directory(directory)
         return True
 
     def _list(self, path: str) -> list[str]:
@@ -191,3 +187,10 @@ class S3Store(_FsspecStore):
 
     def ts_context(self) -> Any:
         return self.settings.ts_context()
+
+
+def _unlink_quietly(path: str) -> None:
+    try:
+        os.unlink(path)
+    except FileNotFoundError:
+        pass
