@@ -23,7 +23,7 @@ import torch
 import ckpt
 from chaos.verifier import WeightsComparison
 from ckpt.export import iter_tensors
-from ckpt.manifest import read_manifest
+from ckpt.manifest import read_commit, read_manifest
 from storage import StorageError, Store
 
 logger = logging.getLogger(__name__)
@@ -56,6 +56,7 @@ class CheckpointProbe:
         # Attempt ids of each step in the order first seen: the newest is the save in flight
         # (a killed save leaves its attempt behind, and storage keeps no mtimes).
         self._attempts: dict[int, list[str]] = {}
+        self._commit_attempts: dict[str, str | None] = {}
 
     def scan(self) -> dict[int, StepDir]:
         """Every step prefix under the root: committed or not, indexes written so far."""
@@ -94,9 +95,29 @@ class CheckpointProbe:
         return out
 
     def commits(self) -> set[tuple[int, str | None]]:
-        """(step, attempt) of every committed checkpoint: a step saved again after a
-        fallback shows up as a new pair, so its new commit is seen as one."""
-        return {(d.step, d.attempt) for d in self.scan().values() if d.committed}
+        """(step, attempt) of every committed checkpoint, the attempt named by its COMMIT
+        marker: a step saved again after a fallback (its old checkpoint collected) shows
+        up as a new pair, so its new commit is seen as one; a re-save refused because the
+        step is still committed leaves objects of a new attempt but is not a commit."""
+        out = set()
+        for d in self.scan().values():
+            if d.committed:
+                out.add((d.step, self._committed_attempt(d.prefix)))
+            else:
+                self._commit_attempts.pop(d.prefix, None)  # collected: a new COMMIT may come
+        return out
+
+    def _committed_attempt(self, prefix: str) -> str | None:
+        """The attempt in `prefix`'s COMMIT marker, read once per marker (a marker is only
+        ever created, never rewritten, while it exists)."""
+        if prefix not in self._commit_attempts:
+            try:
+                attempt = read_commit(self.store.child(prefix)).get("attempt")
+            except (StorageError, ckpt.CheckpointError) as exc:
+                logger.debug("cannot read %s/%s: %s", prefix, COMMIT, exc)
+                return None  # not cached: read again at the next poll
+            self._commit_attempts[prefix] = None if attempt is None else str(attempt)
+        return self._commit_attempts[prefix]
 
     def _fresh_pending(self, max_age_s: float) -> set[int]:
         """Steps whose save started less than `max_age_s` ago and has not committed (the

@@ -40,3 +40,26 @@ def test_reference_copied_out_of_its_store_reads_the_same(tmp_path) -> None:
     assert probe.committed_steps() == [3]
     assert torch.equal(probe.read_state(3)["model/w"], weights)
     assert probe.verify_all() == {3: None}
+
+
+def test_refused_resave_of_a_committed_step_is_not_a_new_commit(tmp_path) -> None:
+    # After a fallback past a damaged checkpoint the job reaches its step again; the save is
+    # refused (a committed checkpoint is never overwritten) but leaves objects of a new
+    # attempt. The harness must not take that for a fresh commit (chaos seed 8 did, and then
+    # expected the damaged checkpoint to verify).
+    import pytest
+
+    root = tmp_path / "root"
+    mgr = ckpt.CheckpointManager(str(root), keep_last=None)
+    state = {"model": {"w": torch.ones(4)}, "train": {"step": 7}}
+    mgr.save(7, state, async_save=False)
+    probe = CheckpointProbe(open_store(root))
+    first = probe.commits()
+    assert [s for s, _ in first] == [7] and None not in {a for _, a in first}
+    with pytest.raises(ckpt.CheckpointExistsError):  # async: refused in the background
+        mgr.save(7, state, async_save=True)
+        mgr.wait()
+    store = open_store(root)
+    stray = [k for k in store.list() if "/index/" in k or "/data/" in k]
+    assert len({k.split("/")[2] for k in stray}) == 2  # the refused attempt left its error
+    assert probe.commits() == first
