@@ -107,6 +107,26 @@ def _check_cells(url: str, name: str, shape: Any, chunks: Any, what: str) -> Non
             "the manifest is damaged", url=url, tensor=name, obj=MANIFEST_KEY)
 
 
+MAX_PAIRWISE_PIECES = 512
+"""Up to this many pieces per tensor, every pair is checked for overlap (quadratic)."""
+
+
+def _check_partition(url: str, name: str, shape: list[int],
+                     boxes: list[tuple[list[int], list[int]]]) -> None:
+    """A tensor's pieces must tile it exactly: a missing or overlapping piece would leave
+    part of the target unwritten (wrong values, not an error) if it got past here."""
+    total = sum(numel(s) for _, s in boxes)
+    overlap = len(boxes) <= MAX_PAIRWISE_PIECES and any(
+        all(o1 < o2 + s2 and o2 < o1 + s1 for o1, s1, o2, s2 in zip(a[0], a[1], b[0], b[1],
+                                                                       strict=True))
+        and numel(a[1]) and numel(b[1])
+        for i, a in enumerate(boxes) for b in boxes[i + 1:])
+    if total != numel(shape) or overlap:
+        raise _bad(url, f"tensor {name!r}: its {len(boxes)} piece(s) cover {total} of "
+                   f"{numel(shape)} elements{' and overlap' if overlap else ''}; the manifest "
+                   "is damaged", name)
+
+
 def validate(m: dict[str, Any], url: str) -> None:
     """Structural checks before anything is allocated or opened from the manifest."""
     check_version(m, url)
@@ -146,7 +166,10 @@ def validate(m: dict[str, Any], url: str) -> None:
             pieces = t.get("pieces")
             if not isinstance(pieces, list):
                 raise _bad(url, f"tensor {name!r} has no piece list", name)
+            boxes = []
             for p in pieces:
+                if not isinstance(p, dict):
+                    raise _bad(url, f"tensor {name!r} has a piece that is not an object", name)
                 check_path(p.get("array"), url, name)
                 off = check_shape(p.get("offset"), url, name, "piece offset")
                 shp = check_shape(p.get("shape"), url, name, "piece shape")
@@ -173,6 +196,8 @@ def validate(m: dict[str, Any], url: str) -> None:
                             f"checkpoint {url}: piece inner chunks {inner_s} do not divide "
                             f"{shp} for {name!r}", url=url, tensor=name, obj=p.get("array"))
                     _check_cells(url, name, shp, inner_s, "piece of tensor")
+                boxes.append((off, shp))
+            _check_partition(url, name, shape, boxes)
         else:
             raise _bad(url, f"tensor {name!r} has unknown storage {storage!r}", name)
 
