@@ -73,6 +73,7 @@ class S3Server:
     region: str = "us-east-1"
     _ports: dict[str, int] = field(default_factory=dict, init=False, repr=False)
     _proc: subprocess.Popen | None = field(default=None, init=False, repr=False)
+    _started_once: bool = field(default=False, init=False, repr=False)
 
     def __post_init__(self) -> None:
         self.data_dir = Path(self.data_dir)
@@ -103,7 +104,26 @@ class S3Server:
     def running(self) -> bool:
         return self._proc is not None and self._proc.poll() is None
 
-    def start(self, timeout: float = 30.0) -> S3Server:
+    def start(self, timeout: float = 30.0, attempts: int = 3) -> S3Server:
+        """Start (or restart, on the same data dir and S3 port) and wait until ready. A
+        free port picked here can be taken by another process before weed binds it (weed
+        then exits at startup): retry with fresh ports, keeping the S3 port once clients
+        may know it."""
+        for attempt in range(attempts):
+            try:
+                return self._start_once(timeout)
+            except S3ServerError as exc:
+                if self.running() or attempt == attempts - 1:
+                    raise
+                logger.warning("SeaweedFS did not start (%s); retrying with fresh ports",
+                               str(exc).splitlines()[0])
+                keep = {"s3"} if self._started_once else set()
+                for role in self._ports:
+                    if role not in keep:
+                        self._ports[role] = _free_port_pair()
+        raise AssertionError("unreachable")
+
+    def _start_once(self, timeout: float) -> S3Server:
         if self.running():
             return self
         self.data_dir.mkdir(parents=True, exist_ok=True)
@@ -142,6 +162,7 @@ class S3Server:
         )
         log_file.close()
         self._wait_ready(timeout, log_path)
+        self._started_once = True
         logger.info("SeaweedFS S3 started pid=%d at %s", self._proc.pid, self.endpoint_url)
         return self
 
