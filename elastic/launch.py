@@ -18,7 +18,9 @@ supervises the workers; nothing here restarts anything. What it adds:
   the training config when the command is `runtime.train`, else `--preemption-grace-s`;
 - stopped by a signal, the agent revokes its etcd lease once its workers are down, so
   the other nodes re-form at once instead of one lease TTL later;
-- `--metrics-port` serves the agent's Prometheus metrics (elastic.agent_metrics).
+- `--metrics-port` serves the agent's Prometheus metrics (elastic.agent_metrics);
+- the agent retries a rendezvous whose round store died with its host node while
+  ranks were being assigned (elastic.agent), instead of exiting.
 
 Every other option is torchrun's, with torchrun's meaning (`--nnodes`,
 `--nproc-per-node`, `--max-restarts`, `--rdzv-conf`, `--monitor-interval`, ...).
@@ -277,6 +279,8 @@ def _launch(args: argparse.Namespace, opts: Sequence[str], positional: list[str]
     from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
     from torch.distributed.run import run as torchrun
 
+    from elastic import agent
+
     def on_sigterm(signum: int, frame: object) -> None:
         # What torchrun's agent installs once its workers start; here from the start,
         # so a SIGTERM during the first rendezvous also leaves through the lease revoke.
@@ -292,7 +296,8 @@ def _launch(args: argparse.Namespace, opts: Sequence[str], positional: list[str]
                 print(f"relight run: {exc}", file=sys.stderr)
                 return 1
         signal.signal(signal.SIGTERM, on_sigterm)
-        torchrun(args)
+        with agent.installed():
+            torchrun(args)
         return 0
     except ChildFailedError as exc:
         print(exc.format_msg(), file=sys.stderr)

@@ -56,7 +56,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass, field
 from datetime import timedelta
 
-from torch.distributed import TCPStore
+from torch.distributed import DistError, TCPStore
 from torch.distributed.elastic.rendezvous import (
     RendezvousClosedError,
     RendezvousConnectionError,
@@ -684,7 +684,13 @@ class EtcdRendezvousHandler(RendezvousHandler):
             self._cleanup_rounds(state.round)
         else:
             addr, port = self._await_store(store_key, state)
-            store = TCPStore(addr, port, is_master=False, timeout=timeout)
+            try:
+                store = TCPStore(addr, port, is_master=False, timeout=timeout)
+            except DistError as exc:
+                # Rank 0 published its store and died before we reached it.
+                raise _StoreMissing(state.round, f"rank 0 ({state.participants[0]}) of round "
+                                    f"{state.round} is unreachable at {addr}:{port}: "
+                                    f"{exc}") from exc
         self._store = store  # keep the server (rank 0) alive for the round
         self._round = state.round
         self._participants = list(state.participants)
