@@ -50,6 +50,7 @@ from ckpt.errors import (
 from ckpt.flatten import FlatState, flatten_state, set_value
 from ckpt.format import (
     ABORT_PREFIX,
+    CHUNK_CRCS,
     COMMIT_KEY,
     DATA_PREFIX,
     FORMAT_NAME,
@@ -57,6 +58,7 @@ from ckpt.format import (
     INDEX_PREFIX,
     WRITER_VERSION,
     align,
+    chunk_keys,
     dtype_name,
     inner_chunk_shape,
     itemsize,
@@ -75,7 +77,14 @@ from ckpt.plan import (
     plan_load,
     plan_save,
 )
-from ckpt.shardio import ShardGeometry, direct_ok, encode_shard, read_shard_region, shard_key
+from ckpt.shardio import (
+    ShardGeometry,
+    direct_ok,
+    encode_shard,
+    read_shard_region,
+    shard_key,
+    stored_crcs,
+)
 from ckpt.staging import Stager, StagingBuffers
 from ckpt.tsio import map_ts_error, open_array, put_metadata, to_numpy
 from storage import ObjectNotFoundError, Store, open_store
@@ -386,6 +395,8 @@ class _SaveJob:
         self.meta, self.handle, self.on_commit, self.pre = meta, handle, on_commit, pre
         self.data = f"{DATA_PREFIX}{attempt}"
         self.t0 = time.perf_counter()
+        self.chunk_crcs: dict[str, list[int | None]] = {}
+        """Data object key -> crc32c of each inner chunk (the manifest's CHUNK_CRCS)."""
 
     # -- persist ---------------------------------------------------------------------
 
@@ -462,7 +473,8 @@ class _SaveJob:
             for key, a, geo in direct:
                 while len(pending) >= PERSIST_THREADS:  # bounds the memory of encoded objects
                     pending.popleft().result()
-                pending.append(pool.submit(self.store.put, key, encode_shard(a, geo)))
+                pending.append(pool.submit(self.store.put, key, encode_shard(
+                    a, geo, self.chunk_crcs.setdefault(key, []))))
             for f in futures:
                 f.result()
             for d in (*done, *pending):
@@ -470,6 +482,42 @@ class _SaveJob:
         if futures:  # tensorstore's bytes do not pass through Store.put
             self.store.stats.record_write(ts_bytes, ops=len(futures))
         return nbytes
+
+    def _objects_written(self) -> dict[str, int]:
+        """Key -> inner chunk count of every data object this rank wrote."""
+        out: dict[str, int] = {}
+        for t, p in self.plan.writes_of(self.rank):
+            if t.storage == "grid":
+                path = f"{self.data}/{t.array}"
+                cell = tuple(o // c for o, c in zip(p.offset, t.chunks, strict=True))
+                if numel(t.shape):
+                    out[shard_key(path, cell) if cell else f"{path}/c"] = numel(
+                        [c // i for c, i in zip(t.chunks, t.inner, strict=True)])
+            elif t.storage == "pieces":
+                path = f"{self.data}/{p.array}"
+                inner = inner_chunk_shape(p.shape, itemsize(t.dtype), self.opts.inner_bytes)
+                for key in chunk_keys(path, list(p.shape), list(p.shape)):
+                    out[key] = numel([s // i for s, i in zip(p.shape, inner, strict=True)])
+        if self.packed is not None:
+            path = f"{self.data}/packed/r{self.rank:05d}"
+            out[shard_key(path, (0,))] = -(-self.packed.shape[0] // self.plan.packed_inner)
+        return out
+
+    def _bind_stored_objects(self) -> None:
+        """Record the chunk crc32c of the objects tensorstore wrote (zstd, edge shards,
+        0-d arrays): read each back whole and take the crcs from its index, no pass over
+        the data (the direct path recorded its own while encoding)."""
+        todo = {k: n for k, n in self._objects_written().items() if k not in self.chunk_crcs}
+        if not todo:
+            return
+
+        def read(key: str) -> None:
+            self.chunk_crcs[key] = stored_crcs(self.store.get(key), todo[key],
+                                               url=self.store.url, key=key, tensor="")
+        with ThreadPoolExecutor(max_workers=min(PERSIST_THREADS, len(todo)),
+                                thread_name_prefix="ckpt-bind") as pool:
+            for f in [pool.submit(read, k) for k in todo]:
+                f.result()
 
     # -- commit ----------------------------------------------------------------------
 
@@ -510,8 +558,10 @@ class _SaveJob:
 
     def _manifest(self, indexes: dict[int, dict[str, Any]]) -> dict[str, Any]:
         values: dict[str, Any] = {}
+        crcs: dict[str, list[int | None]] = {}
         for idx in indexes.values():
             values.update(idx["values"])
+            crcs.update(idx[CHUNK_CRCS])
         tensors: dict[str, Any] = {}
         for t in self.plan.tensors.values():
             e: dict[str, Any] = {"path": list(t.path), "shape": list(t.shape), "dtype": t.dtype,
@@ -554,6 +604,7 @@ class _SaveJob:
             "packed_inner": self.plan.packed_inner,
             "bytes": sum(t.nbytes for t in self.plan.tensors.values()),
             "index": {str(r): self._index_key(r) for r in self.plan.ranks},
+            CHUNK_CRCS: {k: crcs[k] for k in sorted(crcs)},
         }
 
     def _committed(self) -> bool | None:
@@ -620,10 +671,12 @@ class _SaveJob:
             if self.on_start is not None:
                 self.on_start()
             nbytes = self.persist()
+            self._bind_stored_objects()
             self.handle.bytes_written = nbytes
             self.store.put(self._index_key(self.rank), json.dumps({
                 "rank": self.rank, "attempt": self.attempt, "bytes": nbytes,
-                "values": self.values, "time": time.time()}).encode())
+                "values": self.values, CHUNK_CRCS: self.chunk_crcs,
+                "time": time.time()}).encode())
             return None
         except BaseException as e:  # noqa: BLE001 - reported by the caller
             logger.error("%s persisting to %s failed: %s", self.pre, self.store.url, e)
@@ -639,7 +692,8 @@ class _SaveJob:
         local = self._persist_and_index()
         status = comm.allgather_json(
             {"err": f"{type(local).__name__}: {local}" if local else None,
-             "values": self.values if not local else {}})
+             "values": self.values if not local else {},
+             CHUNK_CRCS: self.chunk_crcs if not local else {}})
         if local is not None:
             raise local
         failures = {r: s["err"] for r, s in zip(comm.ranks, status, strict=True) if s["err"]}
@@ -650,7 +704,7 @@ class _SaveJob:
         err: BaseException | None = None
         if comm.is_coordinator:
             try:
-                self._commit({r: {"values": s["values"]}
+                self._commit({r: {"values": s["values"], CHUNK_CRCS: s[CHUNK_CRCS]}
                               for r, s in zip(comm.ranks, status, strict=True)})
             except BaseException as e:  # noqa: BLE001 - shared below, then raised
                 err = e

@@ -29,6 +29,10 @@ COMMIT_KEY = "COMMIT"
 ABORT_PREFIX = "aborted/"
 INDEX_PREFIX = "index/"
 DATA_PREFIX = "data/"
+CHUNK_CRCS = "chunk_crc32c"
+"""Manifest (and rank index) field: data object key -> the crc32c of each of its inner
+chunks in storage order, binding every chunk to its place (docs/format.md). Optional:
+checkpoints written before it was added lack it and load without the check."""
 
 MAX_NUMEL = 1 << 44
 """No single tensor in a manifest may claim more elements than this (16 Ti elements)."""

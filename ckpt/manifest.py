@@ -18,6 +18,7 @@ from ckpt.errors import (
     CorruptCheckpointError,
 )
 from ckpt.format import (
+    CHUNK_CRCS,
     COMMIT_KEY,
     DTYPES,
     INDEX_PREFIX,
@@ -34,7 +35,7 @@ from storage import ObjectNotFoundError, StorageError, Store
 
 logger = logging.getLogger(__name__)
 
-__all__ = ["Manifest", "read_manifest", "crc32c", "publish_commit"]
+__all__ = ["Manifest", "read_manifest", "crc32c", "publish_commit", "chunk_objects"]
 
 MAX_CHUNKS = 10_000_000
 
@@ -72,22 +73,94 @@ class Manifest:
             return zarr_metadata([size], "uint8", [size], [self.raw["packed_inner"]], comp)
         return zarr_metadata(piece["shape"], t["dtype"], piece["shape"], piece["inner"], comp)
 
+    def chunk_crcs(self, key: str) -> list[int | None] | None:
+        """The crc32c recorded at save for each inner chunk of data object `key`, in
+        storage order (None: that chunk is not stored), or None for a checkpoint written
+        before they were recorded (validate() made sure every object has its list)."""
+        crcs = self.raw.get(CHUNK_CRCS)
+        return None if crcs is None else crcs[key]
+
     def expected_objects(self) -> dict[str, str]:
         """Every object the checkpoint must hold -> the tensor (or '') it belongs to."""
         out: dict[str, str] = {}
         for name, t in self.tensors.items():
             if t["storage"] == "grid":
                 out[f"{t['array']}/zarr.json"] = name
-                for k in chunk_keys(t["array"], t["shape"], t["chunks"]):
-                    out[k] = name
             else:
                 for p in t["pieces"]:
-                    arr = p["array"]
-                    out[f"{arr}/zarr.json"] = name if t["storage"] == "pieces" else ""
-                    shape = [self.raw["packed"][arr]] if t["storage"] == "packed" else p["shape"]
-                    for k in chunk_keys(arr, shape, shape):
-                        out.setdefault(k, name if t["storage"] == "pieces" else "")
+                    out[f"{p['array']}/zarr.json"] = name if t["storage"] == "pieces" else ""
+        for key, name, _n in chunk_objects(self.raw):
+            out.setdefault(key, name)
         return out
+
+
+def _inner_count(shape: list[int], inner: list[int]) -> int:
+    n = 1
+    for s, i in zip(shape, inner, strict=True):
+        n *= -(-s // i)
+    return n
+
+
+def chunk_objects(m: dict[str, Any]):
+    """(key, tensor or '' for a packed array, inner chunks) of every data object of a
+    validated manifest: one per grid cell, piece array and packed array."""
+    seen: set[str] = set()
+    for name, t in m["tensors"].items():
+        if t["storage"] == "grid":
+            n = _inner_count(t["chunks"], t["inner"])
+            for k in chunk_keys(t["array"], t["shape"], t["chunks"]):
+                yield k, name, n
+            continue
+        for p in t["pieces"]:
+            arr = p["array"]
+            if t["storage"] == "packed":
+                size, inner, who = [m["packed"][arr]], [m.get("packed_inner", 1)], ""
+            else:
+                size, inner, who = p["shape"], p["inner"], name
+            for k in chunk_keys(arr, size, size):
+                if k not in seen:
+                    seen.add(k)
+                    yield k, who, _inner_count(size, inner)
+
+
+def _count_objects(m: dict[str, Any]) -> int:
+    """How many objects `chunk_objects` yields, without listing the grid cells."""
+    n = 0
+    arrays: set[str] = set()
+    for t in m["tensors"].values():
+        if t["storage"] == "grid":
+            n += _inner_count(t["shape"], t["chunks"]) if t["shape"] else 1
+        else:
+            arrays.update(p["array"] for p in t["pieces"] if (
+                m["packed"].get(p["array"], 0) > 0 if t["storage"] == "packed"
+                else all(s > 0 for s in p["shape"])))
+    return n + len(arrays)
+
+
+def _check_chunk_crcs(m: dict[str, Any], url: str) -> None:
+    """`chunk_crc32c` (optional: older checkpoints lack it) must list, for every data
+    object and nothing else, one crc32c (an int in [0, 2^32), or null for a chunk not
+    stored) per inner chunk: the reader compares each chunk it reads with it."""
+    crcs = m.get(CHUNK_CRCS)
+    if crcs is None:
+        return
+    if not isinstance(crcs, dict):
+        raise _bad(url, "'chunk_crc32c' is not an object; the manifest is damaged")
+    want = _count_objects(m)
+    if len(crcs) != want:  # counted first: listing a claimed 10^7-cell grid costs time
+        raise _bad(url, f"'chunk_crc32c' lists {len(crcs)} objects, the tensors have {want}; "
+                   "the manifest is damaged")
+    for key, name, n in chunk_objects(m):
+        v = crcs.get(key)
+        if not (isinstance(v, list) and len(v) == n and all(
+                c is None or (isinstance(c, int) and not isinstance(c, bool) and 0 <= c < 1 << 32)
+                for c in v)):
+            what = "no entry" if v is None else f"{type(v).__name__} {str(v)[:60]}"
+            raise CorruptCheckpointError(
+                f"checkpoint {url}: 'chunk_crc32c' of object {key}"
+                + (f" (tensor {name!r})" if name else " (packed small tensors)")
+                + f" is {what}, not a list of {n} crc32c values; the manifest is damaged",
+                url=url, tensor=name, obj=key)
 
 
 def _bad(url: str, msg: str, tensor: str = "") -> CorruptCheckpointError:
@@ -200,6 +273,7 @@ def validate(m: dict[str, Any], url: str) -> None:
             _check_partition(url, name, shape, boxes)
         else:
             raise _bad(url, f"tensor {name!r} has unknown storage {storage!r}", name)
+    _check_chunk_crcs(m, url)
 
 
 def read_commit(store: Store) -> dict[str, Any]:

@@ -20,6 +20,17 @@ chunk always gives the CRC-32C residue (so no slice of the data is copied to che
 it); a missing object, a truncated one, an index entry marked missing or pointing
 outside the object are `MissingChunkError`, a bad crc `ChecksumMismatchError`, each
 naming the tensor and the object.
+
+Binding (docs/format.md, "chunk_crc32c"): a chunk's crc32c covers its bytes, not its
+place, so a well-formed chunk copied from another tensor or position would pass those
+checks. The save records every stored chunk's crc32c (`encode_shard(..., crcs=)` hands
+back the ones it computes; `stored_crcs` reads them out of an object tensorstore wrote)
+and the manifest carries them; a read given `expect` compares each chunk's stored crc
+(4 bytes it fetched anyway) with the recorded one.
+
+A shard at the edge of an uneven grid (`ShardGeometry.valid`) keeps the full outer
+chunk's index, with the inner chunks wholly outside the array marked missing and the
+others stored in full (padded), back to back: what tensorstore writes.
 """
 
 from __future__ import annotations
@@ -41,7 +52,8 @@ import numpy as np
 from ckpt.errors import ChecksumMismatchError, CorruptCheckpointError, MissingChunkError
 from storage import ObjectNotFoundError, ObjectTruncatedError, Store
 
-__all__ = ["ShardGeometry", "direct_ok", "shard_key", "encode_shard", "read_shard_region"]
+__all__ = ["ShardGeometry", "direct_ok", "shard_key", "encode_shard", "read_shard_region",
+           "stored_crcs"]
 
 RESIDUE = 0x48674BC7
 """crc32c(data + crc32c(data) as 4 little-endian bytes) for any data."""
@@ -51,11 +63,14 @@ MISSING = (1 << 64) - 1
 
 @dataclass(frozen=True, slots=True)
 class ShardGeometry:
-    """One shard object: its (outer chunk) shape, its inner chunk shape, the item size."""
+    """One shard object: its (outer chunk) shape, its inner chunk shape, the item size,
+    and for an edge shard of an uneven grid the extent of it inside the array (`valid`;
+    None: all of it)."""
 
     shape: tuple[int, ...]
     inner: tuple[int, ...]
     itemsize: int
+    valid: tuple[int, ...] | None = None
 
     @property
     def grid(self) -> tuple[int, ...]:
@@ -70,12 +85,20 @@ class ShardGeometry:
         return int(np.prod(self.inner, dtype=np.int64)) * self.itemsize
 
     @property
+    def n_stored(self) -> int:
+        """Inner chunks stored: those that overlap the array (all but at an edge)."""
+        if self.valid is None:
+            return self.n_chunks
+        return int(np.prod([-(-v // i) for v, i in zip(self.valid, self.inner, strict=True)],
+                           dtype=np.int64))
+
+    @property
     def index_bytes(self) -> int:
         return 16 * self.n_chunks + 4
 
     @property
     def object_bytes(self) -> int:
-        return self.n_chunks * (self.chunk_bytes + 4) + self.index_bytes
+        return self.n_stored * (self.chunk_bytes + 4) + self.index_bytes
 
     def tile(self, cell: tuple[int, ...]) -> tuple[slice, ...]:
         return tuple(slice(c * i, (c + 1) * i) for c, i in zip(cell, self.inner, strict=True))
@@ -164,10 +187,13 @@ def _as_bytes_grid(arr: np.ndarray) -> np.ndarray:
     return arr.view(np.uint8)
 
 
-def encode_shard(arr: np.ndarray, geo: ShardGeometry) -> bytes:
+def encode_shard(arr: np.ndarray, geo: ShardGeometry, crcs: list[int | None] | None = None
+                 ) -> bytes:
     """The shard object of `arr` (the whole outer chunk, any strides): one copy of the
-    data (the tile gather), one crc32c pass, no other copy."""
-    if tuple(arr.shape) != geo.shape or arr.dtype.itemsize != geo.itemsize:
+    data (the tile gather), one crc32c pass, no other copy. The crc32c of each inner
+    chunk, in storage order, is appended to `crcs` when given (the manifest records them)."""
+    if (tuple(arr.shape) != geo.shape or arr.dtype.itemsize != geo.itemsize
+            or geo.valid is not None):
         raise ValueError(f"array {arr.shape} {arr.dtype} does not fit shard {geo}")
     step = geo.chunk_bytes + 4
     n = geo.n_chunks
@@ -181,7 +207,10 @@ def encode_shard(arr: np.ndarray, geo: ShardGeometry) -> bytes:
         t = geo.tile(cell)
         last = slice(t[-1].start * item, t[-1].stop * item)
         np.copyto(buf[lo: lo + geo.chunk_bytes].reshape(tile_shape), src[(*t[:-1], last)])
-        struct.pack_into("<I", buf, lo + geo.chunk_bytes, crc32c_of(buf, lo, lo + geo.chunk_bytes))
+        crc = crc32c_of(buf, lo, lo + geo.chunk_bytes)
+        struct.pack_into("<I", buf, lo + geo.chunk_bytes, crc)
+        if crcs is not None:
+            crcs.append(crc)
         index[i] = (lo, step)
     at = n * step
     buf[at: at + 16 * n] = index.reshape(-1).view(np.uint8)
@@ -203,12 +232,52 @@ def _get(store: Store, key: str, start: int, end: int, url: str, tensor: str, wh
             "older checkpoint", url=url, tensor=tensor, obj=key) from e
 
 
-def _decode(run: np.ndarray, at: int, geo: ShardGeometry, cell: tuple[int, ...],
+def stored_crcs(blob: bytes | np.ndarray, n_chunks: int, *, url: str, key: str,
+                tensor: str) -> list[int | None]:
+    """The crc32c stored after each inner chunk of a whole shard object (the last 4
+    bytes of its index entry's span; None for a chunk not stored), read from the index
+    without a pass over the data. For objects written by tensorstore (zstd: the crc of
+    the compressed bytes, which is what a reader checks)."""
+    raw = np.frombuffer(blob, np.uint8) if not isinstance(blob, np.ndarray) else blob
+    ib = 16 * n_chunks + 4
+    if raw.size < ib or crc32c_of(raw, raw.size - ib, raw.size) != RESIDUE:
+        raise _damaged(url, key, tensor, "the shard index")
+    entries = raw[raw.size - ib: raw.size - 4].view("<u8").reshape(-1, 2)
+    out: list[int | None] = []
+    for off, nb in entries.tolist():
+        if off == MISSING:
+            out.append(None)
+            continue
+        if nb < 4 or off + nb > raw.size - ib:
+            raise CorruptCheckpointError(
+                f"tensor {tensor!r}, object {url}/{key}: index entry ({off}, {nb}) does not "
+                "fit the shard; restore an older checkpoint", url=url, tensor=tensor, obj=key)
+        out.append(int(raw[off + nb - 4: off + nb].view("<u4")[0]))
+    return out
+
+
+def misplaced(url: str, key: str, tensor: str, what: str, got: int | None,
+              want: int | None) -> ChecksumMismatchError:
+    """A well-formed chunk whose crc32c is not the one the manifest records for this
+    place: bytes of another tensor, position or checkpoint."""
+    return ChecksumMismatchError(
+        f"tensor {tensor!r}, object {url}/{key}: {what} has crc32c {got}, the manifest "
+        f"records {want} for this place; the chunk was swapped or copied from elsewhere, "
+        "restore an older checkpoint", url=url, tensor=tensor, obj=key)
+
+
+def _decode(run: np.ndarray, at: int, geo: ShardGeometry, lin: int, cell: tuple[int, ...],
             region: tuple[slice, ...], out: np.ndarray, url: str, key: str,
-            tensor: str) -> None:
-    """Check the inner chunk at `run[at:]` and copy its part of `region` into `out`."""
-    if crc32c_of(run, at, at + geo.chunk_bytes + 4) != RESIDUE:
+            tensor: str, expect: list[int | None] | None) -> None:
+    """Check the inner chunk at `run[at:]` (its crc32c, and against `expect[lin]` when
+    given) and copy its part of `region` into `out`."""
+    end = at + geo.chunk_bytes
+    if crc32c_of(run, at, end + 4) != RESIDUE:
         raise _damaged(url, key, tensor, f"inner chunk {cell}")
+    if expect is not None:
+        got = int(run[end: end + 4].view("<u4")[0])
+        if got != expect[lin]:
+            raise misplaced(url, key, tensor, f"inner chunk {cell}", got, expect[lin])
     chunk = run[at: at + geo.chunk_bytes].view(out.dtype).reshape(geo.inner)
     src, dst = [], []
     for r, t in zip(region, geo.tile(cell), strict=True):
@@ -226,16 +295,24 @@ def _damaged(url: str, key: str, tensor: str, what: str) -> ChecksumMismatchErro
 
 def read_shard_region(store: Store, key: str, geo: ShardGeometry, region: tuple[slice, ...],
                       out: np.ndarray, *, url: str, tensor: str,
-                      cpu: AbstractContextManager[Any] | None = None) -> int:
+                      cpu: AbstractContextManager[Any] | None = None,
+                      expect: list[int | None] | None = None) -> int:
     """Fill `out` (shape of `region`, the dtype stored) with `region` of the shard object
     at `key`. Returns the bytes fetched: the whole object in one get when every inner
     chunk is needed, else the index and then only the inner chunks `region` overlaps
     (adjacent ones in one ranged get). `cpu` (e.g. a lock shared by reader threads) is
-    held while fetched bytes are checked and copied, not while fetching."""
+    held while fetched bytes are checked and copied, not while fetching. `expect`: the
+    crc32c the manifest records for each inner chunk (storage order), checked for every
+    chunk read (`ChecksumMismatchError` naming the chunk on a mismatch)."""
+    if expect is not None and len(expect) != geo.n_chunks:
+        raise CorruptCheckpointError(
+            f"tensor {tensor!r}, object {url}/{key}: the manifest records {len(expect)} "
+            f"chunk checksums for a shard of {geo.n_chunks} inner chunks; the manifest is "
+            "damaged", url=url, tensor=tensor, obj=key)
     end = geo.object_bytes
     data_end = end - geo.index_bytes
     cells = geo.overlapping(region)
-    whole = len(cells) == geo.n_chunks
+    whole = len(cells) == geo.n_stored
     if whole:
         blob = np.frombuffer(_get(store, key, 0, end, url, tensor, "the shard"), np.uint8)
         raw = blob[data_end:]
@@ -246,7 +323,7 @@ def read_shard_region(store: Store, key: str, geo: ShardGeometry, region: tuple[
         raise _damaged(url, key, tensor, "the shard index")
     entries = raw[:-4].view("<u8").reshape(-1, 2)
     step = geo.chunk_bytes + 4
-    spans: list[tuple[int, int, tuple[int, ...]]] = []
+    spans: list[tuple[int, int, int, tuple[int, ...]]] = []
     for lin, cell in cells:
         off, nb = int(entries[lin, 0]), int(entries[lin, 1])
         if off == MISSING:
@@ -259,7 +336,7 @@ def read_shard_region(store: Store, key: str, geo: ShardGeometry, region: tuple[
                 f"tensor {tensor!r}, object {url}/{key}: index entry of inner chunk {cell} "
                 f"({off}, {nb}) does not fit the shard; restore an older checkpoint",
                 url=url, tensor=tensor, obj=key)
-        spans.append((off, nb, cell))
+        spans.append((off, nb, lin, cell))
     fetched = end if whole else raw.size
     i = 0
     while i < len(spans):
@@ -275,7 +352,8 @@ def read_shard_region(store: Store, key: str, geo: ShardGeometry, region: tuple[
             base = lo
             fetched += hi - lo
         with cpu or nullcontext():
-            for off, _nb, cell in spans[i:j]:
-                _decode(run, off - base, geo, cell, region, out, url, key, tensor)
+            for off, _nb, lin, cell in spans[i:j]:
+                _decode(run, off - base, geo, lin, cell, region, out, url, key, tensor,
+                        expect)
         i = j
     return fetched
