@@ -315,9 +315,10 @@ class Trainer:
         learns the servers' addresses (one all-gather here, on the main thread) and copies
         to the next `peer_replicas` nodes in name order."""
         from storage.peer import PeerServer
+        from storage.tiered import REPLICA_DIR
 
         if nodes.index(node) == self.rank:
-            self._peer_server = PeerServer(os.path.join(tiered.local_dir, "replicas"),
+            self._peer_server = PeerServer(os.path.join(tiered.local_dir, REPLICA_DIR),
                                            also_serve=(tiered.local_dir,))
         mine = self._peer_server.address if self._peer_server is not None else None
         addrs = {n: a for n, a in comm.allgather_json([node, mine]) if a is not None}

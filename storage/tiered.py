@@ -22,9 +22,11 @@ falls back to the persistent store otherwise, counting why (`TierStats.misses`):
   no object bytes.
 
 Peers (optional, `attach_peers`): the copy thread also pushes each object to the replica
-servers of k other nodes (`storage.peer`), and a read the local tier cannot serve asks the
-other nodes' servers before the persistent store, under the same URL/key, crc32c and
-newest-committed checks (counted as served by "peer").
+servers of k other nodes (`storage.peer`), and a read the local tier cannot serve is
+tried, before the persistent store, on the replicas this node holds for the others (its
+server's directory, `REPLICA_DIR`: after a node's death the survivors read its objects
+there, without a request), then on the other nodes' servers; always under the same
+URL/key, crc32c and newest-committed checks (both counted as served by "peer").
 
 Memory: the tier keeps the newest committed step plus the step being written; an older
 step is dropped as soon as a newer one's COMMIT is seen (polled by the write-behind
@@ -58,12 +60,14 @@ from storage.url import parse_url
 
 logger = logging.getLogger(__name__)
 
-__all__ = ["TierStats", "TieredStore", "local_tier_dir", "step_of_key"]
+__all__ = ["REPLICA_DIR", "TierStats", "TieredStore", "local_tier_dir", "step_of_key"]
 
 _DATA_KEY = re.compile(r"^step-(\d+)/data/")
 """`ckpt.manager.step_dir(step)` + "/" + `ckpt.format.DATA_PREFIX` (storage must not
 import ckpt, so the layout is spelled out here; tests/tiers checks it against ckpt)."""
 _META = ".meta"
+REPLICA_DIR = "replicas"
+"""Below a node's local tier: the replicas other nodes pushed to this node's peer server."""
 _RECORDS = "steps/"
 _COMMIT = "COMMIT"
 POLL_S = 1.0
@@ -134,6 +138,9 @@ class _Tier:
     def __init__(self, persistent: Store, local_dir: str, budget_bytes: int, writer: int) -> None:
         self.persistent = persistent
         self.local = LocalStore(parse_url(local_dir), fsync=False)
+        self.replicas = LocalStore(parse_url(os.path.join(local_dir, REPLICA_DIR)), fsync=False)
+        """What this node holds for other nodes: when one of them dies, its objects are
+        read here (no network), as the peer tier."""
         self.local_dir = local_dir
         self.budget = budget_bytes
         self.writer = writer
@@ -141,7 +148,7 @@ class _Tier:
         self.held: dict[int, int] = self._scan()
         """step -> bytes this writer holds in the local tier."""
         self.newest_ok: dict[int, bool] = {}
-        self.verified: set[str] = set()
+        self.verified: set[tuple[str, str]] = set()
         self.queue: queue.Queue[tuple[str, int, bytes] | None] = queue.Queue()
         self.lock = threading.Lock()
         self.thread: threading.Thread | None = None
@@ -285,6 +292,9 @@ class _Tier:
         data = self.read_local(rel_key, start, end)
         if data is not None:
             return "local", data
+        data = self._read_copy(self.replicas, rel_key, start, end, count_misses=False)
+        if data is not None:
+            return "peer", data
         if not self.fetch_from:
             return None
         step = step_of_key(rel_key)
@@ -302,37 +312,49 @@ class _Tier:
 
     def read_local(self, rel_key: str, start: int | None, end: int | None) -> bytes | None:
         """The local copy's bytes [start, end), or None (counted) when it may not be used."""
+        return self._read_copy(self.local, rel_key, start, end, count_misses=True)
+
+    def _read_copy(self, copies: LocalStore, rel_key: str, start: int | None, end: int | None,
+                   *, count_misses: bool) -> bytes | None:
+        """Bytes [start, end) of the copy of `rel_key` in `copies` (this node's own, or
+        the replicas it holds for others), or None when it may not be used."""
+
+        def miss(reason: str) -> None:
+            if count_misses:
+                self.stats.miss(reason)
+
         try:
-            meta = json.loads(self.local.get(f"{_META}/{rel_key}.json"))
+            meta = json.loads(copies.get(f"{_META}/{rel_key}.json"))
         except ObjectNotFoundError:
-            self.stats.miss("absent")
+            miss("absent")
             return None
         except (StorageError, ValueError):
-            self.stats.miss("bad_metadata")
+            miss("bad_metadata")
             return None
         if meta.get("key") != rel_key or meta.get("url") != self.persistent.url_of(rel_key):
-            self.stats.miss("other_key")
+            miss("other_key")
             return None
         step = step_of_key(rel_key)
         if step is None or not self.is_newest_committed(step):
-            self.stats.miss("not_newest_committed")
+            miss("not_newest_committed")
             return None
+        checked = (copies.url, rel_key)
         try:
-            if rel_key not in self.verified:
-                whole = self.local.get(rel_key)
+            if checked not in self.verified:
+                whole = copies.get(rel_key)
                 if len(whole) != meta.get("size") or google_crc32c.value(whole) != meta.get(
                         "crc32c"):
                     self.stats.miss("checksum")
-                    logger.warning("local tier %s: %s fails its crc32c; reading the "
-                                   "persistent copy", self.local_dir, rel_key)
+                    logger.warning("local tier %s: %s fails its crc32c; trying the next tier",
+                                   copies.url, rel_key)
                     return None
-                self.verified.add(rel_key)
+                self.verified.add(checked)
                 if start is None and end is None:
                     return whole
                 return whole[start or 0: end]
-            return self.local.get(rel_key, start, end)
+            return copies.get(rel_key, start, end)
         except StorageError:
-            self.stats.miss("unreadable")
+            miss("unreadable")
             return None
 
 

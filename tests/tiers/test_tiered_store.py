@@ -111,3 +111,32 @@ def test_older_committed_step_dropped_once_newer_commits(stores, monkeypatch) ->
         time.sleep(0.05)
     assert not (local / step_dir(1)).exists()
     assert (local / step_dir(2)).exists()
+
+
+def test_replicas_held_for_a_dead_node_serve_the_survivor(tmp_path: Path) -> None:
+    """Node a pushes its objects to node b's replica server; a dies with its memory; b,
+    now alone (no peers to ask), reads a's objects from the replicas it holds."""
+    from storage.peer import PeerServer
+    from storage.tiered import REPLICA_DIR
+
+    persistent = open_store(tmp_path / "persistent")
+    b_dir = tmp_path / "b"
+    server = PeerServer(str(b_dir / REPLICA_DIR), host="127.0.0.1")
+    try:
+        a = TieredStore(persistent, str(tmp_path / "a"), 10_000)
+        a.attach_peers([server.address], [server.address])
+        a.put(_data(1, "t0/c/0"), b"a" * 80)
+        a.flush()
+    finally:
+        server.close()
+    _commit(persistent, 1)
+    b = TieredStore(persistent, str(b_dir), 10_000)
+    assert b.get(_data(1, "t0/c/0"), 5, 25) == b"a" * 20
+    assert b.tier_stats.served == {"local": 0, "peer": 20, "persistent": 0}
+    # A damaged replica is refused like a damaged local copy: the persistent one is read.
+    held = b_dir / REPLICA_DIR / _data(1, "t0/c/0")
+    held.write_bytes(b"b" * 80)
+    b = TieredStore(persistent, str(b_dir), 10_000)
+    assert b.get(_data(1, "t0/c/0")) == b"a" * 80
+    assert b.tier_stats.served == {"local": 0, "peer": 0, "persistent": 80}
+    assert b.tier_stats.misses == {"absent": 1, "checksum": 1}
