@@ -81,6 +81,7 @@ from ckpt.shardio import (
     ShardGeometry,
     direct_ok,
     encode_shard,
+    grid_geometry,
     read_shard_region,
     shard_key,
     stored_crcs,
@@ -811,10 +812,10 @@ _DECODE = threading.Lock()
 
 
 def _read_bytes(store: Store, key: str, geo: ShardGeometry, lo: int, hi: int, url: str,
-                tensor: str) -> np.ndarray:
+                tensor: str, expect: list[int | None] | None) -> np.ndarray:
     out = np.empty(hi - lo, dtype=np.uint8)
     read_shard_region(store, key, geo, (slice(lo, hi),), out, url=url, tensor=tensor,
-                      cpu=_DECODE)
+                      cpu=_DECODE, expect=expect)
     return out
 
 
@@ -844,9 +845,7 @@ class _Reader:
             if t["storage"] == "grid":
                 n = _chunk_bytes(self.off, self.shape, t["inner"], item) if self.shape else item
                 self.bytes += n
-                shape, chunks, inner = t["shape"], t["chunks"], t["inner"]
-                if direct_ok(chunks, inner, comp) and all(
-                        s % c == 0 for s, c in zip(shape, chunks, strict=True)):
+                if direct_ok(t["chunks"], t["inner"], comp):
                     self._direct_grid(t, item)
                     return
                 self.ts_bytes += n
@@ -899,7 +898,7 @@ class _Reader:
             self.bytes += n
             if direct:
                 fut = _read_pool(self.store).submit(_read_bytes, self.store, key, geo, lo_b, hi_b,
-                                          self.store.url, self.name)
+                                          self.store.url, self.name, m.chunk_crcs(key))
             else:
                 self.ts_bytes += n
                 arr = open_array(self.store, arr_path, m.meta_of(self.name, p),
@@ -918,7 +917,6 @@ class _Reader:
 
     def _direct_grid(self, t: dict[str, Any], item: int) -> None:
         chunks = t["chunks"]
-        geo = ShardGeometry(tuple(chunks), tuple(t["inner"]), item)
         ranges = [range(o // c, (o + s - 1) // c + 1)
                   for o, s, c in zip(self.off, self.shape, chunks, strict=True)]
         for cell in itertools.product(*ranges):
@@ -926,14 +924,15 @@ class _Reader:
             inter = _intersect(self.off, self.shape, s_off, chunks)
             if inter is None:
                 continue
-            self._direct(shard_key(t["array"], cell), geo, _box_slices(*inter, s_off),
-                         _box_slices(*inter, self.off))
+            self._direct(shard_key(t["array"], cell), grid_geometry(t, cell, item),
+                         _box_slices(*inter, s_off), _box_slices(*inter, self.off))
 
     def _direct(self, key: str, geo: ShardGeometry, src: tuple[slice, ...],
                 dst: tuple[slice, ...]) -> None:
         view = to_numpy(self.out[dst] if dst else self.out)
         fut = _read_pool(self.store).submit(read_shard_region, self.store, key, geo, src, view,
-                                  url=self.store.url, tensor=self.name, cpu=_DECODE)
+                                  url=self.store.url, tensor=self.name, cpu=_DECODE,
+                                  expect=self.m.chunk_crcs(key))
         self.parts.append((fut, dst, None, key))
 
     def _ts(self, src: Any, dst: tuple[slice, ...], obj: str) -> None:

@@ -52,8 +52,8 @@ import numpy as np
 from ckpt.errors import ChecksumMismatchError, CorruptCheckpointError, MissingChunkError
 from storage import ObjectNotFoundError, ObjectTruncatedError, Store
 
-__all__ = ["ShardGeometry", "direct_ok", "shard_key", "encode_shard", "read_shard_region",
-           "stored_crcs"]
+__all__ = ["ShardGeometry", "direct_ok", "grid_geometry", "shard_key", "encode_shard",
+           "read_shard_region", "stored_crcs"]
 
 RESIDUE = 0x48674BC7
 """crc32c(data + crc32c(data) as 4 little-endian bytes) for any data."""
@@ -114,6 +114,15 @@ class ShardGeometry:
         strides = [int(np.prod(self.grid[d + 1:], dtype=np.int64)) for d in range(len(self.grid))]
         return [(sum(c * s for c, s in zip(cell, strides, strict=True)), cell)
                 for cell in itertools.product(*ranges)]
+
+
+def grid_geometry(t: dict[str, Any], cell: tuple[int, ...], itemsize: int) -> ShardGeometry:
+    """The shard at `cell` of a manifest's grid tensor `t` (an edge shard of an uneven
+    grid gets its `valid` extent)."""
+    chunks = tuple(t["chunks"])
+    valid = tuple(min(c, s - k * c) for s, k, c in zip(t["shape"], cell, chunks, strict=True))
+    return ShardGeometry(chunks, tuple(t["inner"]), itemsize,
+                         None if valid == chunks else valid)
 
 
 def direct_ok(shape: tuple[int, ...] | list[int], inner: tuple[int, ...] | list[int],
