@@ -251,7 +251,8 @@ class CheckpointConfig:
     """Node memory the local tier may use, split evenly over the node's ranks. Keeping a
     copy through the next save takes twice the node's shard bytes."""
     local_tier_node: str = ""
-    """The node's name in the tier's directory and among peers; empty: the host name."""
+    """The node's name in the tier's directory and among peers; empty: $RELIGHT_LOCAL_TIER_NODE
+    if set (one per simulated node when several share a host), else the host name."""
     peer_replicas: int = 1
     """With the local tier on: copy each node's data objects to this many other nodes'
     tiers too (over HTTP, `storage.peer`), so a lost node's shards are read from a peer;

@@ -34,7 +34,6 @@ import argparse
 import contextlib
 import logging
 import os
-import socket
 import sys
 import time
 from collections.abc import Callable
@@ -216,6 +215,9 @@ class Trainer:
         """Seconds the checkpoint restore took at start (None: nothing restored)."""
         self._peer_server: Any = None
         """This node's replica server (`storage.peer`), run by the node's first rank."""
+        self.restore_tier_bytes: dict[str, int] | None = None
+        """Data bytes each checkpoint tier served to the restore, summed over the ranks
+        (None without a local tier); in the first metrics record after a restore."""
         self.restore_io: dict[str, Any] | None = None
         """Bytes the restore read from the persistent store (all of them: data, manifests,
         markers) and, with a local tier, what each tier served."""
@@ -284,6 +286,13 @@ class Trainer:
         if tiers is not None:
             self.log.info("restore served %s bytes per tier (local tier misses: %s)",
                           tiers["served"], tiers["misses"] or "none")
+            from ckpt.comm import Comm
+
+            # Every rank's figures, summed: what the metrics (and the chaos verifier) see.
+            self.restore_tier_bytes = {}
+            for served in Comm(None).allgather_json(tiers["served"]):
+                for tier, n in served.items():
+                    self.restore_tier_bytes[tier] = self.restore_tier_bytes.get(tier, 0) + n
         if self.rank == 0:
             self._note_restored_commit(restored)
 
@@ -297,10 +306,10 @@ class Trainer:
         if not c.local_tier_dir:
             return store
         from ckpt.comm import Comm
-        from storage.tiered import TieredStore, local_tier_dir
+        from storage.tiered import TieredStore, local_tier_dir, tier_node
 
         comm = Comm(None)
-        node = c.local_tier_node or socket.gethostname()
+        node = tier_node(c.local_tier_node)
         nodes = comm.allgather_json(node)
         budget = c.local_tier_budget_mb * (1 << 20) // nodes.count(node)
         tiered = TieredStore(store, local_tier_dir(c.local_tier_dir, store.url, node), budget,
@@ -617,6 +626,8 @@ class Trainer:
             end = min(cfg.train.steps, cfg.train.stop_at or cfg.train.steps)
             self.watcher.phase = "training"
             first: dict[str, Any] = {"startup_s": _process_age_s(), "restore_s": self.restore_s}
+            if self.restore_tier_bytes is not None:
+                first["restore_tier_bytes"] = self.restore_tier_bytes
             while self.step < end:
                 t0 = time.perf_counter()
                 rec = self.train_step()

@@ -60,7 +60,8 @@ from storage.url import parse_url
 
 logger = logging.getLogger(__name__)
 
-__all__ = ["REPLICA_DIR", "TierStats", "TieredStore", "local_tier_dir", "step_of_key"]
+__all__ = ["REPLICA_DIR", "TIER_NODE_ENV", "TierStats", "TieredStore", "local_tier_dir",
+           "step_of_key", "tier_node"]
 
 _DATA_KEY = re.compile(r"^step-(\d+)/data/")
 """`ckpt.manager.step_dir(step)` + "/" + `ckpt.format.DATA_PREFIX` (storage must not
@@ -86,11 +87,21 @@ def _step_dir(step: int) -> str:
     return f"step-{step:012d}"
 
 
+TIER_NODE_ENV = "RELIGHT_LOCAL_TIER_NODE"
+"""A node's name for the tiers when none is configured (one per simulated node when several
+share a host, as in the chaos harness); unset: the host name."""
+
+
+def tier_node(configured: str = "") -> str:
+    """The node's name in the tier's directory and among peers."""
+    return configured or os.environ.get(TIER_NODE_ENV) or socket.gethostname()
+
+
 def local_tier_dir(base: str, persistent_url: str, node: str | None = None) -> str:
     """`base/<job>/<node>`: the job is named by a hash of the persistent root URL (two runs
-    never share a tier), the node by the host name unless given."""
+    never share a tier), the node by `tier_node()` unless given."""
     job = hashlib.sha1(persistent_url.encode()).hexdigest()[:12]
-    return os.path.join(base, job, node or socket.gethostname())
+    return os.path.join(base, job, node or tier_node())
 
 
 @dataclass
