@@ -465,21 +465,25 @@ class _SaveJob:
                 arr = open_array(self.store, path, meta, read=False).result()
                 futures.append(arr.write(self.packed))
                 ts_bytes += size
-        # Objects are independent: publish them concurrently (each put is a durable,
-        # atomic publish) while tensorstore finishes its chunks.
+        # Objects are independent: publish them concurrently (atomic, not yet flushed)
+        # while tensorstore finishes its chunks (it fsyncs each one itself), then make
+        # them all durable with one sync: the rank's index, put after this returns,
+        # never names an object a power cut could lose.
+        batch = self.store.deferred()
         with ThreadPoolExecutor(max_workers=PERSIST_THREADS,
                                 thread_name_prefix="ckpt-put") as pool:
-            done = [pool.submit(put_metadata, self.store, path, meta) for path, meta in metas]
+            done = [pool.submit(put_metadata, batch, path, meta) for path, meta in metas]
             pending: deque[Any] = deque()
             for key, a, geo in direct:
                 while len(pending) >= PERSIST_THREADS:  # bounds the memory of encoded objects
                     pending.popleft().result()
-                pending.append(pool.submit(self.store.put, key, encode_shard(
+                pending.append(pool.submit(batch.put, key, encode_shard(
                     a, geo, self.chunk_crcs.setdefault(key, []))))
             for f in futures:
                 f.result()
             for d in (*done, *pending):
                 d.result()
+        batch.sync()
         if futures:  # tensorstore's bytes do not pass through Store.put
             self.store.stats.record_write(ts_bytes, ops=len(futures))
         return nbytes

@@ -155,6 +155,21 @@ class Store(ABC):
         """A store rooted at `sub` below this one, sharing settings and counters."""
         return self._with_location(self.location.child(sub))
 
+    def deferred(self) -> Store:
+        """A view of this store whose puts are published at once (atomic, visible to
+        readers) but made durable only by its `sync()`: one flush for a batch of objects
+        instead of one per put. Until `sync()` returns, a power cut may lose or empty
+        them, so nothing may reference them before then. Its children share the batch.
+        On stores whose puts need no flush (S3, memory, `fsync=False`) both are free."""
+        from storage.deferred import DeferredStore
+
+        return DeferredStore(self)
+
+    def sync(self) -> None:
+        """Make every object put through this view durable (see `deferred()`); on a
+        plain store every put is durable when it returns, so there is nothing to do."""
+        return None
+
     @abstractmethod
     def kvstore_spec(self, sub: str = "") -> dict[str, Any]:
         """The tensorstore kvstore spec of `root/sub/` (no secrets in it)."""
@@ -194,6 +209,16 @@ class Store(ABC):
 
     @abstractmethod
     def _put(self, path: str, data: bytes) -> None: ...
+
+    def _put_unsynced(self, path: str, data: bytes) -> tuple[str, ...]:
+        """Publish atomically, leaving the flush to `_sync_paths`; returns the paths that
+        flush must cover. By default a put is durable already: nothing is left."""
+        self._put(path, data)
+        return ()
+
+    def _sync_paths(self, paths: list[str]) -> None:
+        """Make the paths `_put_unsynced` returned durable (nothing by default)."""
+        return None
 
     @abstractmethod
     def _put_if_absent(self, path: str, data: bytes) -> bool: ...

@@ -19,9 +19,13 @@ from storage.base import Store
 from storage.errors import InjectedFaultError
 from storage.url import StorageLocation
 
-__all__ = ["FaultLog", "FaultPlan", "FaultyStore", "OPERATIONS", "corrupt_object"]
+__all__ = ["DEFAULT_OPS", "FaultLog", "FaultPlan", "FaultyStore", "OPERATIONS", "corrupt_object"]
 
-OPERATIONS = ("put", "get", "size", "exists", "list", "delete")
+OPERATIONS = ("put", "get", "size", "exists", "list", "delete", "sync")
+DEFAULT_OPS = OPERATIONS[:-1]
+"""What a plan counts unless it names `ops`: "sync" (the flush of a deferred batch,
+`Store.deferred`) is opt-in, so indices and fractions of older plans keep their meaning;
+a failed sync is never retried, so a plan meant to be survived by retries leaves it out."""
 
 
 @dataclass(frozen=True, slots=True)
@@ -36,8 +40,8 @@ class FaultPlan:
     fail_times: int = 1
     """How many consecutive tries of a failing operation fail (retries then succeed);
     a large value makes the failure outlast the retry budget."""
-    ops: tuple[str, ...] = OPERATIONS
-    """Operations the plan counts and may break."""
+    ops: tuple[str, ...] = DEFAULT_OPS
+    """Operations the plan counts and may break (any of `OPERATIONS`)."""
     key_contains: str = ""
     """Only operations on keys containing this substring count (empty: all)."""
     latency_s: float = 0.0
@@ -130,7 +134,8 @@ class FaultyStore(Store):
         child.retry = self.retry  # a retry policy set on the wrapper holds for its children
         return child
 
-    def _put(self, path: str, data: bytes) -> None:
+    def _faulted_put(self, path: str, data: bytes) -> bytes:
+        """Count a put; raise, or return the bytes to store (maybe damaged)."""
         index = self._enter("put", path)
         if index is not None:
             if self.plan.truncate_writes and self._draw(index, "trunc") < self.plan.truncate_writes:
@@ -139,7 +144,19 @@ class FaultyStore(Store):
             elif self.plan.corrupt_writes and self._draw(index, "flip") < self.plan.corrupt_writes:
                 self.log.events.append((index, "put", path, "corrupted"))
                 data = self._flip(data, index)
-        self.inner._put(path, data)
+        return data
+
+    def _put(self, path: str, data: bytes) -> None:
+        self.inner._put(path, self._faulted_put(path, data))
+
+    def _put_unsynced(self, path: str, data: bytes) -> tuple[str, ...]:
+        return self.inner._put_unsynced(path, self._faulted_put(path, data))
+
+    def _sync_paths(self, paths: list[str]) -> None:
+        # One operation for the whole flush; `key_contains` matches any path it covers.
+        want = self.plan.key_contains
+        self._enter("sync", next((p for p in paths if want in p), self._root_path()))
+        self.inner._sync_paths(paths)
 
     def _put_if_absent(self, path: str, data: bytes) -> bool:
         # Counted (and failed, delayed) as a put; never corrupted: it publishes markers.
@@ -170,6 +187,9 @@ class FaultyStore(Store):
     def _delete(self, path: str) -> None:
         self._enter("delete", path)
         self.inner._delete(path)
+
+    def sync(self) -> None:
+        self.inner.sync()  # a wrapped deferred view keeps its batch
 
     def kvstore_spec(self, sub: str = "") -> dict[str, Any]:
         return self.inner.kvstore_spec(sub)

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import os
 import uuid
+from concurrent.futures import ThreadPoolExecutor
 from typing import Any
 
 import fsspec
@@ -14,6 +15,9 @@ from storage.settings import S3Settings
 from storage.url import StorageLocation
 
 __all__ = ["LocalStore", "S3Store"]
+
+SYNC_THREADS = 8
+"""fsyncs a `LocalStore.sync` runs at once."""
 
 
 class _FsspecStore(Store):
@@ -67,53 +71,72 @@ class LocalStore(_FsspecStore):
     def _with_location(self, location: StorageLocation) -> Store:
         return LocalStore(location, self.retry, self.stats, self.fsync)
 
-    def _write_temp(self, directory: str, data: bytes) -> str:
-        """Write `data` to a fresh temp file in `directory` (fsynced when durable) and
-        return its path; a failed write leaves no temp file behind."""
-        os.makedirs(directory, exist_ok=True)
+    def _write_temp(self, directory: str, data: bytes, flush: bool) -> tuple[str, list[str]]:
+        """Write `data` to a fresh temp file in `directory` (fsynced if `flush` and
+        durable); return its path and the directories whose entries a flush must cover:
+        `directory` and the parent of each directory this call created. A failed write
+        leaves no temp file behind."""
+        dirs = [directory, *_make_dirs(directory)]
         tmp = os.path.join(directory, f"{TEMP_MARKER}{uuid.uuid4().hex}")
         try:
             with open(tmp, "wb") as handle:
                 handle.write(data)
-                if self.fsync:
+                if flush and self.fsync:
                     handle.flush()
                     os.fsync(handle.fileno())
         except BaseException:
             _unlink_quietly(tmp)
             raise
-        return tmp
+        return tmp, dirs
 
-    def _sync_directory(self, directory: str) -> None:
-        """fsync the directory, so the new name survives a power cut."""
-        if self.fsync:
-            fd = os.open(directory, os.O_RDONLY)
-            try:
-                os.fsync(fd)
-            finally:
-                os.close(fd)
-
-    def _put(self, path: str, data: bytes) -> None:
-        directory = os.path.dirname(path)
-        tmp = self._write_temp(directory, data)
+    def _publish(self, path: str, data: bytes, flush: bool) -> list[str]:
+        """Temp file + rename; returns the directories whose entries changed."""
+        tmp, dirs = self._write_temp(os.path.dirname(path), data, flush)
         try:
             os.replace(tmp, path)
         except BaseException:
             _unlink_quietly(tmp)
             raise
-        self._sync_directory(directory)
+        return dirs
+
+    def _put(self, path: str, data: bytes) -> None:
+        dirs = self._publish(path, data, flush=True)
+        if self.fsync:
+            for directory in dirs:
+                _fsync_path(directory)
+
+    def _put_unsynced(self, path: str, data: bytes) -> tuple[str, ...]:
+        dirs = self._publish(path, data, flush=False)
+        return (path, *(d + "/" for d in dirs)) if self.fsync else ()
+
+    def _sync_paths(self, paths: list[str]) -> None:
+        """fsync the files, in parallel (the disk's queue takes them together), then each
+        directory once: after that every name and every byte survives a power cut.
+        Directories are the paths ending in "/"."""
+        if not self.fsync or not paths:
+            return
+        files = [p for p in paths if not p.endswith("/")]
+        dirs = sorted({p.rstrip("/") or "/" for p in paths if p.endswith("/")})
+        with ThreadPoolExecutor(max_workers=min(SYNC_THREADS, len(paths)),
+                                thread_name_prefix="store-sync") as pool:
+            for _ in pool.map(_fsync_path, files):
+                pass
+            for _ in pool.map(_fsync_path, dirs):
+                pass
 
     def _put_if_absent(self, path: str, data: bytes) -> bool:
         # Write a temp file, then hard-link it into place: link() fails if the name
         # exists, so of two racing writers exactly one publishes, and never a partial file.
-        directory = os.path.dirname(path)
-        tmp = self._write_temp(directory, data)
+        tmp, dirs = self._write_temp(os.path.dirname(path), data, flush=True)
         try:
             os.link(tmp, path)
         except FileExistsError:
             return False
         finally:
             _unlink_quietly(tmp)
-        self._sync_directory(directory)
+        if self.fsync:
+            for directory in dirs:
+                _fsync_path(directory)
         return True
 
     def _list(self, path: str) -> list[str]:
@@ -187,6 +210,28 @@ class S3Store(_FsspecStore):
 
     def ts_context(self) -> Any:
         return self.settings.ts_context()
+
+
+def _make_dirs(directory: str) -> list[str]:
+    """Create `directory` and its missing parents; return the parent of each directory
+    created (whose entry a flush must cover), deepest first."""
+    missing = []
+    d = directory
+    while not os.path.isdir(d) and os.path.dirname(d) != d:
+        missing.append(d)
+        d = os.path.dirname(d)
+    if missing:
+        os.makedirs(directory, exist_ok=True)
+    return [os.path.dirname(m) for m in missing]
+
+
+def _fsync_path(path: str) -> None:
+    """fsync a file or a directory by name."""
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
 
 
 def _unlink_quietly(path: str) -> None:

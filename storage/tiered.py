@@ -456,6 +456,15 @@ class TieredStore(Store):
     def delete_prefix(self, prefix: str) -> int:
         return self.persistent.delete_prefix(prefix)
 
+    def deferred(self) -> Store:
+        """The same tiered view over the persistent store's deferred view: puts still
+        queue their tier copies (served only once the step commits, see above)."""
+        return TieredStore(self.persistent.deferred(), self._tier.local_dir, self._tier.budget,
+                           _tier=self._tier, _prefix=self._prefix)
+
+    def sync(self) -> None:
+        self.persistent.sync()
+
     def child(self, sub: str) -> Store:
         sub = sub.strip("/")
         if not sub:
@@ -479,6 +488,12 @@ class TieredStore(Store):
 
     def _put(self, path: str, data: bytes) -> None:
         self.persistent._put(path, data)
+
+    def _put_unsynced(self, path: str, data: bytes) -> tuple[str, ...]:
+        return self.persistent._put_unsynced(path, data)
+
+    def _sync_paths(self, paths: list[str]) -> None:
+        self.persistent._sync_paths(paths)
 
     def _put_if_absent(self, path: str, data: bytes) -> bool:
         return self.persistent._put_if_absent(path, data)
