@@ -1,8 +1,12 @@
 """`verify(url)`: is a checkpoint committed, complete and undamaged?
 
 Reads the commit marker and manifest (checksummed), checks that every object the
-manifest implies exists, and reads every chunk through tensorstore so each crc32c is
-checked. Problems are collected, each naming the tensor and the object, not raised.
+manifest implies exists, and reads every chunk so each crc32c is checked, and checked
+against the crc32c the manifest records for that chunk's place (`chunk_crc32c`, when
+the checkpoint has it): uncompressed shards the way a load reads them (`ckpt.shardio`),
+the rest (zstd, 0-d arrays) decoded by tensorstore and their stored crcs then compared
+with the record. Problems are collected, each naming the tensor and the object, not
+raised.
 """
 
 from __future__ import annotations
@@ -15,9 +19,19 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
+import numpy as np
+
 from ckpt.errors import CheckpointError
-from ckpt.format import DATA_PREFIX
+from ckpt.format import DATA_PREFIX, chunk_keys, itemsize
 from ckpt.manifest import Manifest, read_manifest
+from ckpt.shardio import (
+    ShardGeometry,
+    direct_ok,
+    grid_geometry,
+    misplaced,
+    read_shard_region,
+    stored_crcs,
+)
 from ckpt.tsio import map_ts_error, open_array
 from storage import StorageError, Store, open_store
 
@@ -53,6 +67,70 @@ def _regions(shape: list[int], chunks: list[int]):
     for cell in itertools.product(*grids):
         yield tuple(slice(i * c, min((i + 1) * c, s))
                     for i, c, s in zip(cell, chunks, shape, strict=True))
+
+
+def _read_direct(store: Store, m: Manifest, key: str, geo: ShardGeometry, tensor: str) -> int:
+    """Read a whole uncompressed shard object the way a load does: index and every
+    chunk's crc32c, and each chunk against the manifest's record for its place."""
+    region = tuple(slice(0, v) for v in (geo.valid or geo.shape))
+    out = np.empty([r.stop for r in region], dtype=f"<u{geo.itemsize}")
+    read_shard_region(store, key, geo, region, out, url=store.url, tensor=tensor,
+                      expect=m.chunk_crcs(key))
+    return out.nbytes
+
+
+def _check_binding(store: Store, m: Manifest, key: str, grid: list[int], tensor: str) -> None:
+    """An object tensorstore decoded (zstd, 0-d): its stored chunk crcs against the
+    manifest's record (the crcs themselves tensorstore checked while decoding)."""
+    want = m.chunk_crcs(key)
+    if want is None:
+        return
+    got = stored_crcs(store.get(key), len(want), url=store.url, key=key, tensor=tensor)
+    for i, (g, w) in enumerate(zip(got, want, strict=True)):
+        if g != w:
+            cell = tuple(int(c) for c in np.unravel_index(i, grid)) if grid else ()
+            raise misplaced(store.url, key, tensor, f"inner chunk {cell}", g, w)
+
+
+def _verify_grid(store: Store, m: Manifest, name: str, t: dict[str, Any]) -> int:
+    item = itemsize(t["dtype"])
+    shape, chunks, inner = t["shape"], t["chunks"], t["inner"]
+    grid = [c // i for c, i in zip(chunks, inner, strict=True)]
+    direct = direct_ok(chunks, inner, m.raw.get("compression"))
+    arr = None if direct else open_array(store, t["array"], m.meta_of(name), read=True).result()
+    n = 0
+    for key, region in zip(chunk_keys(t["array"], shape, chunks), _regions(shape, chunks),
+                           strict=True):
+        if direct:
+            cell = tuple(r.start // c for r, c in zip(region, chunks, strict=True))
+            n += _read_direct(store, m, key, grid_geometry(t, cell, item), name)
+            continue
+        try:
+            n += (arr[region] if region else arr).read().result().nbytes
+        except Exception as e:  # noqa: BLE001
+            raise map_ts_error(e, store.url, name, t["array"]) from e
+        _check_binding(store, m, key, grid, name)
+    return n
+
+
+def _verify_array(store: Store, m: Manifest, name: str, label: str, array: str,
+                  shape: list[int], inner: list[int], item: int) -> int:
+    """One single-shard array: a piece, or a packed array (`name` its first user)."""
+    piece = {"array": array, "shape": shape, "inner": inner}
+    n = 0
+    for key in chunk_keys(array, shape, shape):
+        if direct_ok(shape, inner, m.raw.get("compression")):
+            n += _read_direct(store, m, key, ShardGeometry(tuple(shape), tuple(inner), item),
+                              label)
+            continue
+        arr = open_array(store, array, m.meta_of(name, piece), read=True).result()
+        try:
+            n += arr.read().result().nbytes
+        except Exception as e:  # noqa: BLE001
+            raise map_ts_error(e, store.url, label, array) from e
+        _check_binding(store, m, key, [s // i for s, i in zip(shape, inner, strict=True)],
+                       label)
+    return n
 
 
 def verify(url: str | os.PathLike[str] | Store, *, read_data: bool = True,
@@ -94,21 +172,11 @@ def verify(url: str | os.PathLike[str] | Store, *, read_data: bool = True,
             continue
         try:
             if t["storage"] == "grid":
-                arr = open_array(store, t["array"], m.meta_of(name), read=True).result()
-                for region in _regions(t["shape"], t["chunks"]):
-                    obj = t["array"]
-                    try:
-                        a = (arr[region] if region else arr).read().result()
-                    except Exception as e:  # noqa: BLE001
-                        raise map_ts_error(e, store.url, name, obj) from e
-                    report.bytes += a.nbytes
+                report.bytes += _verify_grid(store, m, name, t)
             elif t["storage"] == "pieces":
                 for p in t["pieces"]:
-                    arr = open_array(store, p["array"], m.meta_of(name, p), read=True).result()
-                    try:
-                        report.bytes += arr.read().result().nbytes
-                    except Exception as e:  # noqa: BLE001
-                        raise map_ts_error(e, store.url, name, p["array"]) from e
+                    report.bytes += _verify_array(store, m, name, name, p["array"],
+                                                  p["shape"], p["inner"], itemsize(t["dtype"]))
         except CheckpointError as e:
             report.add(str(e))
         except Exception as e:  # noqa: BLE001
@@ -119,14 +187,15 @@ def verify(url: str | os.PathLike[str] | Store, *, read_data: bool = True,
         users = sorted(n for n, t in m.tensors.items() if t["storage"] == "packed"
                        and any(p["array"] == arr_path for p in t["pieces"]))
         first = next(iter(users), "")
+        label = ", ".join(users[:3]) + ("..." if len(users) > 3 else "")
         try:
-            piece = {"array": arr_path}
-            arr = open_array(store, arr_path, m.meta_of(first, piece), read=True).result()
-            report.bytes += arr.read().result().nbytes
+            report.bytes += _verify_array(store, m, first, label, arr_path,
+                                          [m.raw["packed"][arr_path]],
+                                          [m.raw.get("packed_inner", 1)], 1)
+        except CheckpointError as e:
+            report.add(str(e))
         except Exception as e:  # noqa: BLE001
-            err = map_ts_error(e, store.url, ", ".join(users[:3]) + ("..." if len(users) > 3
-                                                                       else ""), arr_path)
-            report.add(str(err))
+            report.add(str(map_ts_error(e, store.url, label, arr_path)))
     if not report.ok:
         logger.warning("verify %s: %d problem(s), first: %s", store.url, len(report.problems),
                        report.problems[0])

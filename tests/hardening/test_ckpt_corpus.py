@@ -9,6 +9,7 @@ import os
 from collections.abc import Callable
 from dataclasses import dataclass
 
+import numpy as np
 import psutil
 import pytest
 
@@ -148,8 +149,12 @@ CASES: dict[str, Case] = {
     "dtype-unknown": Case(set_in("w", "dtype", "complex128"), CORRUPT, "'w'"),
     "dtype-changed": Case(set_in("w", "dtype", "float64"), ckpt.DtypeMismatchError, "'w'",
                           falls_back=False),
-    "shape-changed": Case(set_in("w", "shape", [192, 256]), ckpt.ShapeMismatchError, "'w'",
-                          falls_back=False),
+    # (chunks and inner chunks turned with it: a consistent checkpoint of another shape;
+    # the shape alone changed leaves the grid's objects unlike chunk_crc32c's: CORRUPT)
+    "shape-changed": Case(lambda s, m: edit_manifest(s, lambda mm: _tensor(mm, "w").update(
+        shape=[192, 256], chunks=[192, 256], inner=_tensor(mm, "w")["inner"][::-1])),
+        ckpt.ShapeMismatchError, "'w'", falls_back=False),
+    "shape-changed-alone": Case(set_in("w", "shape", [192, 256]), CORRUPT, "'w'"),
     "storage-unknown": Case(set_in("w", "storage", "magic"), CORRUPT, "'w'"),
     # -- paths that leave the checkpoint root
     "path-dotdot": Case(set_in("w", "array", "../../../../etc"), UNSAFE, "'w'"),
@@ -242,20 +247,47 @@ def test_bad_checkpoint(name: str, two_steps) -> None:
     tally("checkpoints_checked")
 
 
-@pytest.mark.xfail(strict=True, raises=AssertionError, reason=(
-    "known gap: a chunk's crc32c covers its bytes, not which tensor it belongs to; a whole, "
-    "well-formed chunk of another tensor with the same byte size and chunking loads as "
-    "wrong values. Needs a per-object checksum in the manifest (ckpt.format)."))
-def test_chunk_swapped_with_same_size_chunk_of_another_dtype(two_steps) -> None:
+def swap_inner_chunks(name: str, a: int, b: int) -> Damage:
+    """Exchange inner chunks `a` and `b` of the tensor's first object: both stay
+    well-formed (their own crc32c, the index untouched), only their places change."""
+    def damage(s: storage.Store, m: dict) -> None:
+        key = _chunk(s, m, name)
+        blob = s.get(key)
+        n = len(m["chunk_crc32c"][key])
+        index = np.frombuffer(blob[-(16 * n + 4):-4], "<u8").reshape(-1, 2).tolist()
+        (oa, na), (ob, nb) = index[a], index[b]
+        assert na == nb
+        out = bytearray(blob)
+        out[oa: oa + na], out[ob: ob + nb] = blob[ob: ob + nb], blob[oa: oa + na]
+        s.put(key, bytes(out))
+    return damage
+
+
+# Well-formed chunks in the wrong place: each chunk's own crc32c holds, only the manifest's
+# record of which crc32c belongs where (chunk_crc32c) tells them apart.
+MISPLACED: dict[str, Damage] = {
+    # h (float16) and hi (int16): same shape, same byte size, one inner chunk each
+    "chunk-swapped-with-same-size-chunk-of-another-dtype": chunk_from("hi", "h"),
+    "two-chunks-of-one-tensor-exchanged": swap_inner_chunks("w", 0, 1),
+}
+
+
+@pytest.mark.parametrize("name", sorted(MISPLACED))
+def test_misplaced_chunk_is_refused(name: str, two_steps) -> None:
     mgr, root = two_steps
     newer = root.child(step_dir(2))
-    chunk_from("hi", "h")(newer, json.loads(newer.get(MANIFEST_KEY)))
-    got = zeros_like(make_state(2))
-    try:
-        ckpt.load(got, newer)
-    except ckpt.CheckpointError:
-        return
-    assert_bitwise(got, make_state(2))
+    tensor = "'h'" if "another" in name else "'w'"
+    MISPLACED[name](newer, json.loads(newer.get(MANIFEST_KEY)))
+    with pytest.raises(ckpt.ChecksumMismatchError, match="records") as info:
+        ckpt.load(zeros_like(make_state(2)), newer)
+    assert tensor in str(info.value) and "inner chunk (0, " in str(info.value)
+    report = ckpt.verify(newer)
+    assert not report.ok and any(tensor in p and "records" in p for p in report.problems)
+    got = zeros_like(make_state(1))
+    assert mgr.restore(got) == 1
+    assert_bitwise(got, make_state(1))
+    tally("bad_inputs")
+    tally("checkpoints_checked")
 
 
 def test_failed_load_leaves_no_read_in_flight(two_steps) -> None:
