@@ -12,7 +12,13 @@ the metrics file (append mode, so restarts extend it), with at least
   the exact comparisons to tolerances);
 - `time`          - unix time the step finished (optional: the runner stamps the time it
   saw the line, `seen`, with ~0.2 s resolution);
-- `step_time_s`   - seconds the step took (optional, for goodput).
+- `step_time_s`   - seconds the step took (optional, for goodput);
+- `restore_started_at` - on the first step after a restore, the unix time the restore
+  began (optional: invariant 3 then uses the step's own `time`, which makes a checkpoint
+  damaged while the new group ran its first step look damaged before its restore);
+- `restore_tier_bytes` - on the first step after a restore with checkpoint tiers, the
+  data bytes each tier served to it, `{"local": .., "peer": .., "persistent": ..}`
+  (optional; checked when the scenario sets `verify.max_restore_persistent_bytes`).
 
 Lines that are not JSON objects with a `step` (progress noise, a line torn by a SIGKILL)
 are skipped and counted.
@@ -40,6 +46,11 @@ class StepRecord:
     time: float | None = None
     step_time_s: float | None = None
     line: int = 0
+    restore_started_at: float | None = None
+    """On the first record after a restore: unix time the restore began."""
+    restore_tier_bytes: dict[str, int] | None = None
+    """On the first record after a restore with checkpoint tiers: data bytes each tier
+    (local, peer, persistent) served, summed over the ranks."""
 
     @property
     def layout_key(self) -> str:
@@ -89,6 +100,13 @@ def _int(v: Any) -> int | None:
     return v
 
 
+def _tier_bytes(v: Any) -> dict[str, int] | None:
+    if not isinstance(v, dict):
+        return None
+    out = {str(k): _int(n) for k, n in v.items()}
+    return None if any(n is None for n in out.values()) else out  # type: ignore[return-value]
+
+
 def parse_metrics(lines: Iterable[str]) -> MetricsParse:
     """Parse JSONL metrics lines (see the module docstring for the fields)."""
     out = MetricsParse()
@@ -123,6 +141,8 @@ def parse_metrics(lines: Iterable[str]) -> MetricsParse:
                 time=t,
                 step_time_s=_num(obj.get("step_time_s")),
                 line=n,
+                restore_started_at=_num(obj.get("restore_started_at")),
+                restore_tier_bytes=_tier_bytes(obj.get("restore_tier_bytes")),
             )
         )
     return out

@@ -61,6 +61,7 @@ from chaos.verifier import (
 from elastic.etcd_server import EtcdServer, free_port
 from storage import Store, corrupt_object, open_store
 from storage.fault_env import ENV_VAR, write_plan_file
+from storage.tiered import TIER_NODE_ENV, local_tier_dir
 
 logger = logging.getLogger(__name__)
 
@@ -208,6 +209,7 @@ class Cluster:
         self.nodes: dict[int, _Node] = {}
         self.seen: dict[int, psutil.Process] = {}
         self._timers: list[tuple[float, str, Callable[[], None]]] = []
+        self._memory_to_drop: list[tuple[_Node, list[int]]] = []
         self.actions: list[dict[str, Any]] = []
         c = scenario.cluster
         self.nnodes = f"{c.min_nodes}:{c.max_nodes}"
@@ -225,8 +227,11 @@ class Cluster:
         node_dir = log_dir / f"node-{index}"
         argv = agent_command(self.scenario, self.endpoint, self.job_id, self.nnodes,
                              self.train_argv, node_dir)
+        env = self.env
+        if self.scenario.cluster.node_memory == "per_node":
+            env = {**env, TIER_NODE_ENV: _node_name(index)}
         with open(log_path, "ab") as fh:
-            proc = subprocess.Popen(argv, stdout=fh, stderr=subprocess.STDOUT, env=self.env,
+            proc = subprocess.Popen(argv, stdout=fh, stderr=subprocess.STDOUT, env=env,
                                     cwd=REPO_ROOT, start_new_session=True)
         self.nodes[index] = _Node(index, proc, log_path, time.time())
         self._track(proc.pid)
@@ -247,8 +252,33 @@ class Cluster:
         n = self.nodes[node]
         n.removed = True
         self._track_tree(n.proc.pid)
-        return signal_tree(n.proc.pid, sig) if sig == signal.SIGKILL else self._signal_agent(
+        pids = signal_tree(n.proc.pid, sig) if sig == signal.SIGKILL else self._signal_agent(
             n, sig)
+        if self.scenario.cluster.node_memory == "per_node":
+            self._memory_to_drop.append((n, pids))
+        return pids
+
+    def node_tier_dir(self, node: int) -> str | None:
+        """The node's local checkpoint tier (None when the training overrides set none)."""
+        base = self.scenario.training.overrides.get("checkpoint.local_tier_dir")
+        return local_tier_dir(str(base), self.store.url, _node_name(node)) if base else None
+
+    def _drop_lost_memory(self) -> None:
+        """A removed node's machine is gone, and its memory with it: once its processes
+        have exited, delete its tier (its own copies and the replicas it held)."""
+        for item in list(self._memory_to_drop):
+            n, pids = item
+            if n.proc.poll() is None or any(_running(p) for p in pids):
+                continue
+            self._memory_to_drop.remove(item)
+            path = self.node_tier_dir(n.index)
+            if path is None:
+                continue
+            existed = os.path.isdir(path)
+            shutil.rmtree(path, ignore_errors=True)
+            logger.info("node %d's memory lost with it: deleted its tier %s", n.index, path)
+            self.actions.append({"time": time.time(), "action": f"node {n.index} memory lost",
+                                 "ok": True, "path": path, "existed": existed})
 
     def _signal_agent(self, n: _Node, sig: int) -> list[int]:
         # A drained or preempted machine: its agent gets the signal and shuts its workers
@@ -282,6 +312,7 @@ class Cluster:
         self._timers.append((time.monotonic() + delay_s, label, action))
 
     def run_due(self) -> None:
+        self._drop_lost_memory()
         now = time.monotonic()
         due = [t for t in self._timers if t[0] <= now]
         self._timers = [t for t in self._timers if t[0] > now]
@@ -377,6 +408,17 @@ class Cluster:
         if leaked:
             logger.error("processes survived teardown: %s", leaked)
         return leaked
+
+
+def _node_name(index: int) -> str:
+    return f"node-{index}"
+
+
+def _running(pid: int) -> bool:
+    try:
+        return psutil.Process(pid).status() != psutil.STATUS_ZOMBIE
+    except psutil.NoSuchProcess:
+        return False
 
 
 def _tree(pid: int) -> list[psutil.Process]:
@@ -791,6 +833,7 @@ def run_scenario(scenario: Scenario, out_dir: str | Path, *, seed: int | None = 
             tolerances=Tolerances(loss_rtol=scenario.verify.loss_rtol,
                                   weights_rtol=scenario.verify.weights_rtol,
                                   weights_atol=scenario.verify.weights_atol),
+            max_restore_persistent_bytes=scenario.verify.max_restore_persistent_bytes,
         )
         results = verify(evidence)
         report = build_report(

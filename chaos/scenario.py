@@ -115,6 +115,11 @@ class ClusterSpec:
     rendezvous: str = "relight-etcd"
     """`relight-etcd` (nodes run `relight run` against the harness's etcd) or `c10d`
     (plain torchrun with its c10d rendezvous: the baseline Relight is compared with)."""
+    node_memory: str = "shared"
+    """`shared`: the simulated nodes share the host's memory (one local checkpoint tier).
+    `per_node`: each node gets its own tier (`RELIGHT_LOCAL_TIER_NODE=node-<i>`), and a
+    node removed or killed loses it, as a machine that goes away loses its memory (the
+    runner deletes its tier directory once the node's processes are gone)."""
 
     def __post_init__(self) -> None:
         _check(self.nodes >= 1, "cluster.nodes", f"must be >= 1, got {self.nodes}")
@@ -142,6 +147,8 @@ class ClusterSpec:
                f"must be relight or torchrun, got {self.launcher!r}")
         _check(self.rendezvous in ("relight-etcd", "c10d"), "cluster.rendezvous",
                f"must be relight-etcd or c10d, got {self.rendezvous!r}")
+        _check(self.node_memory in ("shared", "per_node"), "cluster.node_memory",
+               f"must be shared or per_node, got {self.node_memory!r}")
 
     @property
     def world_size(self) -> int:
@@ -226,10 +233,17 @@ class VerifySpec:
     """Absolute tolerance of final weights/optimizer state after a layout change."""
     compare_weights: bool = True
     """Compare the final checkpoint with the reference's (invariant 2)."""
+    max_restore_persistent_bytes: int = -1
+    """With checkpoint tiers on: the most checkpoint data bytes any restore may read from
+    the persistent store, summed over its ranks (the runtime's `restore_tier_bytes`,
+    from the storage layer's counters); 0 proves every restore came from memory. -1: not
+    checked."""
 
     def __post_init__(self) -> None:
         for name in ("loss_rtol", "weights_rtol", "weights_atol"):
             _check(getattr(self, name) >= 0, f"verify.{name}", "must be >= 0")
+        _check(self.max_restore_persistent_bytes >= -1, "verify.max_restore_persistent_bytes",
+               "must be -1 (not checked) or >= 0")
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)

@@ -20,6 +20,10 @@ states) and the unit tests build it by hand, including runs that are broken on p
 6. data      - every step consumed exactly the samples the reference did at that step (its
                `data_position`), each resume continues at restored step + 1, and the surviving
                history is contiguous: no sample consumed twice or skipped.
+
+With checkpoint tiers, a scenario may add one more check (7, `restores from memory`):
+every restore read at most `verify.max_restore_persistent_bytes` checkpoint data bytes
+from the persistent store, by the runtime's own counters (`restore_tier_bytes`).
 """
 
 from __future__ import annotations
@@ -109,6 +113,8 @@ class RunEvidence:
     weights: WeightsComparison | None = None
     compare_weights: bool = True
     tolerances: Tolerances = field(default_factory=Tolerances)
+    max_restore_persistent_bytes: int = -1
+    """Check 7's bound (-1: check 7 is not run)."""
 
 
 @dataclass
@@ -265,7 +271,9 @@ def check_checkpoints(ev: RunEvidence) -> InvariantResult:
         if r is None:
             continue
         restores += 1
-        t = att.start_time
+        # When the restore began: a checkpoint damaged later (while the restore read it, or
+        # while the new group ran its first step) may have been read intact.
+        t = att.first.restore_started_at or att.start_time
         if t is None:
             problems.append(f"attempt {att.index} has no time; cannot check its restore")
             continue
@@ -456,9 +464,43 @@ def check_data(ev: RunEvidence) -> InvariantResult:
                              "unlogged_committed_steps": unlogged})
 
 
+# 7 ------------------------------------------------------------------------------------------
+
+def check_restore_tiers(ev: RunEvidence) -> InvariantResult:
+    """Every resume's first record says how many data bytes each tier served its restore;
+    the persistent store's share must stay within the bound."""
+    limit = ev.max_restore_persistent_bytes
+    problems, served = [], []
+    for att in split_attempts(ev.records):
+        if att.restored_step is None:
+            continue
+        tiers = att.first.restore_tier_bytes
+        where = f"the resume at step {att.first.step} (metrics line {att.first.line})"
+        if tiers is None:
+            problems.append(f"{where} restored step {att.restored_step} but logged no "
+                            "restore_tier_bytes (checkpoint tiers off?)")
+            continue
+        served.append(tiers)
+        persistent = tiers.get("persistent", 0)
+        if persistent > limit:
+            problems.append(f"{where} read {persistent} data bytes of step "
+                            f"{att.restored_step} from the persistent store (allowed "
+                            f"{limit}; tiers served {tiers})")
+    if not served and not problems:
+        problems.append("no resume happened: the tiers were never exercised")
+    total = {k: sum(t.get(k, 0) for t in served) for k in ("local", "peer", "persistent")}
+    return _result(7, "restores from memory", problems,
+                   f"{len(served)} restore(s) read {total['persistent']} data bytes from the "
+                   f"persistent store (local tier {total['local']}, peers {total['peer']})",
+                   tolerance=f"<= {limit} persistent data bytes per restore",
+                   measured={"restores": len(served), **{f"{k}_bytes": v
+                                                         for k, v in total.items()}})
+
+
 def verify(ev: RunEvidence) -> list[InvariantResult]:
-    """The faults-injected check, then the six invariants in order."""
-    return [
+    """The faults-injected check, then the six invariants in order (and check 7 when the
+    scenario bounds what restores read from the persistent store)."""
+    results = [
         check_faults_injected(ev),
         check_target(ev),
         check_weights(ev),
@@ -467,3 +509,6 @@ def verify(ev: RunEvidence) -> list[InvariantResult]:
         check_loss_curve(ev),
         check_data(ev),
     ]
+    if ev.max_restore_persistent_bytes >= 0:
+        results.append(check_restore_tiers(ev))
+    return results

@@ -215,6 +215,9 @@ class Trainer:
         """Seconds the checkpoint restore took at start (None: nothing restored)."""
         self._peer_server: Any = None
         """This node's replica server (`storage.peer`), run by the node's first rank."""
+        self.restore_started_at: float | None = None
+        """Unix time the restore began (a checkpoint damaged after it may have been read
+        intact); in the first metrics record after a restore."""
         self.restore_tier_bytes: dict[str, int] | None = None
         """Data bytes each checkpoint tier served to the restore, summed over the ranks
         (None without a local tier); in the first metrics record after a restore."""
@@ -265,6 +268,7 @@ class Trainer:
         sd = self.state_dict(with_optimizer=True)
         read0 = self.ckpt_mgr.store.stats.snapshot()["bytes_read"]
         t0 = time.perf_counter()
+        self.restore_started_at = time.time()
         # step=None: the newest committed step that loads cleanly (older ones if damaged).
         restored = self.ckpt_mgr.restore(sd, step=c.restore_step or None)
         self.load_state_dict(sd)
@@ -625,7 +629,8 @@ class Trainer:
                               cfg.train.steps, self.plan.local_microbatches, self.restarts, rnd)
             end = min(cfg.train.steps, cfg.train.stop_at or cfg.train.steps)
             self.watcher.phase = "training"
-            first: dict[str, Any] = {"startup_s": _process_age_s(), "restore_s": self.restore_s}
+            first: dict[str, Any] = {"startup_s": _process_age_s(), "restore_s": self.restore_s,
+                                     "restore_started_at": self.restore_started_at}
             if self.restore_tier_bytes is not None:
                 first["restore_tier_bytes"] = self.restore_tier_bytes
             while self.step < end:

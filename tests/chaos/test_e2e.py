@@ -1,7 +1,8 @@
 """End to end: real etcd, real agents (`relight run`), real training processes, real faults.
 
 `ci-smoke` is what CI runs on every submission: it must pass, and within its 5-minute
-budget. The user-script test runs `examples/user_train.py` (not runtime.train) under the
+budget. `tiers` proves restores after a worker kill and a node loss read nothing from
+checkpoint storage. The user-script test runs `examples/user_train.py` (not runtime.train) under the
 same harness, proving the documented contract is enough. Both need runtime/, ckpt/ and
 elastic/ (`elastic.launch`); they are marked slow and never skipped: if a piece is
 missing they fail and say which.
@@ -53,6 +54,20 @@ def test_ci_smoke_passes_within_budget(tmp_path: Path) -> None:
     assert sizes[0] == 2 and sizes[-1] == 1, sizes  # resumed at the smaller size
     assert (tmp_path / "junit.xml").is_file() and (out / "loss.png").is_file()
     assert not _ours(out), "processes leaked past teardown"
+
+
+@pytest.mark.timeout(720)
+def test_tiers_scenario_restores_from_memory(tmp_path: Path) -> None:
+    """scenarios/tiers.toml: a worker kill, then a node lost with its memory; check 7 (the
+    storage layer's counters) must show no restore read checkpoint data from storage."""
+    scenario = load_scenario(ROOT / "scenarios" / "tiers.toml")
+    out = tmp_path / "tiers"
+    result = run_scenario(scenario, out)
+    assert result.passed, render_markdown(result.report, None)
+    check = next(i for i in result.report["invariants"] if i["number"] == 7)
+    assert check["ok"] and check["measured"]["restores"] == 2, check
+    assert check["measured"]["persistent_bytes"] == 0 and check["measured"]["peer_bytes"] > 0
+    assert not _ours(out)
 
 
 @pytest.mark.timeout(330)

@@ -179,6 +179,20 @@ def test_damaged_checkpoint_loaded_fails() -> None:
     assert 3 in failing(ev)
 
 
+def test_checkpoint_damaged_after_its_restore_began_is_not_blamed() -> None:
+    """preemptible-fleet seed 1: a truncation 1.6 s after every rank had restored step 30,
+    while the new group ran its first step, was taken for damage before the restore."""
+    ev = simulate([13.5])  # the new group restores step 10 at 16.5; its first step at 17.5
+    ev.checkpoint_events.append(CheckpointEvent(10, 17.0, "damage"))
+    ev.verified[10] = "truncated"
+    assert 3 in failing(ev)  # without the restore's start time: the first step's time
+    ev = _resumed_records(ev, lambda r: replace(r, restore_started_at=16.5)
+                          if r.step == 11 else r)
+    assert failing(ev) == set()
+    ev.checkpoint_events.append(CheckpointEvent(10, 16.0, "damage"))  # before it began
+    assert 3 in failing(ev)
+
+
 def test_damaged_checkpoint_that_still_verifies_fails() -> None:
     ev = simulate([])
     ev.checkpoint_events.append(CheckpointEvent(15, 30.0, "damage"))
@@ -334,3 +348,38 @@ def test_resume_behind_an_intact_checkpoint_counts_from_it() -> None:
            for r in ev.records]
     res = verify(replace(ev, records=bad))[4]
     assert not res.ok and res.measured["resumes"][1]["lost_steps"] == 7
+
+
+# check 7: restores from memory --------------------------------------------------------------
+
+def _with_tier_bytes(ev: RunEvidence, persistent: int | None) -> RunEvidence:
+    """Put `restore_tier_bytes` on each resume's first record (None: not logged)."""
+    firsts = {id(a.first) for a in split_attempts(ev.records) if a.restored_step is not None}
+    tiers = None if persistent is None else {"local": 900, "peer": 100,
+                                             "persistent": persistent}
+    return replace(ev, records=[replace(r, restore_tier_bytes=tiers) if id(r) in firsts else r
+                                for r in ev.records], max_restore_persistent_bytes=0)
+
+
+def test_restores_served_from_memory_pass_check_7() -> None:
+    ev = _with_tier_bytes(simulate([8.5, 14.5]), 0)
+    results = {r.number: r for r in verify(ev)}
+    assert results[7].ok and results[7].measured["restores"] == 2
+    assert results[7].measured["local_bytes"] == 1800
+    assert failing(simulate([8.5])) == set()  # unbounded scenarios never run check 7
+    assert 7 not in {r.number for r in verify(simulate([8.5]))}
+
+
+def test_restore_reading_the_persistent_store_fails_check_7() -> None:
+    assert failing(_with_tier_bytes(simulate([8.5]), 4096)) == {7}
+    assert failing(_with_tier_bytes(simulate([8.5]), None)) == {7}  # tiers off: no evidence
+    assert failing(_with_tier_bytes(simulate([]), 0)) == {7}  # nothing was restored
+
+
+def test_parse_metrics_reads_restore_tier_bytes() -> None:
+    line = json.dumps({"step": 6, "loss": 1.0, "restored_step": 5,
+                       "restore_tier_bytes": {"local": 10, "peer": 2, "persistent": 0}})
+    bad = json.dumps({"step": 7, "loss": 1.0, "restore_tier_bytes": {"local": "x"}})
+    got = parse_metrics([line, bad]).records
+    assert got[0].restore_tier_bytes == {"local": 10, "peer": 2, "persistent": 0}
+    assert got[1].restore_tier_bytes is None
