@@ -1,0 +1,167 @@
+"""Every stored chunk is bound to its place: the manifest records each inner chunk's
+crc32c (`chunk_crc32c`), a load compares every chunk it reads with it, `verify` every
+chunk. Checkpoints without the record (written before it) still load."""
+
+from __future__ import annotations
+
+import json
+
+import numpy as np
+import pytest
+import torch
+
+import ckpt
+import storage
+from ckpt.format import CHUNK_CRCS, MANIFEST_KEY, zarr_metadata
+from ckpt.manifest import crc32c
+from ckpt.shardio import ShardGeometry, encode_shard, read_shard_region, stored_crcs
+from ckpt.tsio import open_array
+
+OPTS = ckpt.SaveOptions(pack_bytes=1 << 10, inner_bytes=4 << 10)
+
+
+def _state(seed: int) -> dict[str, torch.Tensor]:
+    g = torch.Generator().manual_seed(seed)
+    return {"a": torch.randn(64, 48, generator=g), "b": torch.randn(64, 48, generator=g),
+            "s": torch.randn(8, generator=g), "t": torch.randn(6, generator=g)}
+
+
+def _resign(store: storage.Store, m: dict) -> None:
+    raw = json.dumps(m).encode()
+    store.put(MANIFEST_KEY, raw)
+    commit = json.loads(store.get(ckpt.format.COMMIT_KEY))
+    commit.update(manifest_bytes=len(raw), manifest_crc32c=crc32c(raw))
+    store.put(ckpt.format.COMMIT_KEY, json.dumps(commit).encode())
+
+
+@pytest.fixture
+def saved(tmp_path) -> tuple[storage.Store, dict]:
+    store = storage.open_store(tmp_path / "c")
+    ckpt.save(_state(1), store, options=OPTS)
+    return store, json.loads(store.get(MANIFEST_KEY))
+
+
+def _key(m: dict, name: str) -> str:
+    t = m["tensors"][name]
+    return (t["array"] if "array" in t else t["pieces"][0]["array"]) + (
+        "/c/0/0" if t["storage"] == "grid" else "/c/0")
+
+
+def test_encode_records_the_crcs_it_stores() -> None:
+    geo = ShardGeometry((8, 12), (4, 6), 4)
+    crcs: list[int | None] = []
+    blob = encode_shard(np.arange(96, dtype=np.float32).reshape(8, 12), geo, crcs)
+    assert len(crcs) == geo.n_chunks and len(set(crcs)) == geo.n_chunks
+    assert stored_crcs(blob, geo.n_chunks, url="u", key="k", tensor="t") == crcs
+
+
+def test_tensorstore_edge_shard_read_directly_and_bound(tmp_path) -> None:
+    """The partial edge shard of an uneven grid, as tensorstore writes it (inner chunks
+    wholly outside the array not stored), read by the direct reader and checked."""
+    store = storage.open_store(tmp_path / "e")
+    x = np.arange(10 * 6, dtype=np.float32).reshape(10, 6)
+    arr = open_array(store, "a", zarr_metadata([10, 6], "float32", [4, 6], [2, 3], None),
+                     read=False).result()
+    arr.write(x).result()
+    key = "a/c/2/0"  # rows 8-9 of a 4-row shard: 2 of its 4 inner chunks stored
+    geo = ShardGeometry((4, 6), (2, 3), 4, valid=(2, 6))
+    assert geo.object_bytes == store.size(key)
+    crcs = stored_crcs(store.get(key), geo.n_chunks, url=store.url, key=key, tensor="t")
+    assert crcs[2:] == [None, None] and None not in crcs[:2]
+    for region in [(slice(0, 2), slice(0, 6)), (slice(1, 2), slice(2, 5))]:
+        out = np.zeros([r.stop - r.start for r in region], np.float32)
+        read_shard_region(store, key, geo, region, out, url=store.url, tensor="t", expect=crcs)
+        np.testing.assert_array_equal(out, x[8:10][region])
+    wrong = [crcs[1], crcs[0], None, None]
+    with pytest.raises(ckpt.ChecksumMismatchError, match=r"inner chunk \(0, 0\)"):
+        read_shard_region(store, key, geo, (slice(0, 2), slice(0, 6)),
+                          np.zeros((2, 6), np.float32), url=store.url, tensor="t", expect=wrong)
+
+
+def test_every_object_recorded(saved) -> None:
+    store, m = saved
+    objects = {k for k in store.list("data/") if not k.endswith("zarr.json")}
+    assert set(m[CHUNK_CRCS]) == objects
+    assert all(isinstance(c, int) for v in m[CHUNK_CRCS].values() for c in v)
+
+
+@pytest.mark.parametrize("what", ["other-tensor", "same-tensor", "packed-other-writer"])
+def test_misplaced_chunk_refused_by_load_and_verify(saved, tmp_path, what) -> None:
+    store, m = saved
+    if what == "other-tensor":  # a and b: same shape and chunking, whole object copied
+        key = _key(m, "a")
+        store.put(key, store.get(_key(m, "b")))
+        tensor = "'a'"
+    elif what == "same-tensor":  # two of a's inner chunks at each other's place
+        key = _key(m, "a")
+        blob = bytearray(store.get(key))
+        n = len(m[CHUNK_CRCS][key])
+        idx = np.frombuffer(bytes(blob[-(16 * n + 4):-4]), "<u8").reshape(-1, 2)
+        (o1, nb), (o2, _) = idx[1].tolist(), idx[2].tolist()
+        blob[o1:o1 + nb], blob[o2:o2 + nb] = blob[o2:o2 + nb], blob[o1:o1 + nb]
+        store.put(key, bytes(blob))
+        tensor = "'a'"
+    else:  # the packed array of the same checkpoint saved with other values
+        other = storage.open_store(tmp_path / "other")
+        ckpt.save(_state(2), other, options=OPTS)
+        om = json.loads(other.get(MANIFEST_KEY))
+        key = _key(m, "s")
+        store.put(key, other.get(_key(om, "s")))
+        tensor = "packed"
+    with pytest.raises(ckpt.ChecksumMismatchError, match="records") as e:
+        ckpt.load({k: torch.zeros_like(v) for k, v in _state(1).items()}, store)
+    assert e.value.obj == key and tensor in str(e.value)
+    report = ckpt.verify(store)
+    assert not report.ok and any(key in p and "records" in p for p in report.problems)
+
+
+def test_zstd_objects_bound_in_verify(tmp_path) -> None:
+    """zstd objects are written and decoded by tensorstore: their crcs are read back at
+    save, and verify compares them (a load does not see their bytes: docs/format.md)."""
+    store = storage.open_store(tmp_path / "z")
+    ckpt.save(_state(1), store, options=ckpt.SaveOptions(
+        compression="zstd", pack_bytes=1 << 10, inner_bytes=4 << 10))
+    m = json.loads(store.get(MANIFEST_KEY))
+    assert set(m[CHUNK_CRCS]) == {k for k in store.list("data/") if not k.endswith(".json")}
+    assert ckpt.verify(store).ok
+    store.put(_key(m, "a"), store.get(_key(m, "b")))
+    report = ckpt.verify(store)
+    assert not report.ok and "records" in report.problems[0] and "'a'" in report.problems[0]
+
+
+def test_checkpoint_without_record_still_loads(saved) -> None:
+    store, m = saved
+    del m[CHUNK_CRCS]
+    _resign(store, m)
+    got = {k: torch.zeros_like(v) for k, v in _state(1).items()}
+    ckpt.load(got, store)
+    assert all(torch.equal(got[k], v) for k, v in _state(1).items())
+    assert ckpt.verify(store).ok
+
+
+def _set(m: dict, value) -> None:
+    m[CHUNK_CRCS][_key(m, "a")] = value
+
+
+BAD = {
+    "not-an-object": lambda m: m.__setitem__(CHUNK_CRCS, [1, 2]),
+    "entry-missing": lambda m: m[CHUNK_CRCS].pop(_key(m, "a")),
+    "entry-too-short": lambda m: _set(m, m[CHUNK_CRCS][_key(m, "a")][:-1]),
+    "entry-not-a-list": lambda m: _set(m, "deadbeef"),
+    "crc-negative": lambda m: _set(m, [-1] * len(m[CHUNK_CRCS][_key(m, "a")])),
+    "crc-2^32": lambda m: _set(m, [1 << 32] * len(m[CHUNK_CRCS][_key(m, "a")])),
+    "crc-bool": lambda m: _set(m, [True] * len(m[CHUNK_CRCS][_key(m, "a")])),
+    "crc-float": lambda m: _set(m, [1.5] * len(m[CHUNK_CRCS][_key(m, "a")])),
+}
+
+
+@pytest.mark.parametrize("case", sorted(BAD))
+def test_malformed_record_is_typed_error(saved, case) -> None:
+    store, m = saved
+    BAD[case](m)
+    _resign(store, m)
+    with pytest.raises(ckpt.CorruptCheckpointError, match="chunk_crc32c") as e:
+        ckpt.load({k: torch.zeros_like(v) for k, v in _state(1).items()}, store)
+    if case != "not-an-object":
+        assert "'a'" in str(e.value)
+    assert not ckpt.verify(store).ok
