@@ -66,7 +66,7 @@ from ckpt.format import (
     zarr_metadata,
 )
 from ckpt.layout import Piece, describe_placements, local_pieces, local_view
-from ckpt.manifest import Manifest, crc32c, publish_commit, read_manifest
+from ckpt.manifest import Manifest, crc32c, publish_commit, read_manifest, validate
 from ckpt.plan import (
     LoadPlan,
     RankLayout,
@@ -566,7 +566,7 @@ class _SaveJob:
         crcs: dict[str, list[int | None]] = {}
         for idx in indexes.values():
             values.update(idx["values"])
-            crcs.update(idx[CHUNK_CRCS])
+            crcs.update(idx.get(CHUNK_CRCS, {}))
         tensors: dict[str, Any] = {}
         for t in self.plan.tensors.values():
             e: dict[str, Any] = {"path": list(t.path), "shape": list(t.shape), "dtype": t.dtype,
@@ -630,6 +630,13 @@ class _SaveJob:
         """Coordinator: manifest, then the commit marker, then the post-commit hook."""
         try:
             manifest = self._manifest(indexes)
+            try:  # what every load checks first: never commit a checkpoint it would refuse
+                validate(manifest, self.store.url)
+            except CheckpointError as e:
+                raise CheckpointSaveError(
+                    f"save to {self.store.url}: the manifest built from the ranks' indexes "
+                    f"does not validate ({e}); nothing was committed", url=self.store.url,
+                    failures={self.rank: str(e)}) from e
             raw = json.dumps(manifest, indent=1).encode()
             hook = self.before_commit
             publish_commit(self.store, self.attempt, raw, {

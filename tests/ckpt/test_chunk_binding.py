@@ -165,3 +165,16 @@ def test_malformed_record_is_typed_error(saved, case) -> None:
     if case != "not-an-object":
         assert "'a'" in str(e.value)
     assert not ckpt.verify(store).ok
+
+
+def test_save_missing_a_record_does_not_commit(tmp_path, monkeypatch) -> None:
+    """The coordinator validates the manifest it built: a rank that recorded no crcs
+    fails the save instead of committing a checkpoint every load would refuse."""
+    import ckpt.engine as eng
+
+    monkeypatch.setattr(eng._SaveJob, "_bind_stored_objects",
+                        lambda self: self.chunk_crcs.clear())
+    store = storage.open_store(tmp_path / "c")
+    with pytest.raises(ckpt.CheckpointSaveError, match="chunk_crc32c"):
+        ckpt.save(_state(1), store, options=OPTS)
+    assert not store.exists(ckpt.format.COMMIT_KEY)
