@@ -7,6 +7,7 @@ Nothing else in Relight talks to a filesystem or S3 directly.
 """
 
 from storage.base import Store, StoreStats
+from storage.deferred import DeferredStore
 from storage.errors import (
     InjectedFaultError,
     InvalidKeyError,
@@ -25,6 +26,7 @@ from storage.settings import S3Settings
 from storage.url import StorageLocation, parse_url
 
 __all__ = [
+    "DeferredStore",
     "FaultLog",
     "FaultPlan",
     "FaultPlanError",
