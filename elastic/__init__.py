@@ -8,8 +8,9 @@ The public surface, by module (imported directly; this package imports nothing, 
 - `elastic.rendezvous`: `EtcdRendezvousHandler`, `RendezvousSettings`, `create_handler`,
   `torchrun_handler` (torchrun backend `relight-etcd`; docs/elastic.md);
 - `elastic.launch`: `main(argv) -> int`, the `relight run` command;
-- `elastic.agent`: `RoundRetryingAgent`, torchrun's agent retrying a round whose store
-  host died during rank assignment (installed by `relight run`);
+- `elastic.agent`: `RelightAgent`, torchrun's agent retrying a round whose store host
+  died during rank assignment and not counting preemptions against `--max-restarts`
+  (installed by `relight run`);
 - `elastic.etcd_server`: `EtcdServer`, `EtcdTLS`, a real etcd child process.
 """
 

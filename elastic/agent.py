@@ -1,45 +1,78 @@
-"""torchrun's local elastic agent, surviving the loss of a round's store host.
+"""torchrun's local elastic agent with two changes for preemptible fleets.
 
-After a rendezvous round completes, torchrun's agent assigns worker ranks through the
-round's store (`_assign_worker_ranks`: every agent writes its role, the rank 0 agent
-reads them all and writes the assignment back). That store is the c10d TCPStore the
-round's rank 0 node hosts. If that node dies inside this window (milliseconds to a
-store timeout), the other agents' `store.get` raises `DistNetworkError` (or
-`DistStoreError` on a timeout) straight out of the agent's run loop, and every surviving
-agent exits: one node's death kills the job (seen in chaos preemptible-fleet seed 8).
+`relight run` installs `RelightAgent` for the duration of the launch (`installed()`); a
+plain `torchrun --rdzv-backend=relight-etcd` keeps torchrun's own agent, without them.
 
-`RoundRetryingAgent` retries the whole rendezvous instead: the handler is asked for the
-next round (for `relight-etcd`, a node calling `next_rendezvous` after a complete round
-opens a new one, which forms without the dead node once its lease is gone), and the
-ranks are assigned through the new round's store. It changes nothing else about the
-agent: no restart slot is spent, workers are not touched (none run yet at this point).
+**A round whose store host dies is retried.** After a rendezvous round completes,
+torchrun's agent assigns worker ranks through the round's store (`_assign_worker_ranks`:
+every agent writes its role, the rank 0 agent reads them all and writes the assignment
+back). That store is the c10d TCPStore the round's rank 0 node hosts. If that node dies
+inside this window (milliseconds to a store timeout), the other agents' `store.get`
+raises `DistNetworkError` (or `DistStoreError` on a timeout) straight out of the agent's
+run loop, and every surviving agent exits: one node's death kills the job (seen in chaos
+preemptible-fleet seed 8). Here the whole rendezvous is retried instead: the handler is
+asked for the next round (for `relight-etcd`, a node calling `next_rendezvous` after a
+complete round opens a new one, which forms without the dead node once its lease is
+gone), and the ranks are assigned through the new round's store. No restart slot is
+spent and no worker is touched (none run yet at this point).
 
-`relight run` installs it for the duration of the launch (`installed()`); a plain
-`torchrun --rdzv-backend=relight-etcd` keeps torchrun's own agent and this window.
+**A preemption does not spend a restart slot.** Workers stopped by a preemption notice
+save and exit `PREEMPTED_EXIT_CODE` (76); torchrun's agent counts that group like a
+crashed one against `--max-restarts`, so a job on spot capacity would die after
+max-restarts preemptions however healthy it is. Here a group whose failed workers all
+exited 76 gets its slot back, as torchrun already does for membership changes, unless it
+stopped within `preemption_free_after_s()` of its start: a notice that never clears would
+otherwise restart it forever.
 """
 
 from __future__ import annotations
 
 import contextlib
 import logging
+import os
+import time
 from collections.abc import Iterator
 
 from torch.distributed import DistError
-from torch.distributed.elastic.agent.server.api import WorkerGroup
+from torch.distributed.elastic.agent.server.api import RunResult, WorkerGroup, WorkerState
 from torch.distributed.elastic.agent.server.local_elastic_agent import LocalElasticAgent
 
 from elastic.rendezvous import record_event
+from runtime.preemption import PREEMPTED_EXIT_CODE
 
-__all__ = ["MAX_ROUND_RETRIES", "RoundRetryingAgent", "installed"]
+__all__ = ["MAX_ROUND_RETRIES", "PREEMPTION_FREE_AFTER_ENV", "RelightAgent", "installed",
+           "preemption_free_after_s"]
 
 logger = logging.getLogger(__name__)
 
 MAX_ROUND_RETRIES = 5
 """Rounds abandoned in a row because their store failed before the agent gives up."""
+PREEMPTION_FREE_AFTER_ENV = "RELIGHT_PREEMPTION_FREE_AFTER_S"
+"""Seconds a worker group must have run for a preemption exit not to spend a restart slot
+(default 60)."""
 
 
-class RoundRetryingAgent(LocalElasticAgent):
-    """A `LocalElasticAgent` whose rendezvous is retried when the round's store fails."""
+def preemption_free_after_s() -> float:
+    raw = os.environ.get(PREEMPTION_FREE_AFTER_ENV, "60")
+    try:
+        value = float(raw)
+    except ValueError:
+        raise ValueError(f"{PREEMPTION_FREE_AFTER_ENV}={raw!r} is not a number of seconds"
+                         ) from None
+    if value < 0:
+        raise ValueError(f"{PREEMPTION_FREE_AFTER_ENV}={raw!r} must be >= 0")
+    return value
+
+
+class RelightAgent(LocalElasticAgent):
+    """A `LocalElasticAgent` that retries a round whose store failed and gives a
+    preempted group its restart slot back (see the module docstring)."""
+
+    def __init__(self, *args, **kwargs) -> None:  # noqa: ANN002, ANN003 - torchrun's
+        super().__init__(*args, **kwargs)
+        self._free_after_s = preemption_free_after_s()
+        self._group_started = time.monotonic()
+        self._last_result: RunResult | None = None
 
     def _rendezvous(self, worker_group: WorkerGroup) -> None:
         for attempt in range(1, MAX_ROUND_RETRIES + 2):
@@ -57,14 +90,42 @@ class RoundRetryingAgent(LocalElasticAgent):
                 record_event("rdzv_store_lost", run_id=handler.get_run_id(),
                              attempt=attempt, error=f"{type(exc).__name__}: {exc}")
 
+    def _start_workers(self, worker_group: WorkerGroup) -> dict[int, object]:
+        self._group_started = time.monotonic()
+        return super()._start_workers(worker_group)
+
+    def _monitor_workers(self, worker_group: WorkerGroup) -> RunResult:
+        self._last_result = super()._monitor_workers(worker_group)
+        return self._last_result
+
+    def _restart_workers(self, worker_group: WorkerGroup) -> None:
+        # The agent loop spent a slot just before calling this for a failed group.
+        result, lived = self._last_result, time.monotonic() - self._group_started
+        if (result is not None and result.state == WorkerState.FAILED and result.failures
+                and all(f.exitcode == PREEMPTED_EXIT_CODE for f in result.failures.values())):
+            ranks = sorted(result.failures)
+            if lived >= self._free_after_s:
+                self._remaining_restarts += 1
+                logger.info("worker group preempted (ranks %s exited %d after %.0f s): "
+                            "restarting without spending a restart slot (%d left)", ranks,
+                            PREEMPTED_EXIT_CODE, lived, self._remaining_restarts)
+                record_event("restart_not_counted", run_id=worker_group.spec.rdzv_handler
+                             .get_run_id(), reason="preempted", ranks=ranks,
+                             lived_s=round(lived, 3))
+            else:
+                logger.warning("worker group preempted %.0f s after its start (< %.0f s, "
+                               "%s): this restart spends a slot", lived, self._free_after_s,
+                               PREEMPTION_FREE_AFTER_ENV)
+        super()._restart_workers(worker_group)
+
 
 @contextlib.contextmanager
 def installed() -> Iterator[None]:
-    """Make torchrun's launcher build `RoundRetryingAgent` instead of its own agent."""
+    """Make torchrun's launcher build `RelightAgent` instead of its own agent."""
     import torch.distributed.launcher.api as launcher
 
     saved = launcher.LocalElasticAgent
-    launcher.LocalElasticAgent = RoundRetryingAgent
+    launcher.LocalElasticAgent = RelightAgent
     try:
         yield
     finally:

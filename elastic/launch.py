@@ -19,8 +19,9 @@ supervises the workers; nothing here restarts anything. What it adds:
 - stopped by a signal, the agent revokes its etcd lease once its workers are down, so
   the other nodes re-form at once instead of one lease TTL later;
 - `--metrics-port` serves the agent's Prometheus metrics (elastic.agent_metrics);
-- the agent retries a rendezvous whose round store died with its host node while
-  ranks were being assigned (elastic.agent), instead of exiting.
+- the agent (elastic.agent) retries a rendezvous whose round store died with its host
+  node while ranks were being assigned, instead of exiting, and a worker group stopped
+  by a preemption (exit 76) does not spend a `--max-restarts` slot.
 
 Every other option is torchrun's, with torchrun's meaning (`--nnodes`,
 `--nproc-per-node`, `--max-restarts`, `--rdzv-conf`, `--monitor-interval`, ...).

@@ -64,10 +64,10 @@ def test_run_with_embedded_etcd(tmp_path) -> None:
 
 
 def test_failing_command_returns_nonzero_and_stops_etcd(tmp_path) -> None:
-    # The command exits with the preemption status 76: torchrun's agent counts that as a
-    # failed group like any other and uses a --max-restarts slot for it (no hook to tell
-    # them apart: see docs/elastic.md). If a torch release changes that, this fails and
-    # the docs' advice on --max-restarts must change too.
+    # The command exits with the preemption status 76 at once, every time: a notice that
+    # never clears. Relight's agent gives a preempted group its --max-restarts slot back
+    # only if it ran RELIGHT_PREEMPTION_FREE_AFTER_S (60 s), so here the slots are spent
+    # and the job fails instead of restarting forever.
     run_dir = tmp_path / "run"
     res = relight_run("--max-restarts=1", "--run-dir", str(run_dir), "--", "sh", "-c",
                       "exit 76", cwd=tmp_path)
@@ -77,6 +77,26 @@ def test_failing_command_returns_nonzero_and_stops_etcd(tmp_path) -> None:
               (run_dir / "events.jsonl").read_text().splitlines()]
     done = [e for e in events if e["ev"] == "rdzv_done"]
     assert [e["reason"] for e in done] == ["start", "fault"]  # the first try, one restart
+    assert etcd_processes_in(run_dir) == []
+
+
+def test_preempted_groups_do_not_spend_restart_slots(tmp_path, monkeypatch) -> None:
+    # Three preemptions in a row (exit 76), then the work completes, under --max-restarts=1:
+    # torchrun's agent would fail the job at the second preemption.
+    monkeypatch.setenv("RELIGHT_PREEMPTION_FREE_AFTER_S", "0")
+    run_dir = tmp_path / "run"
+    script = ('n=$(cat count 2>/dev/null || echo 0); echo $((n + 1)) > count; '
+              '[ "$n" -ge 3 ] && exit 0; exit 76')
+    res = relight_run("--max-restarts=1", "--run-dir", str(run_dir), "--", "sh", "-c",
+                      script, cwd=tmp_path)
+    assert res.returncode == 0, res.stderr[-3000:]
+    assert (tmp_path / "count").read_text().strip() == "4"
+    events = [json.loads(line) for line in
+              (run_dir / "events.jsonl").read_text().splitlines()]
+    assert [e["reason"] for e in events if e["ev"] == "rdzv_done"] == [
+        "start", "fault", "fault", "fault"]
+    refunds = [e for e in events if e["ev"] == "restart_not_counted"]
+    assert len(refunds) == 3 and {e["reason"] for e in refunds} == {"preempted"}
     assert etcd_processes_in(run_dir) == []
 
 

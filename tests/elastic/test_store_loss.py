@@ -3,7 +3,7 @@
 The round's rank 0 node (a separate process holding the round's TCPStore) is SIGKILLed
 once the other node has joined the round and is blocked in torchrun's
 `_assign_worker_ranks`. torchrun's own agent lets the store error escape (the job dies:
-chaos preemptible-fleet seed 8); `RoundRetryingAgent` opens a new round and forms it
+chaos preemptible-fleet seed 8); `RelightAgent` opens a new round and forms it
 without the dead node.
 """
 
@@ -22,7 +22,7 @@ from torch.distributed.elastic.agent.server.api import WorkerSpec
 from torch.distributed.elastic.agent.server.local_elastic_agent import LocalElasticAgent
 from torch.distributed.elastic.multiprocessing import DefaultLogsSpecs
 
-from elastic.agent import RoundRetryingAgent, installed
+from elastic.agent import RelightAgent, installed
 from elastic.etcd_client import EtcdClient, EtcdSettings
 from elastic.rendezvous import add_listener, remove_listener
 from tests.elastic.rdzv_util import handler, job_id
@@ -51,7 +51,7 @@ def _wait_member(client: EtcdClient, run: str, node: str) -> None:
         time.sleep(0.1)
 
 
-@pytest.mark.parametrize("agent_class", [LocalElasticAgent, RoundRetryingAgent])
+@pytest.mark.parametrize("agent_class", [LocalElasticAgent, RelightAgent])
 def test_store_host_killed_during_rank_assignment(etcd_server, tmp_path, agent_class) -> None:
     run = job_id()
     leader = subprocess.Popen([sys.executable, "-c", _LEADER, etcd_server.endpoint, run],
@@ -101,5 +101,5 @@ def test_installed_swaps_the_launchers_agent_and_restores_it() -> None:
     import torch.distributed.launcher.api as launcher
 
     with installed():
-        assert launcher.LocalElasticAgent is RoundRetryingAgent
+        assert launcher.LocalElasticAgent is RelightAgent
     assert launcher.LocalElasticAgent is LocalElasticAgent
