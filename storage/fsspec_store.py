@@ -106,21 +106,21 @@ class LocalStore(_FsspecStore):
                 _fsync_path(directory)
 
     def _put_unsynced(self, path: str, data: bytes) -> tuple[str, ...]:
-        dirs = self._publish(path, data, flush=False)
-        return (path, *(d + "/" for d in dirs)) if self.fsync else ()
+        # The file is fsynced here, as for a plain put: its data reaches the disk while
+        # the other threads still write theirs (flushing every file at the end measured
+        # 2-3x slower). What waits for `sync` is the directory fsyncs: each forces a
+        # journal commit, and at the end the first one commits every rename at once.
+        dirs = self._publish(path, data, flush=True)
+        return tuple(dirs) if self.fsync else ()
 
     def _sync_paths(self, paths: list[str]) -> None:
-        """fsync the files, in parallel (the disk's queue takes them together), then each
-        directory once: after that every name and every byte survives a power cut.
-        Directories are the paths ending in "/"."""
+        """fsync each directory whose entries a deferred put changed, once, in parallel:
+        after that every published name survives a power cut."""
         if not self.fsync or not paths:
             return
-        files = [p for p in paths if not p.endswith("/")]
-        dirs = sorted({p.rstrip("/") or "/" for p in paths if p.endswith("/")})
-        with ThreadPoolExecutor(max_workers=min(SYNC_THREADS, len(paths)),
+        dirs = sorted(set(paths))
+        with ThreadPoolExecutor(max_workers=min(SYNC_THREADS, len(dirs)),
                                 thread_name_prefix="store-sync") as pool:
-            for _ in pool.map(_fsync_path, files):
-                pass
             for _ in pool.map(_fsync_path, dirs):
                 pass
 

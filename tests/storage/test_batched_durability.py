@@ -20,15 +20,22 @@ NO_RETRY = storage.RetryPolicy(max_attempts=1)
 
 @pytest.fixture
 def fsynced(monkeypatch) -> list[str]:
-    """Every path `LocalStore` fsyncs by name (directories, and files flushed by a sync)."""
+    """Every path fsynced, in order: directories by name (`_fsync_path`), files by their
+    descriptor (a temp file's name, "<file>" kept to tell them apart)."""
     seen: list[str] = []
-    real = fsspec_store._fsync_path
+    real_path, real_fsync = fsspec_store._fsync_path, os.fsync
 
-    def record(path: str) -> None:
-        real(path)
-        seen.append(path.rstrip("/"))
+    def by_path(path: str) -> None:
+        real_path(path)
+        seen.append(path.rstrip("/") or "/")
 
-    monkeypatch.setattr(fsspec_store, "_fsync_path", record)
+    def by_fd(fd: int) -> None:
+        real_fsync(fd)
+        if not os.path.isdir(os.readlink(f"/proc/self/fd/{fd}")):
+            seen.append("<file>")
+
+    monkeypatch.setattr(fsspec_store, "_fsync_path", by_path)
+    monkeypatch.setattr(os, "fsync", by_fd)
     return seen
 
 
@@ -59,14 +66,13 @@ def test_deferred_puts_are_readable_at_once_and_flushed_by_sync(tmp_path, fsynce
     batch.put("a/b/c/x", b"one")
     batch.child("a").put("q/y", b"two")
     assert store.get("a/b/c/x") == b"one" and store.get("a/q/y") == b"two"
-    assert fsynced == [], "a deferred put flushed before sync"
+    # Each file's data is flushed by its put; no directory until the sync.
+    assert fsynced == ["<file>", "<file>"]
     batch.sync()
     root = str(tmp_path / "s")
-    files = {f"{root}/a/b/c/x", f"{root}/a/q/y"}
-    # The files, their directories and the parent of every directory the puts created.
+    # The objects' directories and the parent of every directory the puts created.
     dirs = {f"{root}/a/b/c", f"{root}/a/b", f"{root}/a", root, str(tmp_path), f"{root}/a/q"}
-    assert set(fsynced) == files | dirs
-    assert max(fsynced.index(f) for f in files) < min(fsynced.index(d) for d in dirs)
+    assert sorted(fsynced[2:]) == sorted(dirs), "each directory flushed exactly once"
     fsynced.clear()
     batch.sync()  # nothing new: nothing flushed twice
     assert fsynced == []
@@ -77,7 +83,8 @@ def test_plain_put_flushes_the_directories_it_created(tmp_path, fsynced) -> None
     store = storage.open_store(tmp_path / "s")
     store.put("k/l/m", b"x")
     root = str(tmp_path / "s")
-    assert set(fsynced) == {f"{root}/k/l", f"{root}/k", root, str(tmp_path)}
+    assert fsynced[0] == "<file>"
+    assert sorted(fsynced[1:]) == sorted([f"{root}/k/l", f"{root}/k", root, str(tmp_path)])
 
 
 @pytest.mark.parametrize("kind", ["nofsync", "memory"])
@@ -140,8 +147,9 @@ def test_save_syncs_every_object_before_the_rank_index(tmp_path, fsynced) -> Non
     assert len(sync_at) == 1 and len(data_puts) >= 4
     assert max(data_puts) < sync_at[0] < index_at
     root = str(tmp_path / "c")
-    objects = [k for k in storage.open_store(root).list(DATA_PREFIX)]
-    assert objects and all(f"{root}/{k}" in fsynced for k in objects)
+    objects = storage.open_store(root).list(DATA_PREFIX)
+    assert objects and all(os.path.dirname(f"{root}/{k}") in fsynced for k in objects)
+    assert fsynced.count("<file>") >= len(objects)
     got = {k: torch.zeros_like(v) for k, v in _state().items()}
     ckpt.load(got, root)
     assert all(torch.equal(got[k], v) for k, v in _state().items())
