@@ -158,7 +158,7 @@ class Store(ABC):
     def deferred(self) -> Store:
         """A view of this store whose puts are published at once (atomic, visible to
         readers) but made durable only by its `sync()`: one flush for a batch of objects
-        instead of one per put. Until `sync()` returns, a power cut may lose or empty
+        instead of one per put. Until `sync()` returns, a power cut may lose
         them, so nothing may reference them before then. Its children share the batch.
         On stores whose puts need no flush (S3, memory, `fsync=False`) both are free."""
         from storage.deferred import DeferredStore

@@ -3,8 +3,9 @@
 A checkpoint rank publishes tens of objects; flushing each one as it is published (file
 and directory) costs a flush per object, while the checkpoint only needs all of them
 durable before the rank's index names them. `store.deferred()` returns this view: its
-puts publish atomically without flushing and remember what a flush must cover; `sync()`
-flushes it all at once (`LocalStore`: the files in parallel, then each directory once).
+puts publish atomically and remember what is left to flush; `sync()` flushes it all at
+once (`LocalStore` fsyncs each file in its put and leaves the directories, each flushed
+once at `sync()`; see docs/storage.md for what was measured).
 
 `sync()` is never retried: after a failed flush the kernel may have dropped the dirty
 pages, and a second flush could then report success for data that is gone. A failed

@@ -108,8 +108,8 @@ class LocalStore(_FsspecStore):
     def _put_unsynced(self, path: str, data: bytes) -> tuple[str, ...]:
         # The file is fsynced here, as for a plain put: its data reaches the disk while
         # the other threads still write theirs (flushing every file at the end measured
-        # 2-3x slower). What waits for `sync` is the directory fsyncs: each forces a
-        # journal commit, and at the end the first one commits every rename at once.
+        # up to 3x slower with 4 ranks). What waits for `sync` is the directory fsyncs:
+        # each forces a journal commit, and at the end the first commits every rename.
         dirs = self._publish(path, data, flush=True)
         return tuple(dirs) if self.fsync else ()
 
