@@ -650,8 +650,12 @@ class _Watch:
                 now - self.first_step_time >= spec.at_time_s)
         if spec.during is None or self.high < max(spec.after_step, 1):
             return False
-        if spec.kind in DAMAGE and not self.committed:
-            return False  # nothing committed to damage yet (the first save is still in flight)
+        if spec.kind in DAMAGE and len({step for step, _ in self.committed}) < 2:
+            # Damage the newest checkpoint only once an older one exists to fall back to:
+            # with one checkpoint, damaging it leaves no good state to resume from, and
+            # the runtime refuses to start over silently (preemptible-fleet seed 9 looped
+            # on CheckpointNotFoundError).
+            return False
         c = self.scenario.cluster
         if spec.kind is FaultKind.SCALE_UP and len(self.cluster.live_nodes()) >= c.max_nodes:
             return False  # the fleet is full: grow it once a node is gone
