@@ -218,6 +218,15 @@ def test_too_much_work_lost_fails() -> None:
     assert verify(ev)[4].ok
 
 
+def test_slowed_save_lost_with_a_kill_is_allowed_one_more_interval() -> None:
+    """A storage latency fault delays the step-10 commit past step 12, when a kill lands:
+    the resume goes back to step 5 (7 steps, allowed 6 without the latency fault)."""
+    ev = simulate([12.5], lose=frozenset({10}))
+    assert 4 in failing(ev)
+    ev.faults.append(FaultMark(9, FaultKind.STORAGE_LATENCY, 9.5))
+    assert failing(ev) == set()
+
+
 def test_target_not_reached_fails() -> None:
     ev = simulate([])
     ev = replace(ev, records=ev.records[:-3], finished=False, finish_detail="deadline")
