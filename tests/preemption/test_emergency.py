@@ -63,7 +63,9 @@ def test_notice_file_gives_zero_lost_steps_and_a_bitwise_equal_resume(tmp_path: 
     logged = metrics(m1)
     stopped = logged[-1]["step"]
     assert 5 <= stopped < steps
-    assert logged[-1]["preempt_notice_ranks"] == [0, 1]  # both ranks saw the file
+    # Each rank's watcher polls the file on its own clock: the step's agreement may come
+    # when only one has seen it (a full CI run saw [1]); one is enough to stop both.
+    assert logged[-1]["preempt_notice_ranks"] in ([0], [1], [0, 1])
     assert not any("preempt_notice_ranks" in r for r in logged[:-1])
     text = (tmp_path / "1.log").read_text()
     assert _preempted_lines(text) == {0: stopped, 1: stopped}
