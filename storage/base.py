@@ -244,3 +244,42 @@ TEMP_MARKER = ".relight-tmp-"
 
 def _is_temp(key: str) -> bool:
     return TEMP_MARKER in key.rsplit("/", 1)[-1]
+
+
+class ForwardedPrimitives:
+    """The storage primitives of a wrapper store, forwarded to the store it wraps
+    (`_wrapped`): for wrappers whose public methods do their own work, so that anything
+    calling a primitive directly reaches the real store. Put it before `Store` in the
+    bases; a wrapper overrides the primitives it changes."""
+
+    _wrapped: Store
+
+    def _root_path(self) -> str:
+        return self._wrapped._root_path()
+
+    def _put(self, path: str, data: bytes) -> None:
+        self._wrapped._put(path, data)
+
+    def _put_unsynced(self, path: str, data: bytes) -> tuple[str, ...]:
+        return self._wrapped._put_unsynced(path, data)
+
+    def _sync_paths(self, paths: list[str]) -> None:
+        self._wrapped._sync_paths(paths)
+
+    def _put_if_absent(self, path: str, data: bytes) -> bool:
+        return self._wrapped._put_if_absent(path, data)
+
+    def _get(self, path: str, start: int | None, end: int | None) -> bytes:
+        return self._wrapped._get(path, start, end)
+
+    def _size(self, path: str) -> int:
+        return self._wrapped._size(path)
+
+    def _exists(self, path: str) -> bool:
+        return self._wrapped._exists(path)
+
+    def _list(self, path: str) -> list[str]:
+        return self._wrapped._list(path)
+
+    def _delete(self, path: str) -> None:
+        self._wrapped._delete(path)

@@ -17,7 +17,7 @@ from __future__ import annotations
 import threading
 from typing import Any
 
-from storage.base import Store
+from storage.base import ForwardedPrimitives, Store
 from storage.errors import StorageError
 from storage.retry import classify
 from storage.url import StorageLocation
@@ -44,7 +44,7 @@ class _Batch:
         return list(dict.fromkeys(paths))
 
 
-class DeferredStore(Store):
+class DeferredStore(ForwardedPrimitives, Store):
     """`inner` with deferred durability (see the module docstring). Every operation but
     `put` is the inner store's; `put_if_absent` stays durable on return (it publishes
     markers, which must never wait for a flush)."""
@@ -52,6 +52,7 @@ class DeferredStore(Store):
     def __init__(self, inner: Store, _batch: _Batch | None = None) -> None:
         super().__init__(inner.location, inner.retry, inner.stats)
         self.inner = inner
+        self._wrapped = inner
         self._batch = _batch or _Batch()
 
     def sync(self) -> None:
@@ -78,35 +79,8 @@ class DeferredStore(Store):
 
     # -- primitives: the inner store's, with puts left unflushed -------------------------
 
-    def _root_path(self) -> str:
-        return self.inner._root_path()
-
     def _with_location(self, location: StorageLocation) -> Store:
         return DeferredStore(self.inner._with_location(location), self._batch)
 
     def _put(self, path: str, data: bytes) -> None:
         self._batch.add(self.inner._put_unsynced(path, data))
-
-    def _put_unsynced(self, path: str, data: bytes) -> tuple[str, ...]:
-        return self.inner._put_unsynced(path, data)
-
-    def _sync_paths(self, paths: list[str]) -> None:
-        self.inner._sync_paths(paths)
-
-    def _put_if_absent(self, path: str, data: bytes) -> bool:
-        return self.inner._put_if_absent(path, data)
-
-    def _get(self, path: str, start: int | None, end: int | None) -> bytes:
-        return self.inner._get(path, start, end)
-
-    def _size(self, path: str) -> int:
-        return self.inner._size(path)
-
-    def _exists(self, path: str) -> bool:
-        return self.inner._exists(path)
-
-    def _list(self, path: str) -> list[str]:
-        return self.inner._list(path)
-
-    def _delete(self, path: str) -> None:
-        self.inner._delete(path)

@@ -53,7 +53,7 @@ from typing import Any
 import google_crc32c
 
 from storage import peer
-from storage.base import Store
+from storage.base import ForwardedPrimitives, Store
 from storage.errors import ObjectNotFoundError, StorageError
 from storage.fsspec_store import LocalStore
 from storage.url import parse_url
@@ -369,7 +369,7 @@ class _Tier:
             return None
 
 
-class TieredStore(Store):
+class TieredStore(ForwardedPrimitives, Store):
     """The persistent store, with reads of the newest committed checkpoint's data objects
     served from a node-local copy (or a peer's) when it matches (see the module docstring).
 
@@ -384,6 +384,7 @@ class TieredStore(Store):
         if budget_bytes < 0:
             raise ValueError(f"local tier budget must be >= 0 bytes, got {budget_bytes}")
         self.persistent = persistent
+        self._wrapped = persistent
         self._tier = _tier or _Tier(persistent, local_dir, budget_bytes, writer)
         self._prefix = _prefix
 
@@ -478,37 +479,8 @@ class TieredStore(Store):
     def ts_context(self) -> Any:
         return self.persistent.ts_context()
 
-    # The public methods above never reach these; they are the persistent store's, for
-    # anything that calls a primitive directly.
-    def _root_path(self) -> str:
-        return self.persistent._root_path()
+    # Every other primitive is the persistent store's (ForwardedPrimitives), for anything
+    # that calls one directly; the public methods above never reach them.
 
     def _with_location(self, location: Any) -> Store:
         return self.persistent._with_location(location)
-
-    def _put(self, path: str, data: bytes) -> None:
-        self.persistent._put(path, data)
-
-    def _put_unsynced(self, path: str, data: bytes) -> tuple[str, ...]:
-        return self.persistent._put_unsynced(path, data)
-
-    def _sync_paths(self, paths: list[str]) -> None:
-        self.persistent._sync_paths(paths)
-
-    def _put_if_absent(self, path: str, data: bytes) -> bool:
-        return self.persistent._put_if_absent(path, data)
-
-    def _get(self, path: str, start: int | None, end: int | None) -> bytes:
-        return self.persistent._get(path, start, end)
-
-    def _size(self, path: str) -> int:
-        return self.persistent._size(path)
-
-    def _exists(self, path: str) -> bool:
-        return self.persistent._exists(path)
-
-    def _list(self, path: str) -> list[str]:
-        return self.persistent._list(path)
-
-    def _delete(self, path: str) -> None:
-        self.persistent._delete(path)
