@@ -128,6 +128,10 @@ def test_drawn_faults_wait_until_they_can_happen(tmp_path: Path) -> None:
     assert not due(FaultKind.CORRUPT_CHECKPOINT)  # nothing committed yet
     watch.committed.add((5, "a"))
     fleet.live = [1]
-    assert due(FaultKind.SCALE_UP) and due(FaultKind.CORRUPT_CHECKPOINT)
+    assert due(FaultKind.SCALE_UP)
+    # One checkpoint: damaging it would leave nothing to fall back to (seed 9).
+    assert not due(FaultKind.CORRUPT_CHECKPOINT)
+    watch.committed.add((10, "b"))
+    assert due(FaultKind.CORRUPT_CHECKPOINT) and due(FaultKind.TRUNCATE_CHECKPOINT)
     assert not due(FaultKind.SCALE_DOWN)        # at min_nodes: shrinking would stop the job
     watch.close()
