@@ -29,6 +29,10 @@ class EtcdServerError(RuntimeError):
     """The etcd server could not be started or did not become healthy."""
 
 
+class _PortTaken(EtcdServerError):
+    """etcd exited at start because another process held one of its ports."""
+
+
 def free_port(host: str = "127.0.0.1") -> int:
     """A port that was free a moment ago on `host` (the OS picks it)."""
     with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
@@ -80,9 +84,13 @@ class EtcdServer:
     log_path: Path | None = None
     extra_args: list[str] = field(default_factory=list)
     _proc: subprocess.Popen | None = field(default=None, init=False, repr=False)
+    # Ports we picked ourselves may be re-picked until the first successful start;
+    # after that the endpoint is what clients hold, so a restart keeps it.
+    _ports_movable: bool = field(default=False, init=False, repr=False)
 
     def __post_init__(self) -> None:
         self.data_dir = Path(self.data_dir)
+        self._ports_movable = not self.client_port and not self.peer_port
         if not self.client_port:
             self.client_port = free_port()
         if not self.peer_port:
@@ -108,9 +116,33 @@ class EtcdServer:
     def running(self) -> bool:
         return self._proc is not None and self._proc.poll() is None
 
-    def start(self, timeout: float = 20.0) -> EtcdServer:
+    def start(self, timeout: float = 20.0, *, port_attempts: int = 5) -> EtcdServer:
+        """Start and wait until healthy.
+
+        `free_port` only says a port was free a moment ago: any process's outgoing
+        connection can take it before etcd binds. When that happens on a first
+        start with ports we picked, pick new ones and try again (`port_attempts`
+        in all); a restart keeps its ports, since clients already hold them.
+        """
         if self.running():
             return self
+        for attempt in range(1, port_attempts + 1):
+            try:
+                self._start_once(timeout)
+            except _PortTaken:
+                if not self._ports_movable or attempt == port_attempts:
+                    raise
+                logger.warning(
+                    "etcd ports %d/%d were taken before etcd bound them; picking new ones",
+                    self.client_port, self.peer_port,
+                )
+                self.client_port, self.peer_port = free_port(), free_port()
+                continue
+            self._ports_movable = False
+            return self
+        raise AssertionError("unreachable")
+
+    def _start_once(self, timeout: float) -> None:
         self.data_dir.mkdir(parents=True, exist_ok=True)
         peer = f"http://127.0.0.1:{self.peer_port}"
         args = [
@@ -138,23 +170,27 @@ class EtcdServer:
                 args += [f"--trusted-ca-file={self.tls.ca_file}", "--client-cert-auth"]
         log_path = self.log_path or (self.data_dir.parent / f"{self.data_dir.name}.etcd.log")
         log_file = open(log_path, "ab")  # noqa: SIM115 - handed to the child
+        log_start = log_file.tell()  # this start's lines only, when the error is read
         env = {k: v for k, v in os.environ.items() if not k.startswith("ETCD_")}
         self._proc = subprocess.Popen(
             args, stdout=log_file, stderr=subprocess.STDOUT, env=env, start_new_session=True
         )
         log_file.close()
-        self._wait_healthy(timeout, log_path)
+        self._wait_healthy(timeout, log_path, log_start)
         logger.info("etcd started pid=%d at %s (data %s)", self._proc.pid, self.url, self.data_dir)
-        return self
 
-    def _wait_healthy(self, timeout: float, log_path: Path) -> None:
+    def _wait_healthy(self, timeout: float, log_path: Path, log_start: int) -> None:
         deadline = time.monotonic() + timeout
         while time.monotonic() < deadline:
             if self._proc is not None and self._proc.poll() is not None:
-                tail = log_path.read_text(errors="replace")[-2000:]
-                raise EtcdServerError(
-                    f"etcd exited with code {self._proc.returncode} at start; log tail:\n{tail}"
-                )
+                code = self._proc.returncode
+                self._proc = None
+                with open(log_path, "rb") as log:
+                    log.seek(log_start)
+                    this_start = log.read().decode(errors="replace")
+                tail = this_start[-2000:]
+                error = _PortTaken if "address already in use" in this_start else EtcdServerError
+                raise error(f"etcd exited with code {code} at start; log tail:\n{tail}")
             if self._healthy():
                 return
             time.sleep(0.1)

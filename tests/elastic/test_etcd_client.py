@@ -225,3 +225,34 @@ def test_reauthenticates_after_etcd_restart(tmp_path, tls_certs) -> None:
         assert c.get("/k").value == b"3" and c._token != "stale.token"
     finally:
         server.stop()
+
+
+def test_server_start_moves_off_a_port_taken_after_it_was_picked(tmp_path) -> None:
+    """`free_port` races every other process's connections (a full CI run lost one):
+    a first start with ports it picked itself picks new ones; explicit ports do not
+    move and the error names the cause."""
+    import socket
+
+    from elastic.etcd_server import EtcdServer, EtcdServerError
+
+    server = EtcdServer(tmp_path / "picked")
+    squatter = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
+    squatter.bind(("127.0.0.1", server.client_port))
+    squatter.listen()
+    try:
+        taken = server.client_port
+        server.start()
+        try:
+            assert server.client_port != taken
+            c = EtcdClient(EtcdSettings(endpoints=(server.endpoint,), timeout=3))
+            c.put("/moved", b"1")
+            assert c.get("/moved").value == b"1"
+        finally:
+            server.stop()
+
+        pinned = EtcdServer(tmp_path / "pinned", client_port=taken)
+        with pytest.raises(EtcdServerError, match="address already in use"):
+            pinned.start()
+        assert pinned.client_port == taken and not pinned.running()
+    finally:
+        squatter.close()
