@@ -58,7 +58,7 @@ from ckpt.format import (
     INDEX_PREFIX,
     WRITER_VERSION,
     align,
-    chunk_keys,
+    chunk_key,
     dtype_name,
     inner_chunk_shape,
     itemsize,
@@ -80,10 +80,10 @@ from ckpt.plan import (
 from ckpt.shardio import (
     ShardGeometry,
     direct_ok,
+    direct_read_ok,
     encode_shard,
     grid_geometry,
     read_shard_region,
-    shard_key,
     stored_crcs,
 )
 from ckpt.staging import Stager, StagingBuffers
@@ -398,6 +398,8 @@ class _SaveJob:
         self.t0 = time.perf_counter()
         self.chunk_crcs: dict[str, list[int | None]] = {}
         """Data object key -> crc32c of each inner chunk (the manifest's CHUNK_CRCS)."""
+        self.ts_objects: dict[str, int] = {}
+        """Data object key -> inner chunk count of the objects tensorstore wrote."""
 
     # -- persist ---------------------------------------------------------------------
 
@@ -411,7 +413,8 @@ class _SaveJob:
     def persist(self) -> int:
         """Write this rank's shard objects and zarr.json files; returns payload bytes.
         Whole uncompressed shards go straight to storage (`ckpt.shardio`), the rest
-        (zstd, partial edge shards, 0-d arrays) through tensorstore."""
+        (zstd, partial edge shards, 0-d arrays) through tensorstore, whose objects are
+        noted in `ts_objects` for `_bind_stored_objects`."""
         comp = self.opts.compression
         futures = []
         direct: list[tuple[str, np.ndarray, ShardGeometry]] = []
@@ -426,11 +429,10 @@ class _SaveJob:
             nbytes += size
             if t.storage == "grid":
                 path = f"{self.data}/{t.array}"
+                key = chunk_key(path, [o // c for o, c in zip(p.offset, t.chunks, strict=True)])
+                geo = ShardGeometry(tuple(t.chunks), tuple(t.inner), itemsize(t.dtype))
                 if tuple(p.shape) == tuple(t.chunks) and direct_ok(t.chunks, t.inner, comp):
-                    cell = tuple(o // c for o, c in zip(p.offset, t.chunks, strict=True))
-                    direct.append((shard_key(path, cell), to_numpy(arr),
-                                   ShardGeometry(tuple(t.chunks), tuple(t.inner),
-                                                 itemsize(t.dtype))))
+                    direct.append((key, to_numpy(arr), geo))
                     continue
                 meta = self._meta_of(t, None)
                 if path not in opened:
@@ -441,14 +443,18 @@ class _SaveJob:
                 path = f"{self.data}/{p.array}"
                 meta = self._meta_of(t, p.shape)
                 metas.append((path, meta))
-                inner = tuple(meta["codecs"][0]["configuration"]["chunk_shape"])
-                if direct_ok(p.shape, inner, comp):
-                    direct.append((shard_key(path, (0,) * len(p.shape)), to_numpy(arr),
-                                   ShardGeometry(tuple(p.shape), inner, itemsize(t.dtype))))
+                key = chunk_key(path, (0,) * len(p.shape))
+                geo = ShardGeometry(tuple(p.shape),
+                                    tuple(meta["codecs"][0]["configuration"]["chunk_shape"]),
+                                    itemsize(t.dtype))
+                if direct_ok(geo.shape, geo.inner, comp):
+                    direct.append((key, to_numpy(arr), geo))
                     continue
                 store_arr = open_array(self.store, path, meta, read=False).result()
             futures.append(store_arr.write(to_numpy(arr)))
             ts_bytes += size
+            if size:  # an empty array has no chunk objects
+                self.ts_objects[key] = geo.n_chunks
         for t in self.plan.tensors.values():
             if t.storage == "grid" and t.meta_writer == self.rank:
                 metas.append((f"{self.data}/{t.array}", self._meta_of(t, None)))
@@ -458,13 +464,14 @@ class _SaveJob:
             meta = zarr_metadata([size], "uint8", [size], [self.plan.packed_inner], comp)
             metas.append((path, meta))
             nbytes += size
-            if direct_ok([size], [self.plan.packed_inner], comp):
-                direct.append((shard_key(path, (0,)), self.packed,
-                               ShardGeometry((size,), (self.plan.packed_inner,), 1)))
+            key, geo = chunk_key(path, (0,)), ShardGeometry((size,), (self.plan.packed_inner,), 1)
+            if direct_ok(geo.shape, geo.inner, comp):
+                direct.append((key, self.packed, geo))
             else:
                 arr = open_array(self.store, path, meta, read=False).result()
                 futures.append(arr.write(self.packed))
                 ts_bytes += size
+                self.ts_objects[key] = geo.n_chunks
         # Objects are independent: publish them concurrently (atomic, not yet flushed)
         # while tensorstore finishes its chunks (it fsyncs each one itself), then make
         # them all durable with one sync: the rank's index, put after this returns,
@@ -488,31 +495,11 @@ class _SaveJob:
             self.store.stats.record_write(ts_bytes, ops=len(futures))
         return nbytes
 
-    def _objects_written(self) -> dict[str, int]:
-        """Key -> inner chunk count of every data object this rank wrote."""
-        out: dict[str, int] = {}
-        for t, p in self.plan.writes_of(self.rank):
-            if t.storage == "grid":
-                path = f"{self.data}/{t.array}"
-                cell = tuple(o // c for o, c in zip(p.offset, t.chunks, strict=True))
-                if numel(t.shape):
-                    out[shard_key(path, cell) if cell else f"{path}/c"] = numel(
-                        [c // i for c, i in zip(t.chunks, t.inner, strict=True)])
-            elif t.storage == "pieces":
-                path = f"{self.data}/{p.array}"
-                inner = inner_chunk_shape(p.shape, itemsize(t.dtype), self.opts.inner_bytes)
-                for key in chunk_keys(path, list(p.shape), list(p.shape)):
-                    out[key] = numel([s // i for s, i in zip(p.shape, inner, strict=True)])
-        if self.packed is not None:
-            path = f"{self.data}/packed/r{self.rank:05d}"
-            out[shard_key(path, (0,))] = -(-self.packed.shape[0] // self.plan.packed_inner)
-        return out
-
     def _bind_stored_objects(self) -> None:
         """Record the chunk crc32c of the objects tensorstore wrote (zstd, edge shards,
         0-d arrays): read each back whole and take the crcs from its index, no pass over
         the data (the direct path recorded its own while encoding)."""
-        todo = {k: n for k, n in self._objects_written().items() if k not in self.chunk_crcs}
+        todo = self.ts_objects
         if not todo:
             return
 
@@ -823,10 +810,11 @@ _DECODE = threading.Lock()
 
 
 def _read_bytes(store: Store, key: str, geo: ShardGeometry, lo: int, hi: int, url: str,
-                tensor: str, expect: list[int | None] | None) -> np.ndarray:
+                tensor: str, expect: list[int | None] | None,
+                compression: str | None) -> np.ndarray:
     out = np.empty(hi - lo, dtype=np.uint8)
     read_shard_region(store, key, geo, (slice(lo, hi),), out, url=url, tensor=tensor,
-                      cpu=_DECODE, expect=expect)
+                      cpu=_DECODE, expect=expect, compression=compression)
     return out
 
 
@@ -856,8 +844,8 @@ class _Reader:
             if t["storage"] == "grid":
                 n = _chunk_bytes(self.off, self.shape, t["inner"], item) if self.shape else item
                 self.bytes += n
-                if direct_ok(t["chunks"], t["inner"], comp):
-                    self._direct_grid(t, item)
+                if direct_read_ok(t["chunks"], t["inner"], comp):
+                    self._direct_grid(t, item, comp)
                     return
                 self.ts_bytes += n
                 arr = open_array(store, t["array"], m.meta_of(name), read=True).result()
@@ -873,9 +861,10 @@ class _Reader:
                 if t["storage"] == "pieces":
                     n = _chunk_bytes(inter[0], inter[1], p["inner"], item) if inter[1] else item
                     self.bytes += n
-                    if direct_ok(p["shape"], p["inner"], comp):
+                    if direct_read_ok(p["shape"], p["inner"], comp):
                         geo = ShardGeometry(tuple(p["shape"]), tuple(p["inner"]), item)
-                        self._direct(shard_key(p["array"], (0,) * len(src)), geo, src, dst)
+                        self._direct(chunk_key(p["array"], (0,) * len(src)), geo, src, dst,
+                                     comp)
                         continue
                     self.ts_bytes += n
                     arr = open_array(store, p["array"], m.meta_of(name, p), read=True).result()
@@ -895,9 +884,9 @@ class _Reader:
         pshape = tuple(p["shape"])
         size = m.raw["packed"][arr_path]
         pi = m.raw["packed_inner"]
-        direct = direct_ok([size], [pi], comp)
+        direct = direct_read_ok([size], [pi], comp)
         geo = ShardGeometry((size,), (pi,), 1)
-        key = shard_key(arr_path, (0,))
+        key = chunk_key(arr_path, (0,))
         whole = packed_cache is not None and size <= PACKED_WHOLE_READ
         if whole and arr_path in packed_cache:
             fut, lo = packed_cache[arr_path], bo
@@ -909,7 +898,7 @@ class _Reader:
             self.bytes += n
             if direct:
                 fut = _read_pool(self.store).submit(_read_bytes, self.store, key, geo, lo_b, hi_b,
-                                          self.store.url, self.name, m.chunk_crcs(key))
+                                          self.store.url, self.name, m.chunk_crcs(key), comp)
             else:
                 self.ts_bytes += n
                 arr = open_array(self.store, arr_path, m.meta_of(self.name, p),
@@ -926,7 +915,7 @@ class _Reader:
             return full[src] if src else full
         self.parts.append((fut, dst, convert, arr_path))
 
-    def _direct_grid(self, t: dict[str, Any], item: int) -> None:
+    def _direct_grid(self, t: dict[str, Any], item: int, comp: str | None) -> None:
         chunks = t["chunks"]
         ranges = [range(o // c, (o + s - 1) // c + 1)
                   for o, s, c in zip(self.off, self.shape, chunks, strict=True)]
@@ -935,15 +924,15 @@ class _Reader:
             inter = _intersect(self.off, self.shape, s_off, chunks)
             if inter is None:
                 continue
-            self._direct(shard_key(t["array"], cell), grid_geometry(t, cell, item),
-                         _box_slices(*inter, s_off), _box_slices(*inter, self.off))
+            self._direct(chunk_key(t["array"], cell), grid_geometry(t, cell, item),
+                         _box_slices(*inter, s_off), _box_slices(*inter, self.off), comp)
 
     def _direct(self, key: str, geo: ShardGeometry, src: tuple[slice, ...],
-                dst: tuple[slice, ...]) -> None:
+                dst: tuple[slice, ...], comp: str | None) -> None:
         view = to_numpy(self.out[dst] if dst else self.out)
         fut = _read_pool(self.store).submit(read_shard_region, self.store, key, geo, src, view,
                                   url=self.store.url, tensor=self.name, cpu=_DECODE,
-                                  expect=self.m.chunk_crcs(key))
+                                  expect=self.m.chunk_crcs(key), compression=comp)
         self.parts.append((fut, dst, None, key))
 
     def _ts(self, src: Any, dst: tuple[slice, ...], obj: str) -> None:

@@ -14,6 +14,7 @@ See docs/format.md for the full description.
 
 from __future__ import annotations
 
+import itertools
 import math
 from typing import Any
 
@@ -148,16 +149,16 @@ def zarr_metadata(shape: list[int], dtype: str, chunks: list[int], inner: list[i
     }
 
 
+def chunk_key(array: str, cell: tuple[int, ...] | list[int]) -> str:
+    """Object key of (outer) chunk `cell` of an array: zarr v3's default key encoding
+    with '/', where a 0-d array's one chunk is `c`."""
+    return "/".join([f"{array}/c", *(str(int(c)) for c in cell)])
+
+
 def chunk_keys(array: str, shape: list[int], chunks: list[int]) -> list[str]:
     """Object keys of every chunk of a regular-grid array."""
-    if not shape:
-        return [f"{array}/c"]
-    if any(s == 0 for s in shape):
-        return []
     grids = [range(math.ceil(s / c)) for s, c in zip(shape, chunks, strict=True)]
-    import itertools
-
-    return [f"{array}/c/" + "/".join(str(i) for i in cell) for cell in itertools.product(*grids)]
+    return [chunk_key(array, cell) for cell in itertools.product(*grids)]
 
 
 def check_path(path: Any, url: str, tensor: str = "") -> str:

@@ -31,6 +31,12 @@ and the manifest carries them; a read given `expect` compares each chunk's store
 A shard at the edge of an uneven grid (`ShardGeometry.valid`) keeps the full outer
 chunk's index, with the inner chunks wholly outside the array marked missing and the
 others stored in full (padded), back to back: what tensorstore writes.
+
+Reads also cover what tensorstore writes and we do not: zstd shards (each inner chunk a
+zstd frame of its bytes, then the crc32c of the frame; fetched whole, since the object's
+size is not known from its geometry) and 0-d arrays. So every load checks every chunk it
+uses against the manifest's record (`direct_read_ok`); only writes keep the narrower
+`direct_ok`.
 """
 
 from __future__ import annotations
@@ -48,11 +54,12 @@ from typing import Any
 
 import google_crc32c
 import numpy as np
+import zstandard
 
 from ckpt.errors import ChecksumMismatchError, CorruptCheckpointError, MissingChunkError
 from storage import ObjectNotFoundError, ObjectTruncatedError, Store
 
-__all__ = ["ShardGeometry", "direct_ok", "grid_geometry", "shard_key", "encode_shard",
+__all__ = ["ShardGeometry", "direct_ok", "direct_read_ok", "grid_geometry", "encode_shard",
            "read_shard_region", "stored_crcs"]
 
 RESIDUE = 0x48674BC7
@@ -127,15 +134,17 @@ def grid_geometry(t: dict[str, Any], cell: tuple[int, ...], itemsize: int) -> Sh
 
 def direct_ok(shape: tuple[int, ...] | list[int], inner: tuple[int, ...] | list[int],
               compression: str | None) -> bool:
-    """Whether a whole shard of this shape and inner chunking takes the direct path."""
-    return (compression is None and sys.byteorder == "little" and len(shape) >= 1
+    """Whether a whole shard of this shape and inner chunking is written directly."""
+    return compression is None and len(shape) >= 1 and direct_read_ok(shape, inner, None)
+
+
+def direct_read_ok(shape: tuple[int, ...] | list[int], inner: tuple[int, ...] | list[int],
+                   compression: str | None) -> bool:
+    """Whether a shard of this shape and inner chunking is read directly: uncompressed or
+    zstd, 0-d included (tensorstore writes those)."""
+    return (compression in (None, "zstd") and sys.byteorder == "little"
             and len(inner) == len(shape)
             and all(s > 0 and i > 0 and s % i == 0 for s, i in zip(shape, inner, strict=True)))
-
-
-def shard_key(array: str, cell: tuple[int, ...] | list[int]) -> str:
-    """Object key of outer chunk `cell` of an array (zarr v3 default key encoding, '/')."""
-    return f"{array}/c/" + "/".join(str(int(c)) for c in cell)
 
 
 def _c_crc32c() -> Any:
@@ -227,7 +236,8 @@ def encode_shard(arr: np.ndarray, geo: ShardGeometry, crcs: list[int | None] | N
     return out if isinstance(out, bytes) else bytes(out)
 
 
-def _get(store: Store, key: str, start: int, end: int, url: str, tensor: str, what: str) -> bytes:
+def _get(store: Store, key: str, start: int | None, end: int | None, url: str, tensor: str,
+         what: str) -> bytes:
     try:
         return store.get(key, start, end)
     except ObjectNotFoundError as e:
@@ -287,7 +297,13 @@ def _decode(run: np.ndarray, at: int, geo: ShardGeometry, lin: int, cell: tuple[
         got = int(run[end: end + 4].view("<u4")[0])
         if got != expect[lin]:
             raise misplaced(url, key, tensor, f"inner chunk {cell}", got, expect[lin])
-    chunk = run[at: at + geo.chunk_bytes].view(out.dtype).reshape(geo.inner)
+    _place(run[at: at + geo.chunk_bytes].view(out.dtype).reshape(geo.inner), geo, cell,
+           region, out)
+
+
+def _place(chunk: np.ndarray, geo: ShardGeometry, cell: tuple[int, ...],
+           region: tuple[slice, ...], out: np.ndarray) -> None:
+    """Copy the part of inner chunk `cell` that `region` overlaps into `out`."""
     src, dst = [], []
     for r, t in zip(region, geo.tile(cell), strict=True):
         lo, hi = max(r.start, t.start), min(r.stop, t.stop)
@@ -305,7 +321,8 @@ def _damaged(url: str, key: str, tensor: str, what: str) -> ChecksumMismatchErro
 def read_shard_region(store: Store, key: str, geo: ShardGeometry, region: tuple[slice, ...],
                       out: np.ndarray, *, url: str, tensor: str,
                       cpu: AbstractContextManager[Any] | None = None,
-                      expect: list[int | None] | None = None) -> int:
+                      expect: list[int | None] | None = None,
+                      compression: str | None = None) -> int:
     """Fill `out` (shape of `region`, the dtype stored) with `region` of the shard object
     at `key`. Returns the bytes fetched: the whole object in one get when every inner
     chunk is needed, else the index and then only the inner chunks `region` overlaps
@@ -318,6 +335,9 @@ def read_shard_region(store: Store, key: str, geo: ShardGeometry, region: tuple[
             f"tensor {tensor!r}, object {url}/{key}: the manifest records {len(expect)} "
             f"chunk checksums for a shard of {geo.n_chunks} inner chunks; the manifest is "
             "damaged", url=url, tensor=tensor, obj=key)
+    if compression is not None:
+        return _read_compressed(store, key, geo, region, out, url=url, tensor=tensor,
+                                cpu=cpu, expect=expect)
     end = geo.object_bytes
     data_end = end - geo.index_bytes
     cells = geo.overlapping(region)
@@ -366,3 +386,52 @@ def read_shard_region(store: Store, key: str, geo: ShardGeometry, region: tuple[
                         expect)
         i = j
     return fetched
+
+
+def _read_compressed(store: Store, key: str, geo: ShardGeometry, region: tuple[slice, ...],
+                     out: np.ndarray, *, url: str, tensor: str,
+                     cpu: AbstractContextManager[Any] | None,
+                     expect: list[int | None] | None) -> int:
+    """`read_shard_region` of a zstd shard: the whole object in one get, then per inner
+    chunk `region` needs: its frame's crc32c, the manifest's record, a decompression to
+    exactly one inner chunk of bytes, the copy."""
+    blob = np.frombuffer(_get(store, key, None, None, url, tensor, "the shard"), np.uint8)
+    ib = geo.index_bytes
+    if blob.size < ib or crc32c_of(blob, blob.size - ib, blob.size) != RESIDUE:
+        raise _damaged(url, key, tensor, "the shard index")
+    data_end = blob.size - ib
+    entries = blob[data_end: blob.size - 4].view("<u8").reshape(-1, 2)
+    with cpu or nullcontext():
+        for lin, cell in geo.overlapping(region):
+            off, nb = int(entries[lin, 0]), int(entries[lin, 1])
+            if off == MISSING:
+                raise MissingChunkError(
+                    f"tensor {tensor!r}, object {url}/{key}: inner chunk {cell} is not "
+                    "stored; the checkpoint is incomplete, restore an older one", url=url,
+                    tensor=tensor, obj=key)
+            if nb <= 4 or off + nb > data_end:
+                raise CorruptCheckpointError(
+                    f"tensor {tensor!r}, object {url}/{key}: index entry of inner chunk "
+                    f"{cell} ({off}, {nb}) does not fit the shard; restore an older "
+                    "checkpoint", url=url, tensor=tensor, obj=key)
+            if crc32c_of(blob, off, off + nb) != RESIDUE:
+                raise _damaged(url, key, tensor, f"inner chunk {cell}")
+            if expect is not None:
+                got = int(blob[off + nb - 4: off + nb].view("<u4")[0])
+                if got != expect[lin]:
+                    raise misplaced(url, key, tensor, f"inner chunk {cell}", got, expect[lin])
+            try:
+                raw = zstandard.ZstdDecompressor().decompress(
+                    blob[off: off + nb - 4], max_output_size=geo.chunk_bytes)
+            except zstandard.ZstdError as e:
+                raise CorruptCheckpointError(
+                    f"tensor {tensor!r}, object {url}/{key}: inner chunk {cell} is not a "
+                    f"zstd frame ({e}); restore an older checkpoint", url=url, tensor=tensor,
+                    obj=key) from e
+            if len(raw) != geo.chunk_bytes:
+                raise CorruptCheckpointError(
+                    f"tensor {tensor!r}, object {url}/{key}: inner chunk {cell} decompresses "
+                    f"to {len(raw)} bytes, not {geo.chunk_bytes}; restore an older checkpoint",
+                    url=url, tensor=tensor, obj=key)
+            _place(np.frombuffer(raw, out.dtype).reshape(geo.inner), geo, cell, region, out)
+    return int(blob.size)

@@ -3,10 +3,10 @@
 Reads the commit marker and manifest (checksummed), checks that every object the
 manifest implies exists, and reads every chunk so each crc32c is checked, and checked
 against the crc32c the manifest records for that chunk's place (`chunk_crc32c`, when
-the checkpoint has it): uncompressed shards the way a load reads them (`ckpt.shardio`),
-the rest (zstd, 0-d arrays) decoded by tensorstore and their stored crcs then compared
-with the record. Problems are collected, each naming the tensor and the object, not
-raised.
+the checkpoint has it), the way a load reads them (`ckpt.shardio`). A geometry the
+direct reader does not take (none Relight writes) is decoded by tensorstore and its
+stored crcs then compared with the record. Problems are collected, each naming the
+tensor and the object, not raised.
 """
 
 from __future__ import annotations
@@ -26,7 +26,7 @@ from ckpt.format import DATA_PREFIX, chunk_keys, itemsize
 from ckpt.manifest import Manifest, read_manifest
 from ckpt.shardio import (
     ShardGeometry,
-    direct_ok,
+    direct_read_ok,
     grid_geometry,
     misplaced,
     read_shard_region,
@@ -70,17 +70,17 @@ def _regions(shape: list[int], chunks: list[int]):
 
 
 def _read_direct(store: Store, m: Manifest, key: str, geo: ShardGeometry, tensor: str) -> int:
-    """Read a whole uncompressed shard object the way a load does: index and every
-    chunk's crc32c, and each chunk against the manifest's record for its place."""
+    """Read a whole shard object the way a load does: index and every chunk's crc32c,
+    and each chunk against the manifest's record for its place."""
     region = tuple(slice(0, v) for v in (geo.valid or geo.shape))
     out = np.empty([r.stop for r in region], dtype=f"<u{geo.itemsize}")
     read_shard_region(store, key, geo, region, out, url=store.url, tensor=tensor,
-                      expect=m.chunk_crcs(key))
+                      expect=m.chunk_crcs(key), compression=m.raw.get("compression"))
     return out.nbytes
 
 
 def _check_binding(store: Store, m: Manifest, key: str, grid: list[int], tensor: str) -> None:
-    """An object tensorstore decoded (zstd, 0-d): its stored chunk crcs against the
+    """An object tensorstore decoded: its stored chunk crcs against the
     manifest's record (the crcs themselves tensorstore checked while decoding)."""
     want = m.chunk_crcs(key)
     if want is None:
@@ -96,7 +96,7 @@ def _verify_grid(store: Store, m: Manifest, name: str, t: dict[str, Any]) -> int
     item = itemsize(t["dtype"])
     shape, chunks, inner = t["shape"], t["chunks"], t["inner"]
     grid = [c // i for c, i in zip(chunks, inner, strict=True)]
-    direct = direct_ok(chunks, inner, m.raw.get("compression"))
+    direct = direct_read_ok(chunks, inner, m.raw.get("compression"))
     arr = None if direct else open_array(store, t["array"], m.meta_of(name), read=True).result()
     n = 0
     for key, region in zip(chunk_keys(t["array"], shape, chunks), _regions(shape, chunks),
@@ -119,7 +119,7 @@ def _verify_array(store: Store, m: Manifest, name: str, label: str, array: str,
     piece = {"array": array, "shape": shape, "inner": inner}
     n = 0
     for key in chunk_keys(array, shape, shape):
-        if direct_ok(shape, inner, m.raw.get("compression")):
+        if direct_read_ok(shape, inner, m.raw.get("compression")):
             n += _read_direct(store, m, key, ShardGeometry(tuple(shape), tuple(inner), item),
                               label)
             continue

@@ -12,8 +12,8 @@ import torch
 
 import ckpt
 import storage
-from ckpt.format import MANIFEST_KEY, zarr_metadata
-from ckpt.shardio import ShardGeometry, encode_shard, read_shard_region, shard_key
+from ckpt.format import MANIFEST_KEY, chunk_key, zarr_metadata
+from ckpt.shardio import ShardGeometry, encode_shard, read_shard_region
 from ckpt.tsio import open_array
 
 CASES = [
@@ -40,7 +40,7 @@ def test_same_bytes_as_tensorstore(tmp_path, dtype, npd, shape, chunks, inner) -
     grid = [s // c for s, c in zip(shape, chunks, strict=True)]
     for cell in np.ndindex(*grid):
         region = tuple(slice(c * k, (c + 1) * k) for c, k in zip(cell, chunks, strict=True))
-        key = shard_key("a", cell)
+        key = chunk_key("a", cell)
         ours = encode_shard(x[region], geo)
         assert ours == store.get(key), (dtype, cell)
         assert len(ours) == geo.object_bytes
@@ -69,7 +69,7 @@ def saved(tmp_path) -> tuple[storage.Store, str, torch.Tensor]:
     w = torch.randn(512, 512)
     ckpt.save({"w": w}, store)
     m = json.loads(store.get(MANIFEST_KEY))
-    key = shard_key(m["tensors"]["w"]["array"], (0, 0))
+    key = chunk_key(m["tensors"]["w"]["array"], (0, 0))
     return store, key, w
 
 
