@@ -4,6 +4,7 @@ must return exactly the saved values or raise a typed error, within a time bound
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import uuid
 from typing import Any
@@ -24,16 +25,17 @@ FUZZ = settings(max_examples=EXAMPLES, deadline=None, derandomize=True, database
                 suppress_health_check=[HealthCheck.too_slow, HealthCheck.data_too_large])
 
 SAVED = make_state(5)
-_BASE: dict[str, bytes] = {}
+_BASE: dict[str | None, dict[str, bytes]] = {}
 
 
-def base_objects() -> dict[str, bytes]:
-    """The objects of one valid checkpoint (saved once per test session)."""
-    if not _BASE:
+def base_objects(compression: str | None = None) -> dict[str, bytes]:
+    """The objects of one valid checkpoint (saved once per test session), uncompressed
+    or with zstd (whose chunks are frames Relight decompresses itself on load)."""
+    if compression not in _BASE:
         store = storage.open_store(f"memory://fuzz-base/{uuid.uuid4().hex}")
-        ckpt.save(SAVED, store, options=OPTIONS)
-        _BASE.update({k: store.get(k) for k in store.list()})
-    return _BASE
+        ckpt.save(SAVED, store, options=dataclasses.replace(OPTIONS, compression=compression))
+        _BASE[compression] = {k: store.get(k) for k in store.list()}
+    return _BASE[compression]
 
 
 def fresh_copy(objects: dict[str, bytes]) -> storage.Store:
@@ -147,13 +149,15 @@ def test_manifest_field_edits(edits, signed: bool) -> None:
     tally("fuzz_manifest_examples")
 
 
-CHUNKS = sorted(k for k in base_objects() if "/c/" in k or k.endswith("/c"))
+def chunk_keys_of(objects: dict[str, bytes]) -> list[str]:
+    return sorted(k for k in objects if "/c/" in k or k.endswith("/c"))
 
 
 @st.composite
-def chunk_edit(draw) -> tuple[str, bytes]:
-    key = draw(st.sampled_from(CHUNKS))
-    data = base_objects()[key]
+def chunk_edit(draw, compression: str | None = None) -> tuple[str, bytes]:
+    objects = base_objects(compression)
+    key = draw(st.sampled_from(chunk_keys_of(objects)))
+    data = objects[key]
     n = len(data)
     kind = draw(st.sampled_from(["flip", "truncate", "insert", "overwrite", "replace",
                                  "empty", "append"]))
@@ -178,10 +182,8 @@ def chunk_edit(draw) -> tuple[str, bytes]:
     return key, data
 
 
-@FUZZ
-@given(edits=st.lists(chunk_edit(), min_size=1, max_size=2))
-def test_chunk_byte_edits(edits) -> None:
-    objects = dict(base_objects())
+def _check_chunk_edits(edits: list[tuple[str, bytes]], compression: str | None) -> None:
+    objects = dict(base_objects(compression))
     for key, data in edits:
         objects[key] = data
     values = {k: v for k, v in SAVED.items() if not isinstance(v, torch.Tensor)}
@@ -190,10 +192,26 @@ def test_chunk_byte_edits(edits) -> None:
     tally("fuzz_chunk_examples")
 
 
+@FUZZ
+@given(edits=st.lists(chunk_edit(), min_size=1, max_size=2))
+def test_chunk_byte_edits(edits) -> None:
+    _check_chunk_edits(edits, None)
+
+
+@FUZZ
+@given(edits=st.lists(chunk_edit("zstd"), min_size=1, max_size=2))
+def test_zstd_chunk_byte_edits(edits) -> None:
+    _check_chunk_edits(edits, "zstd")
+
+
 def test_fuzz_targets_are_real() -> None:
     """The corpus the fuzzers mutate: a committed checkpoint with chunks of every kind."""
-    assert len(CHUNKS) >= 4 and MANIFEST_KEY in base_objects()
-    assert check_load(fresh_copy(base_objects()),
-                      {k: v for k, v in SAVED.items() if not isinstance(v, torch.Tensor)}) \
-        == "exact"
+    values = {k: v for k, v in SAVED.items() if not isinstance(v, torch.Tensor)}
+    for compression in (None, "zstd"):
+        objects = base_objects(compression)
+        assert len(chunk_keys_of(objects)) >= 4 and MANIFEST_KEY in objects
+        assert check_load(fresh_copy(objects), values) == "exact"
+    zstd_frame = b"\x28\xb5\x2f\xfd"
+    assert all(base_objects("zstd")[k][:4] == zstd_frame
+               for k in chunk_keys_of(base_objects("zstd")))
 
