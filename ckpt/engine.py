@@ -88,7 +88,7 @@ from ckpt.shardio import (
 )
 from ckpt.staging import Stager, StagingBuffers
 from ckpt.tsio import map_ts_error, open_array, put_metadata, to_numpy
-from storage import ObjectNotFoundError, Store, open_store
+from storage import ObjectNotFoundError, StorageError, Store, open_store
 
 logger = logging.getLogger(__name__)
 
@@ -871,7 +871,7 @@ class _Reader:
                     self._ts(arr[src] if src else arr, dst, p["array"])
                     continue
                 self._packed(p, src, dst, item, comp, packed_cache)
-        except CheckpointError:
+        except (CheckpointError, StorageError):  # storage failing is not damage: retryable
             raise
         except Exception as e:  # noqa: BLE001
             raise map_ts_error(e, store.url, name, t.get("array") or "pieces") from e
@@ -952,7 +952,7 @@ class _Reader:
         for fut, dst, convert, obj in self.parts:
             try:
                 a = fut.result()
-            except CheckpointError:
+            except (CheckpointError, StorageError):
                 raise
             except Exception as e:  # noqa: BLE001
                 raise map_ts_error(e, self.store.url, self.name, obj) from e
@@ -966,13 +966,20 @@ class _Reader:
 
 
 def _raise_first(errors: list[Any], ranks: tuple[int, ...], url: str) -> None:
+    """Raise another rank's error as the same type: a storage failure stays a
+    `StorageError` (retryable), damage a `CheckpointError`."""
     import ckpt.errors as errs
+    import storage.errors as storage_errs
 
     for rank, e in zip(ranks, errors, strict=True):
         if e:
+            msg = f"rank {rank}: {e['msg']}"
             cls = getattr(errs, e["type"], None)
             if isinstance(cls, type) and issubclass(cls, CheckpointError):
-                raise cls(f"rank {rank}: {e['msg']}", url=url)
+                raise cls(msg, url=url)
+            cls = getattr(storage_errs, e["type"], None)
+            if isinstance(cls, type) and issubclass(cls, StorageError):
+                raise cls(msg, url=url)
             raise CorruptCheckpointError(f"rank {rank}: {e['type']}: {e['msg']}", url=url)
 
 

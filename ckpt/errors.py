@@ -10,6 +10,7 @@ from __future__ import annotations
 __all__ = [
     "CheckpointError",
     "CheckpointNotFoundError",
+    "NoLoadableCheckpointError",
     "CheckpointExistsError",
     "CorruptCheckpointError",
     "ChecksumMismatchError",
@@ -45,6 +46,12 @@ class CheckpointError(Exception):
 
 class CheckpointNotFoundError(CheckpointError, FileNotFoundError):
     """No committed checkpoint at the URL (absent, or its commit marker is missing)."""
+
+
+class NoLoadableCheckpointError(CheckpointNotFoundError):
+    """Committed checkpoints exist and storage answered, but every one is damaged or of
+    an unsupported version: no restart can fix this (a transient storage failure raises
+    `CheckpointNotFoundError` itself, which a retry may clear)."""
 
 
 class CheckpointExistsError(CheckpointError, FileExistsError):

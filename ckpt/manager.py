@@ -26,6 +26,7 @@ from ckpt.engine import SaveHandle, SaveOptions, load, save
 from ckpt.errors import (
     CheckpointNotFoundError,
     CorruptCheckpointError,
+    NoLoadableCheckpointError,
     UnsupportedVersionError,
 )
 from ckpt.format import COMMIT_KEY
@@ -306,6 +307,7 @@ class CheckpointManager:
                 f"no committed checkpoint under {self.store.url}; start from scratch or "
                 "point at another root", url=self.store.url)
         reasons = []
+        storage_failed = False
         for s in candidates:
             try:
                 load(state_dict, self.store.child(step_dir(s)), strict=strict,
@@ -314,6 +316,7 @@ class CheckpointManager:
                     UnsupportedVersionError, StorageError) as e:
                 if step is not None:
                     raise
+                storage_failed |= isinstance(e, (StorageError, CheckpointNotFoundError))
                 reasons.append(f"step {s}: {e}")
                 logger.warning("[rank %d] checkpoint step %d under %s is unusable (%s); "
                                "falling back to an older one", comm.rank, s, self.store.url, e)
@@ -324,9 +327,15 @@ class CheckpointManager:
             else:
                 logger.info("[rank %d] restored step %d from %s", comm.rank, s, self.store.url)
             return s
-        raise CheckpointNotFoundError(
-            f"no committed checkpoint under {self.store.url} could be loaded: "
-            + "; ".join(reasons), url=self.store.url)
+        if storage_failed:  # storage may answer on a retry
+            raise CheckpointNotFoundError(
+                f"no committed checkpoint under {self.store.url} could be loaded: "
+                + "; ".join(reasons), url=self.store.url)
+        raise NoLoadableCheckpointError(
+            f"every committed checkpoint under {self.store.url} is damaged or unsupported: "
+            + "; ".join(reasons) + ". Restarting cannot fix this: check them with `relight "
+            "ckpt verify`, then point checkpoint.url at another root, or move the damaged "
+            "steps aside to start over", url=self.store.url)
 
     def gc(self) -> list[int]:
         """Apply the retention policies now (coordinator only; storage only)."""

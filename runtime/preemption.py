@@ -37,6 +37,7 @@ from types import FrameType
 from typing import Any, Protocol
 
 from runtime.config import PreemptionConfig
+from runtime.exit_codes import HUNG_EXIT_CODE, PREEMPTED_EXIT_CODE
 
 __all__ = [
     "HUNG_EXIT_CODE",
@@ -56,14 +57,6 @@ __all__ = [
 
 log = logging.getLogger(__name__)
 
-PREEMPTED_EXIT_CODE = 76
-"""Exit status of a worker that stopped on a preemption notice (whether or not the
-emergency checkpoint could be written; the log says which). Distinct from 75 (watchdog:
-hang), 2 (bad config) and 1 (error)."""
-
-HUNG_EXIT_CODE = 128 + signal.SIGTERM
-"""Exit status when a notice came but the step in flight never finished (what the
-default SIGTERM action would have given a shell)."""
 
 AWS_PATH = "/latest/meta-data/spot/instance-action"
 AWS_TOKEN_PATH = "/latest/api/token"

@@ -49,6 +49,12 @@ from torch.distributed.fsdp import FSDPModule
 from runtime import state as st
 from runtime.config import Config, ConfigError, config_to_dict, load_config
 from runtime.data import BatchPlan, DataLoader, SyntheticCorpus
+from runtime.exit_codes import (
+    CONFIG_EXIT_CODE,
+    NO_LOADABLE_CHECKPOINT_EXIT_CODE,
+    PREEMPTED_EXIT_CODE,
+    WATCHDOG_EXIT_CODE,
+)
 from runtime.mesh import LayoutError, ParallelMesh, build_mesh, plan_layout
 from runtime.metrics import MetricsWriter, flops_per_token, memory_mb, peak_flops
 from runtime.model import Transformer
@@ -63,13 +69,8 @@ from runtime.observability import (
 from runtime.optim import LRSchedule, build_optimizer, clip_grad_norm_
 from runtime.parallel.pp import build_pipeline
 from runtime.parallelize import parallelize
-from runtime.preemption import (
-    PREEMPTED_EXIT_CODE,
-    NoticeWatcher,
-    decide,
-    estimate_save_s,
-)
-from runtime.watchdog import WATCHDOG_EXIT_CODE, Watchdog
+from runtime.preemption import NoticeWatcher, decide, estimate_save_s
+from runtime.watchdog import Watchdog
 
 __all__ = ["PREEMPTED_EXIT_CODE", "TrainResult", "Trainer", "main", "run_training"]
 
@@ -740,8 +741,10 @@ def _parse(argv: list[str] | None) -> Config:
     parser = argparse.ArgumentParser(
         prog="relight train",
         description="Train the Relight transformer. Extra --section.key=value override config.",
-        epilog="exit status: 0 done; 1 an error (a fault: the agent restarts the group); 2 bad "
-        f"config or layout; {WATCHDOG_EXIT_CODE} the watchdog saw no step complete in "
+        epilog="exit status: 0 done; 1 an error (a fault: the agent restarts the group); "
+        f"{CONFIG_EXIT_CODE} bad config or layout; {NO_LOADABLE_CHECKPOINT_EXIT_CODE} every "
+        "committed checkpoint is damaged (relight run does not restart these two); "
+        f"{WATCHDOG_EXIT_CODE} the watchdog saw no step complete in "
         f"train.watchdog_timeout_s; {PREEMPTED_EXIT_CODE} stopped on a preemption notice "
         "(docs/troubleshooting.md)",
     )
@@ -751,8 +754,9 @@ def _parse(argv: list[str] | None) -> Config:
 
 
 def main(argv: list[str] | None = None) -> int:
-    """CLI entry point; returns the process exit status (2: bad config or layout; 76: stopped
-    on a preemption notice; the watchdog exits with 75 on a hang)."""
+    """CLI entry point; returns the process exit status (`runtime.exit_codes`: 2 bad config
+    or layout, 65 no committed checkpoint loads, 76 stopped on a preemption notice; the
+    watchdog exits with 75 on a hang)."""
     logging.basicConfig(
         level=os.environ.get("RELIGHT_LOG_LEVEL", "INFO"),
         format="%(asctime)s %(levelname)s %(name)s: %(message)s",
@@ -762,7 +766,14 @@ def main(argv: list[str] | None = None) -> int:
         result = run_training(cfg)
     except (ConfigError, LayoutError) as e:
         log.error("%s: %s", type(e).__name__, e)
-        return 2
+        return CONFIG_EXIT_CODE
+    except Exception as e:
+        from ckpt.errors import NoLoadableCheckpointError  # lazily, like the engine itself
+
+        if not isinstance(e, NoLoadableCheckpointError):
+            raise
+        log.error("%s: %s", type(e).__name__, e)
+        return NO_LOADABLE_CHECKPOINT_EXIT_CODE
     if result.checkpoint_failures:
         log.warning("run finished with %d failed checkpoint saves", result.checkpoint_failures)
     if result.preempted:

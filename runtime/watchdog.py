@@ -15,12 +15,12 @@ import sys
 import threading
 import time
 
+from runtime.exit_codes import WATCHDOG_EXIT_CODE
+
 __all__ = ["WATCHDOG_EXIT_CODE", "Watchdog"]
 
 log = logging.getLogger(__name__)
 
-WATCHDOG_EXIT_CODE = 75
-"""Exit status when the watchdog fires (EX_TEMPFAIL: try again)."""
 
 
 class Watchdog:

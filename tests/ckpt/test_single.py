@@ -348,6 +348,29 @@ def test_restore_falls_back_when_newest_is_damaged(tmp_path, caplog) -> None:
         mgr.restore(zeros_like_state(), step=2)
 
 
+def test_restore_with_every_checkpoint_damaged_is_not_retryable(tmp_path) -> None:
+    """Every committed step damaged: `NoLoadableCheckpointError` (the runtime exits 65 and
+    `relight run` stops). Storage failing on the reads instead: the plain, retryable
+    `CheckpointNotFoundError`. Either way nothing is deleted."""
+    root = storage.open_store(tmp_path / "run")
+    mgr = ckpt.CheckpointManager(root, keep_last=3)
+    for s in (1, 2):
+        mgr.save(s, make_state(s), async_save=False)
+    faulty = storage.FaultyStore(root, storage.FaultPlan(fail_fraction=1.0, fail_times=100,
+                                                         ops=("get",), key_contains="/data/"))
+    faulty.retry = storage.RetryPolicy(max_attempts=1, base_delay_s=0.0, max_delay_s=0.0)
+    with pytest.raises(ckpt.CheckpointNotFoundError) as e:
+        ckpt.CheckpointManager(faulty, keep_last=3).restore(zeros_like_state())
+    assert not isinstance(e.value, ckpt.NoLoadableCheckpointError)
+    for s in (1, 2):
+        step = storage.open_store(tmp_path / f"run/step-{s:012d}")
+        storage.corrupt_object(step, _chunk_of(step, "bf"), "flip", seed=7)
+    with pytest.raises(ckpt.NoLoadableCheckpointError, match="step 2: .*step 1: ") as e:
+        mgr.restore(zeros_like_state())
+    assert "relight ckpt verify" in str(e.value)
+    assert mgr.committed_steps() == [1, 2]
+
+
 def test_restore_nothing(tmp_path) -> None:
     with pytest.raises(ckpt.CheckpointNotFoundError):
         ckpt.CheckpointManager(tmp_path / "empty").restore(zeros_like_state())

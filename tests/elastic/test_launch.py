@@ -100,6 +100,24 @@ def test_preempted_groups_do_not_spend_restart_slots(tmp_path, monkeypatch) -> N
     assert etcd_processes_in(run_dir) == []
 
 
+@pytest.mark.parametrize("status", [65, 2])
+def test_fatal_exit_statuses_are_not_restarted(tmp_path, status) -> None:
+    # 65: every committed checkpoint damaged; 2: bad config. A restart would rerun the same
+    # failure, so the job ends at once with slots left (torchrun's agent spends all 3;
+    # test_failing_command_... above pins that other statuses still restart).
+    run_dir = tmp_path / "run"
+    script = f'n=$(cat count 2>/dev/null || echo 0); echo $((n + 1)) > count; exit {status}'
+    res = relight_run("--max-restarts=3", "--run-dir", str(run_dir), "--", "sh", "-c",
+                      script, cwd=tmp_path)
+    assert res.returncode != 0
+    assert (tmp_path / "count").read_text().strip() == "1"
+    events = [json.loads(line) for line in
+              (run_dir / "events.jsonl").read_text().splitlines()]
+    refused = [e for e in events if e["ev"] == "restart_refused"]
+    assert len(refused) == 1 and refused[0]["exit_codes"] == [status]
+    assert etcd_processes_in(run_dir) == []
+
+
 def test_usage_errors(capsys) -> None:
     assert main(["--nproc-per-node=2"]) == 2
     assert "after '--'" in capsys.readouterr().err
