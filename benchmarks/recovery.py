@@ -7,7 +7,10 @@ the same step, the same kill schedule):
 
 - `baseline`: torchrun, c10d rendezvous, `--max-restarts`, DCP `async_save` every
   `--ckpt-every` steps through DCP's fsspec writer (s3fs), restore with `dcp.load`
-  through its fsspec reader from the newest step that has a `.metadata`;
+  through its fsspec reader from the newest step that has a `.metadata`; the workers
+  get a fresh store each round (`TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1`, torch's opt-out;
+  `--baseline-shared-store` keeps torchrun's default shared store, under which the
+  restarted groups failed in `init_process_group` on this machine);
 - `relight`: torchrun with `--rdzv-backend=relight-etcd` on a real etcd started here,
   checkpoints with Relight's `ckpt.CheckpointManager` (async), restore with
   `CheckpointManager.restore`.
@@ -202,6 +205,12 @@ def run_arm(arm: str, args: argparse.Namespace, work: Path, s3_env: dict[str, st
            "--ckpt-url", ckpt_url]
     env = {**os.environ, **s3_env, "PYTHONPATH": str(ROOT), "OMP_NUM_THREADS": "1",
            "RELIGHT_EVENTS_FILE": str(out / "events.jsonl")}
+    if arm == "baseline" and not args.baseline_shared_store:
+        # torchrun's c10d rendezvous hands every generation's workers the agent's one
+        # long-lived TCPStore: a restarted gloo group can read the dead generation's
+        # addresses from it and dial them (connectFullMesh: Connection refused). Its own
+        # opt-out gives each round a fresh store hosted by the new rank 0.
+        env["TORCH_DISABLE_SHARE_RDZV_TCP_STORE"] = "1"
     log = open(out / "agent.log", "wb")  # noqa: SIM115 - the child owns it
     agent = subprocess.Popen(cmd, cwd=ROOT, env=env, stdout=log, stderr=subprocess.STDOUT,
                              start_new_session=True)
@@ -339,6 +348,10 @@ def job_argument_parser(prog: str, doc: str | None, arms: str) -> argparse.Argum
     p.add_argument("--recovery-timeout", type=float, default=180.0)
     p.add_argument("--arms", default=arms)
     p.add_argument("--workdir", default=None)
+    p.add_argument("--baseline-shared-store", action="store_true",
+                   help="run the baseline's workers on torchrun's shared rendezvous TCPStore "
+                        "(its default; restarted groups then fail in init_process_group on "
+                        "this machine) instead of a fresh store per round")
     return p
 
 
