@@ -256,7 +256,9 @@ class CheckpointConfig:
     peer_replicas: int = 1
     """With the local tier on: copy each node's data objects to this many other nodes'
     tiers too (over HTTP, `storage.peer`), so a lost node's shards are read from a peer;
-    0 disables. Fewer other nodes than this: all of them."""
+    0 disables. Fewer other nodes than this: all of them. A node holds at most
+    ``peer_replicas x local_tier_budget_mb`` of other nodes' replicas (pushes beyond it
+    are refused and those shards come from the persistent store)."""
 
     def __post_init__(self) -> None:
         _require(self.every >= 1, "checkpoint.every must be >= 1")

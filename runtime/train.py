@@ -332,8 +332,12 @@ class Trainer:
         from storage.tiered import REPLICA_DIR
 
         if nodes.index(node) == self.rank:
-            self._peer_server = PeerServer(os.path.join(tiered.local_dir, REPLICA_DIR),
-                                           also_serve=(tiered.local_dir,))
+            # Each of the k nodes pushing here holds at most local_tier_budget_mb: the
+            # node's memory stays within (1 + k) x the budget (docs/tiers.md).
+            c = self.cfg.checkpoint
+            self._peer_server = PeerServer(
+                os.path.join(tiered.local_dir, REPLICA_DIR), also_serve=(tiered.local_dir,),
+                budget_bytes=c.peer_replicas * c.local_tier_budget_mb * (1 << 20))
         mine = self._peer_server.address if self._peer_server is not None else None
         addrs = {n: a for n, a in comm.allgather_json([node, mine]) if a is not None}
         ring = sorted(addrs)

@@ -9,7 +9,11 @@ its persistent URL, key and whole-object crc32c; the server checks the crc32c on
 the client checks it again on fetch, so a damaged replica is never served.
 
 A server keeps replicas of the two newest steps it has received (it cannot see commits
-of the nodes that push to it); older steps are deleted when a newer one arrives.
+of the nodes that push to it); older steps are deleted when a newer one arrives. With a
+`budget_bytes`, the replicas it holds never exceed it: a push that would is first made
+room for by dropping older steps, and refused (HTTP 507, before its body is read) if it
+still does not fit; the pushing node counts that as a failed replica and its ranks then
+restore those shards from the persistent store.
 """
 
 from __future__ import annotations
@@ -66,14 +70,27 @@ class _Handler(BaseHTTPRequestHandler):
         key = self._key()
         if key is None:
             return
-        n = int(self.headers.get("Content-Length", "0"))
-        data = self.rfile.read(n)
-        crc = int(self.headers.get("X-Relight-Crc32c", "-1"))
-        if len(data) != n or google_crc32c.value(data) != crc:
-            self.send_error(422, "crc32c mismatch")
+        try:
+            n = int(self.headers.get("Content-Length", ""))
+        except ValueError:
+            n = -1
+        if n < 0:
+            self.send_error(411, "Content-Length required")
             return
-        self.server.store(key, data, {"url": self.headers.get("X-Relight-Url", ""),
-                                      "key": key, "size": n, "crc32c": crc})
+        if not self.server.reserve(key, n):
+            self.close_connection = True  # the body stays unread
+            self.send_error(507, "replica budget exceeded")
+            return
+        try:
+            data = self.rfile.read(n)
+            crc = int(self.headers.get("X-Relight-Crc32c", "-1"))
+            if len(data) != n or google_crc32c.value(data) != crc:
+                self.send_error(422, "crc32c mismatch")
+                return
+            self.server.store(key, data, {"url": self.headers.get("X-Relight-Url", ""),
+                                          "key": key, "size": n, "crc32c": crc})
+        finally:
+            self.server.release(key)
         self.send_response(204)
         self.end_headers()
 
@@ -103,11 +120,60 @@ class _Handler(BaseHTTPRequestHandler):
 class _Server(ThreadingHTTPServer):
     daemon_threads = True
 
-    def __init__(self, addr: tuple[str, int], root: str, also_serve: tuple[str, ...]) -> None:
+    def __init__(self, addr: tuple[str, int], root: str, also_serve: tuple[str, ...],
+                 budget_bytes: int | None) -> None:
         super().__init__(addr, _Handler)
         self.root = root
         self.also_serve = also_serve
+        self.budget = budget_bytes
         self.lock = threading.Lock()
+        self.held = self._scan()
+        """Key -> bytes of every replica held or being received (reserved)."""
+        self.refused = 0
+
+    def _scan(self) -> dict[str, int]:
+        held = {}
+        for step in _step_dirs(self.root):
+            for dirpath, _, files in os.walk(os.path.join(self.root, step)):
+                for name in files:
+                    path = os.path.join(dirpath, name)
+                    held[os.path.relpath(path, self.root)] = os.path.getsize(path)
+        return held
+
+    def _drop_step(self, step: str) -> None:
+        for d in (os.path.join(self.root, step), os.path.join(self.root, _META, step)):
+            shutil.rmtree(d, ignore_errors=True)
+        self.held = {k: n for k, n in self.held.items() if not k.startswith(step + "/")}
+
+    def reserve(self, key: str, n: int) -> bool:
+        """Make room for `n` bytes under `key` within the budget (dropping steps older
+        than the key's); False if they do not fit."""
+        with self.lock:
+            if self.budget is None:
+                return True
+            step = key.split("/", 1)[0]
+            need = sum(self.held.values()) - self.held.get(key, 0) + n - self.budget
+            older = [d for d in _step_dirs(self.root) if d < step]
+            droppable = sum(b for k, b in self.held.items() if k.split("/", 1)[0] in older)
+            if 0 < need <= droppable:  # drop only what lets this one in, oldest first
+                for old in older:
+                    self._drop_step(old)
+                    if sum(self.held.values()) - self.held.get(key, 0) + n <= self.budget:
+                        break
+            if sum(self.held.values()) - self.held.get(key, 0) + n > self.budget:
+                self.refused += 1
+                logger.warning("peer server %s: replica of %s (%d bytes) refused: %d of the "
+                               "%d-byte budget held", self.root, key, n,
+                               sum(self.held.values()), self.budget)
+                return False
+            self.held[key] = n
+            return True
+
+    def release(self, key: str) -> None:
+        """After a receive: forget a reservation that was not stored."""
+        with self.lock:
+            if not os.path.exists(os.path.join(self.root, key)):
+                self.held.pop(key, None)
 
     def store(self, key: str, data: bytes, meta: dict[str, Any]) -> None:
         for path, blob in ((os.path.join(self.root, key), data),
@@ -119,10 +185,9 @@ class _Server(ThreadingHTTPServer):
                 f.write(blob)
             os.replace(tmp, path)
         with self.lock:
-            steps = _step_dirs(self.root)
-            for old in steps[:-KEEP_STEPS]:
-                for d in (os.path.join(self.root, old), os.path.join(self.root, _META, old)):
-                    shutil.rmtree(d, ignore_errors=True)
+            self.held[key] = len(data)
+            for old in _step_dirs(self.root)[:-KEEP_STEPS]:
+                self._drop_step(old)
 
 
 class PeerServer:
@@ -130,11 +195,13 @@ class PeerServer:
     thread; also serves the objects under `also_serve` (the node's own local tier, laid
     out the same way), so a rank can read what another node's ranks wrote."""
 
-    def __init__(self, root: str, host: str = "0.0.0.0", also_serve: tuple[str, ...] = ()
-                 ) -> None:
+    def __init__(self, root: str, host: str = "0.0.0.0", also_serve: tuple[str, ...] = (),
+                 budget_bytes: int | None = None) -> None:
+        if budget_bytes is not None and budget_bytes < 0:
+            raise ValueError(f"replica budget must be >= 0 bytes, got {budget_bytes}")
         os.makedirs(root, exist_ok=True)
         self.root = root
-        self._server = _Server((host, 0), root, tuple(also_serve))
+        self._server = _Server((host, 0), root, tuple(also_serve), budget_bytes)
         self._thread = threading.Thread(target=self._server.serve_forever,
                                         name="relight-peer-server", daemon=True)
         self._thread.start()
@@ -147,6 +214,17 @@ class PeerServer:
         except OSError:
             ip = "127.0.0.1"
         return f"{ip}:{self._server.server_address[1]}"
+
+    @property
+    def held_bytes(self) -> int:
+        """Bytes of the replicas held now."""
+        with self._server.lock:
+            return sum(self._server.held.values())
+
+    @property
+    def refused(self) -> int:
+        """Pushes refused for the budget so far."""
+        return self._server.refused
 
     def close(self) -> None:
         self._server.shutdown()

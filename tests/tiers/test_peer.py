@@ -54,3 +54,37 @@ def test_server_keeps_the_two_newest_steps(server: tuple[PeerServer, str]) -> No
         push(addr, _key(step), "u", b"d", google_crc32c.value(b"d"))
     assert fetch(addr, _key(1)) is None
     assert fetch(addr, _key(2)) is not None and fetch(addr, _key(3)) is not None
+
+
+def test_replicas_stay_within_the_budget(tmp_path: Path) -> None:
+    """Older steps make room for a newer one; a push that does not fit is refused before
+    its body is read and leaves what is held intact; the budget survives a restart."""
+    root = str(tmp_path / "replicas")
+    srv = PeerServer(root, host="127.0.0.1", budget_bytes=250)
+    addr = f"127.0.0.1:{srv.address.rsplit(':', 1)[1]}"
+
+    def put(step: int, name: str, n: int) -> None:
+        data = bytes([step]) * n
+        push(addr, f"step-{step:012d}/data/a1/{name}", "u", data, google_crc32c.value(data))
+
+    try:
+        put(1, "t0", 100)
+        put(1, "t1", 100)
+        assert srv.held_bytes == 200
+        put(2, "t0", 100)  # over budget: step 1 goes first, although two steps are kept
+        assert srv.held_bytes == 100 and fetch(addr, "step-000000000001/data/a1/t0") is None
+        put(2, "t1", 100)
+        with pytest.raises(OSError):  # 507, or the connection closed on the unread body
+            put(2, "t2", 100)
+        assert srv.refused == 1 and srv.held_bytes == 200
+        assert fetch(addr, "step-000000000002/data/a1/t1")["data"] == bytes([2]) * 100
+        with pytest.raises(OSError):
+            put(3, "big", 300)  # larger than the whole budget: nothing dropped for it
+        assert srv.held_bytes == 200
+    finally:
+        srv.close()
+    again = PeerServer(root, host="127.0.0.1", budget_bytes=250)
+    try:
+        assert again.held_bytes == 200  # what is on disk counts after a restart
+    finally:
+        again.close()
