@@ -76,10 +76,20 @@ class LocalStore(_FsspecStore):
         durable); return its path and the directories whose entries a flush must cover:
         `directory` and the parent of each directory this call created. A failed write
         leaves no temp file behind."""
-        dirs = [directory, *_make_dirs(directory)]
+        dirs = [directory]
         tmp = os.path.join(directory, f"{TEMP_MARKER}{uuid.uuid4().hex}")
+        for attempt in range(1, DIR_RACE_ATTEMPTS + 1):
+            dirs += _make_dirs(directory)
+            try:
+                handle = open(tmp, "xb")  # noqa: SIM115 - closed below
+                break
+            except FileNotFoundError:
+                # A concurrent delete emptied the directory and removed it between our
+                # makedirs and this open (`_delete` tidies emptied directories): again.
+                if attempt == DIR_RACE_ATTEMPTS:
+                    raise
         try:
-            with open(tmp, "wb") as handle:
+            with handle:
                 handle.write(data)
                 if flush and self.fsync:
                     handle.flush()
@@ -87,7 +97,7 @@ class LocalStore(_FsspecStore):
         except BaseException:
             _unlink_quietly(tmp)
             raise
-        return tmp, dirs
+        return tmp, list(dict.fromkeys(dirs))
 
     def _publish(self, path: str, data: bytes, flush: bool) -> list[str]:
         """Temp file + rename; returns the directories whose entries changed."""
@@ -210,6 +220,10 @@ class S3Store(_FsspecStore):
 
     def ts_context(self) -> Any:
         return self.settings.ts_context()
+
+
+DIR_RACE_ATTEMPTS = 5
+"""Tries to create a temp file whose directory a concurrent delete keeps removing."""
 
 
 def _make_dirs(directory: str) -> list[str]:

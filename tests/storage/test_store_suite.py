@@ -233,3 +233,26 @@ def test_s3_listing_sees_writes_and_deletes_from_another_client(s3_url) -> None:
     writer.delete_prefix("ckpt/step-1")
     assert reader.list("ckpt") == []
     assert not reader.exists("ckpt/step-1/COMMIT")
+
+
+def test_local_put_survives_a_delete_removing_its_directory(tmp_path, monkeypatch) -> None:
+    """`LocalStore._delete` removes directories it empties; a concurrent put into the same
+    directory could lose it between creating it and opening its temp file. Simulated here:
+    the first directory creation is undone at once, as the racing delete would."""
+    import storage.fsspec_store as fs_store
+
+    real, raced = fs_store._make_dirs, []
+
+    def racing_make_dirs(directory: str) -> list[str]:
+        created = real(directory)
+        if not raced:
+            raced.append(directory)
+            os.rmdir(directory)  # the concurrent delete's tidy-up
+        return created
+
+    monkeypatch.setattr(fs_store, "_make_dirs", racing_make_dirs)
+    store = storage.open_store(tmp_path / "root")
+    store.put("step-1/data/obj", b"payload")
+    assert raced == [str(tmp_path / "root" / "step-1" / "data")]
+    assert store.get("step-1/data/obj") == b"payload"
+    assert store.list("step-1/") == ["step-1/data/obj"]  # no temp file left
