@@ -53,6 +53,9 @@ from pathlib import Path
 from typing import Any
 
 ROOT = Path(__file__).resolve().parents[1]
+WARM_PRELOAD = ("torch", "torch.distributed.tensor", "ckpt", "storage", "s3fs",
+                "benchmarks.recovery")
+"""What `--warm` imports once per node: everything a worker imports."""
 LOCAL_TIER_ENV = "RELIGHT_BENCH_LOCAL_TIER"
 """When set (by benchmarks/tiers.py), the relight arm's workers front the checkpoint
 store with the node-local tier under this directory."""
@@ -89,6 +92,7 @@ def worker(args: argparse.Namespace, t_top: float) -> None:
     state = {"w": DTensor.from_local(local, mesh, [Shard(0)], run_check=False),
              "step": torch.zeros(1, dtype=torch.int64)}
     ckpt_root = args.ckpt_url
+    t_state = time.time()
 
     if args.arm == "baseline":
         import fsspec
@@ -99,6 +103,7 @@ def worker(args: argparse.Namespace, t_top: float) -> None:
         s3 = {"client_kwargs": {"endpoint_url": os.environ["AWS_ENDPOINT_URL"]}}
         fs = fsspec.filesystem("s3", skip_instance_cache=True, use_listings_cache=False, **s3)
         done = sorted(p for p in fs.glob(ckpt_root.removeprefix("s3://") + "/step_*/.metadata"))
+        t_found = time.time()
         if done:
             newest = "s3://" + done[-1].rsplit("/", 1)[0]
             dcp.load(state, storage_reader=FsspecReader(newest, **s3))
@@ -122,7 +127,9 @@ def worker(args: argparse.Namespace, t_top: float) -> None:
             store = TieredStore(store, local_tier_dir(os.environ[LOCAL_TIER_ENV], store.url),
                                 4 << 30, writer=rank)
         mgr = ckpt.CheckpointManager(store, keep_last=2)
-        if mgr.latest_step() is not None:
+        latest = mgr.latest_step()
+        t_found = time.time()
+        if latest is not None:
             mgr.restore(state)
 
         def save(step: int) -> None:
@@ -131,7 +138,8 @@ def worker(args: argparse.Namespace, t_top: float) -> None:
     step = int(state["step"].item())
     t_restored = time.time()
     _event(out, "start", rank=rank, world=world, restart=restart, resumed=step, t_top=t_top,
-           t_import=t_import, t_pg=t_pg, t_restored=t_restored)
+           t_import=t_import, t_pg=t_pg, t_state=t_state, t_found=t_found,
+           t_restored=t_restored)
     stop_file = out / "STOP"
     while True:
         step += 1
@@ -197,14 +205,24 @@ def run_arm(arm: str, args: argparse.Namespace, work: Path, s3_env: dict[str, st
         etcd = EtcdServer(out / "etcd" / "data").start()
         rdzv = ["--rdzv-backend=relight-etcd", f"--rdzv-endpoint={etcd.endpoint}",
                 "--rdzv-conf=lease_ttl=5,last_call_timeout=1"]
-    cmd = [sys.executable, "-m", "torch.distributed.run", *rdzv, "--rdzv-id=bench",
-           "--nnodes=1", f"--nproc-per-node={args.nproc}", f"--max-restarts={args.kills + 1}",
-           "--monitor-interval=0.1", "--module", "benchmarks.recovery", "--worker",
-           "--arm", arm, "--out", str(out), "--state-mib", str(args.state_mib),
-           "--ckpt-every", str(args.ckpt_every), "--step-sleep", str(args.step_sleep),
-           "--ckpt-url", ckpt_url]
+    worker = ["-m", "benchmarks.recovery", "--worker",
+              "--arm", arm, "--out", str(out), "--state-mib", str(args.state_mib),
+              "--ckpt-every", str(args.ckpt_every), "--step-sleep", str(args.step_sleep),
+              "--ckpt-url", ckpt_url]
     env = {**os.environ, **s3_env, "PYTHONPATH": str(ROOT), "OMP_NUM_THREADS": "1",
            "RELIGHT_EVENTS_FILE": str(out / "events.jsonl")}
+    warm = None
+    if arm != "baseline" and args.warm:
+        from elastic.warm import WarmServer, client_command
+
+        sock = Path(tempfile.mkdtemp(prefix="relight-warm-")) / "s.sock"
+        warm = WarmServer(sock, WARM_PRELOAD, log_path=out / "warm.log", env=env).start()
+        launch = ["--no-python", *client_command(str(sock), worker)]
+    else:
+        launch = ["--module", *worker[1:]]
+    cmd = [sys.executable, "-m", "torch.distributed.run", *rdzv, "--rdzv-id=bench",
+           "--nnodes=1", f"--nproc-per-node={args.nproc}", f"--max-restarts={args.kills + 1}",
+           "--monitor-interval=0.1", *launch]
     if arm == "baseline" and not args.baseline_shared_store:
         # torchrun's c10d rendezvous hands every generation's workers the agent's one
         # long-lived TCPStore: a restarted gloo group can read the dead generation's
@@ -252,6 +270,8 @@ def run_arm(arm: str, args: argparse.Namespace, work: Path, s3_env: dict[str, st
         _kill_all(agent, out)
         if etcd is not None:
             etcd.stop()
+        if warm is not None:
+            warm.stop()
     rec = result["recovery_s"]
     result["median_s"] = statistics.median(rec) if rec else None
     return result
@@ -348,6 +368,9 @@ def job_argument_parser(prog: str, doc: str | None, arms: str) -> argparse.Argum
     p.add_argument("--recovery-timeout", type=float, default=180.0)
     p.add_argument("--arms", default=arms)
     p.add_argument("--workdir", default=None)
+    p.add_argument("--warm", action="store_true",
+                   help="start Relight's workers through a per-node fork server with torch "
+                        "and the engine imported (elastic.warm; `relight run --warm-start`)")
     p.add_argument("--baseline-shared-store", action="store_true",
                    help="run the baseline's workers on torchrun's shared rendezvous TCPStore "
                         "(its default; restarted groups then fail in init_process_group on "

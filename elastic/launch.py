@@ -42,7 +42,7 @@ import uuid
 from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
 from pathlib import Path
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 from elastic.etcd_server import EtcdServer, EtcdServerError
 from elastic.rendezvous import BACKEND_NAME, EVENTS_ENV, RDZV_ROUND_ENV, release_leases
@@ -179,6 +179,12 @@ def _parser() -> argparse.ArgumentParser:
         "--metrics-host", default="127.0.0.1",
         help="Address for --metrics-port (default loopback).")
     parser.add_argument(
+        "--warm-start", action="store_true",
+        help="Start every worker (and every restarted worker) by forking a per-node server "
+             "that has imported torch, the checkpoint engine and the training module "
+             "once (elastic.warm), instead of a fresh interpreter importing them. Python "
+             "commands only; a SIGSTOP of a worker does not reach it.")
+    parser.add_argument(
         "--checkpoint-url", default=None,
         help="Checkpoint root for the metrics' last committed step and its age (default: "
              "the training config's checkpoint.url for `-m runtime.train`).")
@@ -289,7 +295,14 @@ def _launch(args: argparse.Namespace, opts: Sequence[str], positional: list[str]
                               sigval=signal.Signals(signum))
 
     metrics = None
+    warm = None
     try:
+        if args.warm_start:
+            try:
+                warm = _start_warm(args, positional, run_dir)
+            except (LaunchError, OSError, RuntimeError) as exc:
+                print(f"relight run: --warm-start: {exc}", file=sys.stderr)
+                return 1
         if args.metrics_port is not None:
             try:
                 metrics = _start_metrics(args, hints)
@@ -313,8 +326,36 @@ def _launch(args: argparse.Namespace, opts: Sequence[str], positional: list[str]
     finally:
         if metrics is not None:
             metrics.close()
+        if warm is not None:
+            warm.stop()
         if etcd is not None:
             etcd.stop()
+
+
+WARM_PRELOAD = ("torch", "torch.distributed.tensor", "ckpt", "storage")
+"""What `--warm-start` imports once per node, with the training module itself."""
+
+
+def _start_warm(args: argparse.Namespace, positional: list[str], run_dir: Path) -> Any:
+    """Start the node's fork server and point torchrun's workers at its client."""
+    import tempfile
+
+    from elastic.warm import WarmServer, client_command
+
+    if positional[0] == "--no-python":
+        raise LaunchError("it needs a Python command (python -m module ... or "
+                          "python script.py ...)")
+    argv = ["-m", *positional[1:]] if positional[0] == "--module" else list(positional)
+    preload = [*WARM_PRELOAD, *([argv[1]] if argv[0] == "-m" else [])]
+    # AF_UNIX paths are short: the socket lives in its own temp dir, not the run dir.
+    sock = Path(tempfile.mkdtemp(prefix="relight-warm-")) / "s.sock"
+    server = WarmServer(sock, preload, log_path=run_dir / "warm.log").start()
+    client = client_command(str(sock), argv)
+    args.no_python, args.module = True, False
+    args.training_script, args.training_script_args = client[0], client[1:]
+    print(f"relight run: warm starts through {sock} ({', '.join(preload)} imported once)",
+          file=sys.stderr, flush=True)
+    return server
 
 
 def _start_metrics(args: argparse.Namespace, hints: TrainingHints) -> AgentMetrics:

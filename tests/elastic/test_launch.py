@@ -118,6 +118,30 @@ def test_fatal_exit_statuses_are_not_restarted(tmp_path, status) -> None:
     assert etcd_processes_in(run_dir) == []
 
 
+def test_warm_start_forks_workers_with_torch_imported(tmp_path) -> None:
+    """`--warm-start`: the workers are forked by the node's server (torch already
+    imported: the script itself never imports it), their exit statuses reach the agent
+    (a fault is restarted), and the server is gone when the job ends."""
+    run_dir = tmp_path / "run"
+    worker = str(Path(__file__).parent / "scripts" / "warm_worker.py")
+    script = (f'import subprocess, sys; n = len(open("{tmp_path}/o").read().splitlines()) '
+              f'if __import__("os").path.exists("{tmp_path}/o") else 0; '
+              f'sys.argv = ["{worker}", "{tmp_path}/o", "exit0" if n >= 2 else "exit1"]; '
+              f'exec(open("{worker}").read())')
+    (tmp_path / "job.py").write_text(script)
+    res = relight_run("--warm-start", "--nproc-per-node=2", "--max-restarts=1",
+                      "--run-dir", str(run_dir), "--", sys.executable, str(tmp_path / "job.py"),
+                      cwd=tmp_path)
+    assert res.returncode == 0, res.stderr[-3000:]
+    assert "warm starts through" in res.stderr
+    recs = [json.loads(line) for line in (tmp_path / "o").read_text().splitlines()]
+    assert len(recs) == 4  # two workers failed (exit 1), the group restarted once
+    assert all(r["torch_preloaded"] for r in recs)
+    assert len({r["ppid"] for r in recs}) == 1  # one server forked them all
+    assert not [p for p in os.listdir("/proc") if p == str(recs[0]["ppid"])]
+    assert etcd_processes_in(run_dir) == []
+
+
 def test_usage_errors(capsys) -> None:
     assert main(["--nproc-per-node=2"]) == 2
     assert "after '--'" in capsys.readouterr().err

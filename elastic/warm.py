@@ -1,0 +1,294 @@
+"""Warm worker starts: a per-node fork server that imports the workers' heavy modules
+once and forks each worker from that state.
+
+A restart after a fault is mostly a new Python process importing torch and the engine:
+10-14 s of the ~20 s kill -> first step on a loaded 2-core node (docs/elastic.md),
+the same in every restart. Here the node's server (`serve`) has imported them already;
+each worker start is a small client (`run`, standard library only) that torchrun's agent
+launches and monitors like any worker. The client hands its argv, environment, working
+directory and stdio to the server over a UNIX socket; the server forks a child that
+becomes the worker (`runpy`, as `python -m module` or `python script.py` would run it)
+and reports its pid and, when it ends, its exit status, which the client exits with.
+
+What the agent does to the client reaches the worker:
+- SIGTERM, SIGINT, SIGHUP, SIGUSR1, SIGUSR2 are forwarded to the worker;
+- SIGKILL of the client (torchrun's last resort, a chaos kill) closes the socket, and the
+  worker kills itself on seeing that;
+- SIGSTOP of the client does not stop the worker (it cannot be forwarded): a hang
+  injected that way is not a hang here.
+
+The server forks from a process that has imported torch but run nothing, which is what
+torch's own fork-based DataLoader workers rely on. Modules that start threads or event
+loops at import must not be preloaded (the child would lack those threads).
+"""
+
+from __future__ import annotations
+
+import argparse
+import atexit
+import contextlib
+import importlib
+import json
+import os
+import runpy
+import signal
+import socket
+import struct
+import sys
+import threading
+import time
+import traceback
+from collections.abc import Sequence
+from pathlib import Path
+from typing import Any
+
+__all__ = ["WarmServer", "client_command", "run", "serve"]
+
+_FORWARDED = (signal.SIGTERM, signal.SIGINT, signal.SIGHUP, signal.SIGUSR1, signal.SIGUSR2)
+_LEN = struct.Struct("!I")
+_MAX_HEADER = 16 << 20
+
+
+class WarmStartError(RuntimeError):
+    """The fork server could not be reached or did not start."""
+
+
+# -- the server ---------------------------------------------------------------------------
+
+def serve(socket_path: str, preload: Sequence[str]) -> None:
+    """Import `preload`, then fork a worker for every client on `socket_path` until
+    SIGTERM. Never returns in a forked child."""
+    for name in preload:
+        importlib.import_module(name)
+    with contextlib.suppress(FileNotFoundError):
+        os.unlink(socket_path)
+    listener = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+    listener.bind(socket_path)
+    os.chmod(socket_path, 0o600)  # only this user may start workers through it
+    listener.listen(64)
+    signal.signal(signal.SIGTERM, lambda *_: sys.exit(0))
+    print(f"relight warm server ready on {socket_path} ({len(preload)} modules)",
+          file=sys.stderr, flush=True)
+    try:
+        while True:
+            conn, _ = listener.accept()
+            try:
+                header, fds = _receive(conn)
+            except (OSError, ValueError) as exc:
+                print(f"relight warm server: bad request: {exc}", file=sys.stderr, flush=True)
+                conn.close()
+                continue
+            sys.stdout.flush()
+            sys.stderr.flush()
+            pid = os.fork()
+            if pid == 0:
+                listener.close()
+                _become_worker(conn, header, fds)  # never returns
+            for fd in fds:
+                os.close(fd)
+            threading.Thread(target=_report, args=(conn, pid), daemon=True,
+                             name=f"warm-reap-{pid}").start()
+    finally:
+        listener.close()
+        with contextlib.suppress(FileNotFoundError):
+            os.unlink(socket_path)
+
+
+def _receive(conn: socket.socket) -> tuple[dict, list[int]]:
+    msg, fds, _, _ = socket.recv_fds(conn, _LEN.size, 3)
+    if len(msg) < _LEN.size or len(fds) != 3:
+        for fd in fds:
+            os.close(fd)
+        raise ValueError("expected a length prefix and three file descriptors")
+    (n,) = _LEN.unpack(msg[:_LEN.size])
+    if n > _MAX_HEADER:
+        raise ValueError(f"header of {n} bytes")
+    body = b""
+    while len(body) < n:
+        chunk = conn.recv(n - len(body))
+        if not chunk:
+            raise ValueError("client left before its header was complete")
+        body += chunk
+    return json.loads(body), fds
+
+
+def _send(conn: socket.socket, obj: dict) -> None:
+    with contextlib.suppress(OSError):
+        conn.sendall((json.dumps(obj) + "\n").encode())
+
+
+def _report(conn: socket.socket, pid: int) -> None:
+    _send(conn, {"pid": pid})
+    _, status = os.waitpid(pid, 0)
+    _send(conn, {"exit": os.waitstatus_to_exitcode(status)})
+    conn.close()
+
+
+def _become_worker(conn: socket.socket, header: dict, fds: list[int]) -> None:
+    code = 1
+    try:
+        for target, fd in enumerate(fds):
+            os.dup2(fd, target)
+            os.close(fd)
+        for sig in _FORWARDED:
+            signal.signal(sig, signal.SIG_DFL)
+        signal.signal(signal.SIGINT, signal.default_int_handler)
+        os.chdir(header["cwd"])
+        os.environ.clear()
+        os.environ.update(header["env"])
+        threading.Thread(target=_die_with_client, args=(conn,), daemon=True,
+                         name="warm-client-watch").start()
+        argv = list(header["argv"])
+        try:
+            if argv[0] == "-m":
+                sys.argv = argv[1:]
+                runpy.run_module(argv[1], run_name="__main__", alter_sys=True)
+            else:
+                sys.argv = argv
+                runpy.run_path(argv[0], run_name="__main__")
+            code = 0
+        except SystemExit as exc:
+            code = exc.code if isinstance(exc.code, int) else (0 if exc.code is None else 1)
+            if not isinstance(exc.code, int | None):
+                print(exc.code, file=sys.stderr)
+        atexit._run_exitfuncs()
+    except BaseException:  # noqa: BLE001 - a worker's uncaught error: exit 1 as Python would
+        traceback.print_exc()
+        code = 1
+    finally:
+        with contextlib.suppress(Exception):
+            sys.stdout.flush()
+            sys.stderr.flush()
+        os._exit(code)
+
+
+def _die_with_client(conn: socket.socket) -> None:
+    """The client sends nothing after its header: EOF means it is gone (SIGKILLed), and
+    the worker must not outlive it."""
+    with contextlib.suppress(OSError):
+        while conn.recv(1):
+            pass
+    os.kill(os.getpid(), signal.SIGKILL)
+
+
+# -- the client ---------------------------------------------------------------------------
+
+def run(socket_path: str, argv: Sequence[str], connect_timeout_s: float = 60.0) -> int:
+    """Start `argv` (`-m module ...` or `script.py ...`) in a worker forked by the server
+    at `socket_path`, with this process's environment, directory and stdio; forward
+    signals to it; return its exit status (128 + n if signal n ended it)."""
+    conn = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+    deadline = time.monotonic() + connect_timeout_s
+    while True:
+        try:
+            conn.connect(socket_path)
+            break
+        except (FileNotFoundError, ConnectionRefusedError) as exc:
+            if time.monotonic() > deadline:
+                raise WarmStartError(f"no warm server on {socket_path} after "
+                                     f"{connect_timeout_s:.0f} s: {exc}") from exc
+            time.sleep(0.05)
+    body = json.dumps({"argv": list(argv), "env": dict(os.environ),
+                       "cwd": os.getcwd()}).encode()
+    socket.send_fds(conn, [_LEN.pack(len(body))], [0, 1, 2])
+    conn.sendall(body)
+    reader = conn.makefile("rb")
+    first = reader.readline()
+    if not first:
+        raise WarmStartError(f"the warm server on {socket_path} refused the start")
+    pid = json.loads(first)["pid"]
+
+    def forward(signum: int, _frame: object) -> None:
+        with contextlib.suppress(ProcessLookupError):
+            os.kill(pid, signum)
+
+    for sig in _FORWARDED:
+        signal.signal(sig, forward)
+    last = reader.readline()
+    if not last:  # the server died: the worker's watcher saw nothing; kill it ourselves
+        forward(signal.SIGKILL, None)
+        return 1
+    code = json.loads(last)["exit"]
+    return 128 - code if code < 0 else code
+
+
+def client_command(socket_path: str, argv: Sequence[str]) -> list[str]:
+    """The command that starts `argv` through the server (what the agent launches)."""
+    return [sys.executable, "-m", "elastic.warm", "run", "--socket", socket_path, "--",
+            *argv]
+
+
+class WarmServer:
+    """The fork server as a child process of the caller (one per node)."""
+
+    def __init__(self, socket_path: str | os.PathLike[str], preload: Sequence[str],
+                 log_path: str | os.PathLike[str] | None = None,
+                 env: dict[str, str] | None = None) -> None:
+        if len(os.fsencode(socket_path)) > 100:  # sun_path holds 108 bytes
+            raise WarmStartError(f"socket path {socket_path} is too long for AF_UNIX")
+        self.socket_path = str(socket_path)
+        self.preload = list(preload)
+        self.log_path = log_path
+        self.env = env
+        self._proc: Any = None
+
+    def start(self, timeout_s: float = 300.0) -> WarmServer:
+        import subprocess
+
+        Path(self.socket_path).parent.mkdir(parents=True, exist_ok=True)
+        log = open(self.log_path, "ab") if self.log_path else subprocess.DEVNULL  # noqa: SIM115
+        self._proc = subprocess.Popen(
+            [sys.executable, "-m", "elastic.warm", "serve", "--socket", self.socket_path,
+             "--preload", ",".join(self.preload)],
+            stdout=log, stderr=subprocess.STDOUT if self.log_path else None,
+            start_new_session=True, env=self.env)
+        if log is not subprocess.DEVNULL:
+            log.close()
+        deadline = time.monotonic() + timeout_s
+        while not os.path.exists(self.socket_path):
+            if self._proc.poll() is not None:
+                raise WarmStartError(f"the warm server exited with {self._proc.returncode} "
+                                     f"while importing {self.preload} (log {self.log_path})")
+            if time.monotonic() > deadline:
+                self.stop()
+                raise WarmStartError(f"the warm server was not ready in {timeout_s:.0f} s")
+            time.sleep(0.05)
+        return self
+
+    def stop(self) -> None:
+        if self._proc is not None and self._proc.poll() is None:
+            self._proc.terminate()
+            try:
+                self._proc.wait(10)
+            except Exception:  # noqa: BLE001
+                self._proc.kill()
+                self._proc.wait()
+        self._proc = None
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    p = argparse.ArgumentParser(prog="python -m elastic.warm", description=__doc__.split(
+        "\n\n")[0])
+    sub = p.add_subparsers(dest="cmd", required=True)
+    s = sub.add_parser("serve", help="import the modules, then fork workers on request")
+    s.add_argument("--socket", required=True)
+    s.add_argument("--preload", default="torch", help="comma-separated modules")
+    r = sub.add_parser("run", help="start a worker through the server")
+    r.add_argument("--socket", required=True)
+    r.add_argument("command", nargs=argparse.REMAINDER)
+    args = p.parse_args(argv)
+    if args.cmd == "serve":
+        serve(args.socket, [m for m in args.preload.split(",") if m])
+        return 0
+    command = args.command[1:] if args.command[:1] == ["--"] else args.command
+    if not command:
+        p.error("run needs a command after --: -m module ... or script.py ...")
+    try:
+        return run(args.socket, command)
+    except WarmStartError as exc:
+        print(f"relight warm start: {exc}", file=sys.stderr)
+        return 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,99 @@
+"""`elastic.warm`: a real fork server (torch preloaded) and real clients: exit statuses,
+stdio, environment, signal forwarding, and no worker outliving a SIGKILLed client."""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+
+from elastic.warm import WarmServer, client_command
+
+ROOT = Path(__file__).resolve().parents[2]
+WORKER = str(Path(__file__).parent / "scripts" / "warm_worker.py")
+
+pytestmark = pytest.mark.timeout(180)
+
+
+@pytest.fixture(scope="module")
+def server(tmp_path_factory) -> WarmServer:
+    d = tmp_path_factory.mktemp("warm")
+    srv = WarmServer(d / "s.sock", ["torch"], log_path=d / "server.log").start()
+    yield srv
+    srv.stop()
+    assert not os.path.exists(srv.socket_path)
+
+
+def _start(server: WarmServer, tmp_path: Path, mode: str) -> subprocess.Popen:
+    env = {**os.environ, "PYTHONPATH": str(ROOT), "WARM_TEST": mode}
+    return subprocess.Popen(client_command(server.socket_path, [WORKER, str(tmp_path / "o"),
+                                                                mode]),
+                            cwd=tmp_path, env=env, stdout=subprocess.PIPE,
+                            stderr=subprocess.PIPE, text=True)
+
+
+def _records(tmp_path: Path, n: int = 1, timeout: float = 60) -> list[dict]:
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        path = tmp_path / "o"
+        if path.exists():
+            lines = path.read_text().splitlines()
+            if len(lines) >= n:
+                return [json.loads(line) for line in lines]
+        time.sleep(0.05)
+    raise AssertionError("the worker never reported")
+
+
+def _alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    return True
+
+
+@pytest.mark.parametrize("mode,status", [("exit0", 0), ("exit3", 3), ("raise", 1)])
+def test_exit_status_stdio_env_cwd(server, tmp_path, mode, status) -> None:
+    client = _start(server, tmp_path, mode)
+    out, err = client.communicate(timeout=60)
+    assert client.returncode == status
+    (rec,) = _records(tmp_path)
+    assert rec["torch_preloaded"] and rec["pid"] != client.pid
+    assert rec["env"] == mode and rec["cwd"] == str(tmp_path)
+    assert rec["argv"] == [WORKER, str(tmp_path / "o"), mode]
+    assert f"worker says hi on stdout ({mode})" in out
+    assert ("RuntimeError: worker failed" in err) == (mode == "raise")
+
+
+def test_sigterm_is_forwarded(server, tmp_path) -> None:
+    client = _start(server, tmp_path, "wait")
+    (rec,) = _records(tmp_path)
+    client.send_signal(signal.SIGTERM)
+    assert client.wait(60) == 77  # the worker's own SIGTERM handler ran
+    assert not _alive(rec["pid"])
+
+
+def test_sigkilled_client_takes_its_worker_along(server, tmp_path) -> None:
+    client = _start(server, tmp_path, "wait")
+    (rec,) = _records(tmp_path)
+    client.kill()
+    client.wait(10)
+    deadline = time.monotonic() + 30
+    while _alive(rec["pid"]) and time.monotonic() < deadline:
+        time.sleep(0.05)
+    assert not _alive(rec["pid"])
+
+
+def test_no_server_is_a_clear_error(tmp_path) -> None:
+    res = subprocess.run([sys.executable, "-c", (
+        "import sys; from elastic.warm import run; "
+        f"sys.exit(run({str(tmp_path / 'none.sock')!r}, ['-m', 'json'], 0.5))")],
+        env={**os.environ, "PYTHONPATH": str(ROOT)}, capture_output=True, text=True,
+        timeout=60)
+    assert res.returncode != 0 and "no warm server" in res.stderr
