@@ -34,7 +34,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from chaos.faults import CHECKPOINT_ATTACKS, FaultKind
-from chaos.logs import StepRecord, effective_history, rel_diff, split_attempts
+from chaos.logs import Attempt, StepRecord, effective_history, rel_diff, split_attempts
 
 __all__ = [
     "CheckpointEvent",
@@ -290,10 +290,33 @@ def check_checkpoints(ev: RunEvidence) -> InvariantResult:
 
 # 4 ------------------------------------------------------------------------------------------
 
+def _persist_bound_s(ev: RunEvidence) -> float:
+    """Twice the longest save the run was seen to complete (its step's record -> its
+    commit observed): how long a save may legitimately still be persisting."""
+    begun = {r.step: r.time for r in ev.records if r.time is not None}
+    spans = [e.time - begun[e.step] for e in ev.checkpoint_events
+             if e.kind == "commit" and e.step in begun and e.time >= begun[e.step]]
+    return 2 * max(spans, default=0.0)
+
+
+def _save_in_flight(att: Attempt, ev: RunEvidence, t: float, bound_s: float) -> bool:
+    """Whether the newest save the group `att` began before time `t` (at a step that is a
+    multiple of the interval) was still persisting then: begun less than `bound_s`
+    before, and not seen committed by `t`. A save older than that which never committed
+    is not excused: nothing explains it."""
+    begun = [r for r in att.records
+             if r.step % ev.interval == 0 and r.time is not None and r.time <= t]
+    if not begun or t - begun[-1].time > bound_s:
+        return False
+    return not any(e.kind == "commit" and e.step == begun[-1].step and e.time <= t
+                   for e in ev.checkpoint_events)
+
+
 def check_lost_work(ev: RunEvidence) -> InvariantResult:
     problems = []
     lost_per_resume: list[dict[str, Any]] = []
     attempts = split_attempts(ev.records)
+    persist_bound = _persist_bound_s(ev)
     high = 0  # highest step ever done or committed: no resume may restore beyond it
     prev_start = -math.inf
     for att in attempts:
@@ -316,6 +339,13 @@ def check_lost_work(ev: RunEvidence) -> InvariantResult:
                           and (e.time > prev_start or e.step not in damaged))])
             attacks = [f for f in ev.faults if f.ok and f.kind in CHECKPOINT_ATTACKS
                        and prev_start < f.time <= start]
+            # Any other fault that landed while a save was persisting (its step done and
+            # the save begun, the commit not yet seen) loses that save with the killed
+            # ranks' unwritten shards, as a kill_during_persist would.
+            attacks += [f for f in ev.faults if f.ok and f.kind not in CHECKPOINT_ATTACKS
+                        and prev_start < f.time <= start
+                        and _save_in_flight(attempts[att.index - 1], ev, f.time,
+                                            persist_bound)][:1]
             allowed = ev.interval + 1 + ev.interval * len(attacks)
             lost = done - r
             lost_per_resume.append({"attempt": att.index, "restored_step": r,
@@ -336,7 +366,8 @@ def check_lost_work(ev: RunEvidence) -> InvariantResult:
     return _result(4, "work lost per fault bounded", problems,
                    f"{len(lost_per_resume)} resume(s), at most {worst} step(s) lost",
                    tolerance=f"<= interval ({ev.interval}) + 1 per resume, + one interval per "
-                             "checkpoint-destroying fault",
+                             "checkpoint-destroying fault (or fault landing while a save "
+                             "persisted)",
                    measured={"resumes": lost_per_resume, "max_lost": worst})
 
 

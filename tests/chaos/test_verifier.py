@@ -220,11 +220,30 @@ def test_too_much_work_lost_fails() -> None:
 
 def test_slowed_save_lost_with_a_kill_is_allowed_one_more_interval() -> None:
     """A storage latency fault delays the step-10 commit past step 12, when a kill lands:
-    the resume goes back to step 5 (7 steps, allowed 6 without the latency fault)."""
+    the resume goes back to step 5 (7 steps, allowed 6 plus one interval)."""
     ev = simulate([12.5], lose=frozenset({10}))
-    assert 4 in failing(ev)
     ev.faults.append(FaultMark(9, FaultKind.STORAGE_LATENCY, 9.5))
     assert failing(ev) == set()
+    assert verify(ev)[4].measured["resumes"][0]["allowed"] == 2 * INTERVAL + 1
+
+
+def test_kill_landing_while_a_save_persists_is_allowed_one_more_interval() -> None:
+    """preemptible-fleet seed 9 on efe1a0f: a worker killed at step 21 while the step-20
+    save was still persisting; the group reached step 22 and resumed from step 10 (12 steps,
+    allowed 11 for a fault between saves). The save in flight was lost with the killed
+    rank: one more interval. Had step 20 been seen committed before the kill, resuming
+    from 10 loses committed work and still fails."""
+    # Saves take 0.3 s here; the kill lands 0.2 s after step 10's save began.
+    ev = simulate([10.2], lose=frozenset({10}))
+    assert failing(ev) == set()
+    assert verify(ev)[4].measured["resumes"][0] == {
+        "attempt": 1, "restored_step": 5, "highest_step_before": 10, "lost_steps": 5,
+        "allowed": 2 * INTERVAL + 1}
+    # 2.5 s after it began (8x the longest save seen) it is not in flight but missing:
+    # nothing explains it (test_too_much_work_lost_fails has the same at 4.5 s).
+    late = simulate([12.5], lose=frozenset({10}))
+    assert verify(late)[4].measured["resumes"][0]["allowed"] == INTERVAL + 1
+    assert 4 in failing(late)
 
 
 def test_target_not_reached_fails() -> None:
