@@ -21,7 +21,9 @@ Both arms keep their checkpoints on one S3 server started here (SeaweedFS,
 The job: a float32 state of `--state-mib` MiB, sharded over the ranks as a DTensor
 (Shard(0) on a 1-D CPU mesh), gloo. A step adds to the local shard and all-reduces a
 scalar. One worker (rank 1) is SIGKILLed `--kills` times per job (`--jobs` fresh jobs per
-arm), each time once the running generation has completed `--ckpt-every + 2` steps.
+arm), each time once the running generation has completed `--ckpt-every + 2` steps and
+one of its checkpoints is done on every rank, so every recovery restores one
+(`resumed_step` in the breakdown).
 Recovery = kill -> first completed step of the restarted group. The breakdown comes
 from events the workers (and, for relight, the rendezvous) write with wall-clock times:
 
@@ -108,13 +110,18 @@ def worker(args: argparse.Namespace, t_top: float) -> None:
             newest = "s3://" + done[-1].rsplit("/", 1)[0]
             dcp.load(state, storage_reader=FsspecReader(newest, **s3))
         pending = None
+        # DCP's async_save runs collectives from its background thread: on the training
+        # group they interleave with the training loop's all_reduce and hang both. A
+        # dedicated gloo group for checkpointing is what DCP's docs ask for.
+        ckpt_group = dist.new_group(backend="gloo")
 
-        def save(step: int) -> None:
+        def save(step: int) -> Any:
             nonlocal pending
             if pending is not None:
                 pending.result()
             writer = FsspecWriter(f"{ckpt_root}/step_{step:08d}", **s3)
-            pending = dcp.async_save(state, storage_writer=writer)
+            pending = dcp.async_save(state, storage_writer=writer, process_group=ckpt_group)
+            return pending
     else:
         import ckpt
 
@@ -132,8 +139,8 @@ def worker(args: argparse.Namespace, t_top: float) -> None:
         if latest is not None:
             mgr.restore(state)
 
-        def save(step: int) -> None:
-            mgr.save(step, state, async_save=True)
+        def save(step: int) -> Any:
+            return mgr.save(step, state, async_save=True)
 
     step = int(state["step"].item())
     t_restored = time.time()
@@ -141,6 +148,7 @@ def worker(args: argparse.Namespace, t_top: float) -> None:
            t_import=t_import, t_pg=t_pg, t_state=t_state, t_found=t_found,
            t_restored=t_restored)
     stop_file = out / "STOP"
+    in_flight: tuple[int, Any] | None = None
     while True:
         step += 1
         state["w"].to_local().add_(1e-3)
@@ -149,8 +157,16 @@ def worker(args: argparse.Namespace, t_top: float) -> None:
         time.sleep(args.step_sleep)
         state["step"].fill_(step)
         _event(out, "step", rank=rank, restart=restart, step=step)
+        # The driver kills only after a save of this generation is done, so every
+        # recovery restores one (a kill before it would restart from scratch).
+        if in_flight is not None and in_flight[1].done():
+            _event(out, "saved", rank=rank, restart=restart, step=in_flight[0])
+            in_flight = None
         if step % args.ckpt_every == 0:
-            save(step)
+            handle = save(step)  # waits for the previous save first (both arms)
+            if in_flight is not None:
+                _event(out, "saved", rank=rank, restart=restart, step=in_flight[0])
+            in_flight = (step, handle)
         if flag.item() > 0:
             break
     if args.arm == "baseline":
@@ -297,7 +313,9 @@ def _wait_generation(out: Path, k: int, args: argparse.Namespace,
         first = max(e["resumed"] for e in starts)
         done = [e["step"] for e in evs if e["ev"] == "step" and e["restart"] == k
                 and e["rank"] == 1]
-        if done and max(done) >= first + args.ckpt_every + 2:
+        saved = {e["rank"] for e in evs if e["ev"] == "saved" and e["restart"] == k}
+        if (done and max(done) >= first + args.ckpt_every + 2
+                and len(saved) == args.nproc):  # a checkpoint of this generation is done
             return next(e["pid"] for e in starts if e["rank"] == 1), max(done)
         return None
 
@@ -320,7 +338,9 @@ def _breakdown(out: Path, gen: int, t_kill: float) -> dict[str, float]:
     if rdzv and done:
         b["detect_s"] = rdzv[0]["t"] - t_kill
         b["rendezvous_s"] = done[0]["t"] - rdzv[0]["t"]
-    return {k: round(v, 4) for k, v in b.items()}
+    b = {k: round(v, 4) for k, v in b.items()}
+    b["resumed_step"] = min(e["resumed"] for e in starts)  # 0: nothing was restored
+    return b
 
 
 class _LoadSampler:
