@@ -52,19 +52,24 @@ def describe_placements(t: torch.Tensor) -> str:
     return "local"
 
 
-def _runs(indices: list[int]) -> list[tuple[int, int, int]]:
-    """Maximal contiguous runs of a sorted-or-not index list: (local_start, length, global)."""
-    runs: list[tuple[int, int, int]] = []
-    start = 0
-    for i in range(1, len(indices) + 1):
-        if i == len(indices) or indices[i] != indices[i - 1] + 1:
-            runs.append((start, i - start, indices[start]))
-            start = i
-    return runs
+def _runs(indices: torch.Tensor) -> list[tuple[int, int, int]]:
+    """Maximal contiguous runs of a (sorted or not) 1-D index tensor: (local_start,
+    length, global). Vectorized: a rank's dim can hold tens of millions of indices (a
+    flat 1-D state), and a Python pass over them cost seconds per new layout, i.e. per
+    restarted process."""
+    n = int(indices.numel())
+    if n == 0:
+        return []
+    idx = indices.reshape(-1).to(torch.long)
+    breaks = torch.nonzero(idx[1:] != idx[:-1] + 1).flatten() + 1
+    starts = torch.cat([torch.zeros(1, dtype=torch.long), breaks])
+    ends = torch.cat([breaks, torch.tensor([n], dtype=torch.long)])
+    return [(s, e - s, g) for s, e, g in zip(starts.tolist(), ends.tolist(),
+                                              idx[starts].tolist(), strict=True)]
 
 
 def _dim_indices(global_shape: tuple[int, ...], mesh_shape: tuple[int, ...],
-                 coord: list[int], placements, name: str) -> dict[int, list[int]]:
+                 coord: list[int], placements, name: str) -> dict[int, torch.Tensor]:
     offsets: dict[int, torch.Tensor | None] = {}
     local = list(global_shape)
     for mesh_dim, p in enumerate(placements):
@@ -83,7 +88,8 @@ def _dim_indices(global_shape: tuple[int, ...], mesh_shape: tuple[int, ...],
             global_shape[d], False)
         local[d] = int(size)
         offsets[d] = idx if size else torch.empty(0, dtype=torch.long)
-    return {d: ([] if idx is None else [int(i) for i in idx.tolist()])
+    return {d: (torch.empty(0, dtype=torch.long) if idx is None
+                else torch.as_tensor(idx, dtype=torch.long))
             for d, idx in offsets.items()}
 
 
@@ -119,10 +125,10 @@ def _dtensor_pieces(t, shape, mesh, coord, local, name) -> list[Piece]:  # noqa:
     for d, extent in enumerate(shape):
         if d in dims:
             idx = dims[d]
-            if len(idx) != local.shape[d]:
+            if idx.numel() != local.shape[d]:
                 raise UnsupportedStateError(
                     f"tensor {name!r}: local shape {tuple(local.shape)} does not match its "
-                    f"placements {t.placements} (dim {d}: {len(idx)} indices); a padded "
+                    f"placements {t.placements} (dim {d}: {idx.numel()} indices); a padded "
                     "local tensor? pass the unpadded DTensor", tensor=name)
             per_dim.append(_runs(idx))
         else:

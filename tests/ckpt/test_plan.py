@@ -80,3 +80,20 @@ def test_load_plan_one_reader_per_replica_group() -> None:
         assert len(task.receivers) == 1
     direct = plan_load(needs, broadcast=False)
     assert len(direct.tasks) == 4 and all(not t.receivers for t in direct.tasks)
+
+
+def test_index_runs_are_maximal_and_in_local_order() -> None:
+    """`ckpt.layout._runs` turns a rank's global indices along one dim (contiguous for
+    Shard, strided or interleaved for nested shardings) into (local start, length,
+    global start) runs, vectorized: a flat state can hold tens of millions per rank."""
+    import torch
+
+    from ckpt.layout import _runs
+
+    assert _runs(torch.arange(5, 9)) == [(0, 4, 5)]
+    assert _runs(torch.tensor([0, 1, 4, 5, 6, 2, 3, 9])) == [
+        (0, 2, 0), (2, 3, 4), (5, 2, 2), (7, 1, 9)]
+    assert _runs(torch.tensor([7])) == [(0, 1, 7)]
+    assert _runs(torch.empty(0, dtype=torch.long)) == []
+    big = torch.cat([torch.arange(0, 3_000_000), torch.arange(5_000_000, 6_000_000)])
+    assert _runs(big) == [(0, 3_000_000, 0), (3_000_000, 1_000_000, 5_000_000)]
