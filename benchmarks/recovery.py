@@ -55,9 +55,6 @@ from pathlib import Path
 from typing import Any
 
 ROOT = Path(__file__).resolve().parents[1]
-WARM_PRELOAD = ("torch", "torch.distributed.tensor", "ckpt", "storage", "s3fs",
-                "benchmarks.recovery")
-"""What `--warm` imports once per node: everything a worker imports."""
 LOCAL_TIER_ENV = "RELIGHT_BENCH_LOCAL_TIER"
 """When set (by benchmarks/tiers.py), the relight arm's workers front the checkpoint
 store with the node-local tier under this directory."""
@@ -229,10 +226,12 @@ def run_arm(arm: str, args: argparse.Namespace, work: Path, s3_env: dict[str, st
            "RELIGHT_EVENTS_FILE": str(out / "events.jsonl")}
     warm = None
     if arm != "baseline" and args.warm:
-        from elastic.warm import WarmServer, client_command
+        from elastic.warm import DEFAULT_PRELOAD, WarmServer, client_command
 
         sock = Path(tempfile.mkdtemp(prefix="relight-warm-")) / "s.sock"
-        warm = WarmServer(sock, WARM_PRELOAD, log_path=out / "warm.log", env=env).start()
+        # The worker's own imports besides a Relight worker's: s3fs, this module.
+        preload = [*DEFAULT_PRELOAD, "s3fs", "benchmarks.recovery"]
+        warm = WarmServer(sock, preload, log_path=out / "warm.log", env=env).start()
         launch = ["--no-python", *client_command(str(sock), worker)]
     else:
         launch = ["--module", *worker[1:]]

@@ -290,15 +290,38 @@ def _decode(run: np.ndarray, at: int, geo: ShardGeometry, lin: int, cell: tuple[
             tensor: str, expect: list[int | None] | None) -> None:
     """Check the inner chunk at `run[at:]` (its crc32c, and against `expect[lin]` when
     given) and copy its part of `region` into `out`."""
-    end = at + geo.chunk_bytes
-    if crc32c_of(run, at, end + 4) != RESIDUE:
-        raise _damaged(url, key, tensor, f"inner chunk {cell}")
-    if expect is not None:
-        got = int(run[end: end + 4].view("<u4")[0])
-        if got != expect[lin]:
-            raise misplaced(url, key, tensor, f"inner chunk {cell}", got, expect[lin])
+    _check_chunk(run, at, at + geo.chunk_bytes + 4, lin, cell, url, key, tensor, expect)
     _place(run[at: at + geo.chunk_bytes].view(out.dtype).reshape(geo.inner), geo, cell,
            region, out)
+
+
+def _check_chunk(buf: np.ndarray, lo: int, hi: int, lin: int, cell: tuple[int, ...],
+                 url: str, key: str, tensor: str, expect: list[int | None] | None) -> None:
+    """The stored chunk `buf[lo:hi]` (its bytes, then their crc32c): intact, and the one
+    the manifest records for place `lin` when `expect` is given."""
+    if crc32c_of(buf, lo, hi) != RESIDUE:
+        raise _damaged(url, key, tensor, f"inner chunk {cell}")
+    if expect is not None:
+        got = int(buf[hi - 4: hi].view("<u4")[0])
+        if got != expect[lin]:
+            raise misplaced(url, key, tensor, f"inner chunk {cell}", got, expect[lin])
+
+
+def _entry(entries: np.ndarray, lin: int, cell: tuple[int, ...], fits: Any, url: str,
+           key: str, tensor: str) -> tuple[int, int]:
+    """Index entry `lin` as (offset, nbytes): stored, and accepted by `fits(off, nb)`."""
+    off, nb = int(entries[lin, 0]), int(entries[lin, 1])
+    if off == MISSING:
+        raise MissingChunkError(
+            f"tensor {tensor!r}, object {url}/{key}: inner chunk {cell} is not stored; "
+            "the checkpoint is incomplete, restore an older one", url=url, tensor=tensor,
+            obj=key)
+    if not fits(off, nb):
+        raise CorruptCheckpointError(
+            f"tensor {tensor!r}, object {url}/{key}: index entry of inner chunk {cell} "
+            f"({off}, {nb}) does not fit the shard; restore an older checkpoint",
+            url=url, tensor=tensor, obj=key)
+    return off, nb
 
 
 def _place(chunk: np.ndarray, geo: ShardGeometry, cell: tuple[int, ...],
@@ -354,17 +377,8 @@ def read_shard_region(store: Store, key: str, geo: ShardGeometry, region: tuple[
     step = geo.chunk_bytes + 4
     spans: list[tuple[int, int, int, tuple[int, ...]]] = []
     for lin, cell in cells:
-        off, nb = int(entries[lin, 0]), int(entries[lin, 1])
-        if off == MISSING:
-            raise MissingChunkError(
-                f"tensor {tensor!r}, object {url}/{key}: inner chunk {cell} is not stored; "
-                "the checkpoint is incomplete, restore an older one", url=url, tensor=tensor,
-                obj=key)
-        if nb != step or off + nb > data_end:
-            raise CorruptCheckpointError(
-                f"tensor {tensor!r}, object {url}/{key}: index entry of inner chunk {cell} "
-                f"({off}, {nb}) does not fit the shard; restore an older checkpoint",
-                url=url, tensor=tensor, obj=key)
+        off, nb = _entry(entries, lin, cell,
+                         lambda o, n: n == step and o + n <= data_end, url, key, tensor)
         spans.append((off, nb, lin, cell))
     fetched = end if whole else raw.size
     i = 0
@@ -403,23 +417,9 @@ def _read_compressed(store: Store, key: str, geo: ShardGeometry, region: tuple[s
     entries = blob[data_end: blob.size - 4].view("<u8").reshape(-1, 2)
     with cpu or nullcontext():
         for lin, cell in geo.overlapping(region):
-            off, nb = int(entries[lin, 0]), int(entries[lin, 1])
-            if off == MISSING:
-                raise MissingChunkError(
-                    f"tensor {tensor!r}, object {url}/{key}: inner chunk {cell} is not "
-                    "stored; the checkpoint is incomplete, restore an older one", url=url,
-                    tensor=tensor, obj=key)
-            if nb <= 4 or off + nb > data_end:
-                raise CorruptCheckpointError(
-                    f"tensor {tensor!r}, object {url}/{key}: index entry of inner chunk "
-                    f"{cell} ({off}, {nb}) does not fit the shard; restore an older "
-                    "checkpoint", url=url, tensor=tensor, obj=key)
-            if crc32c_of(blob, off, off + nb) != RESIDUE:
-                raise _damaged(url, key, tensor, f"inner chunk {cell}")
-            if expect is not None:
-                got = int(blob[off + nb - 4: off + nb].view("<u4")[0])
-                if got != expect[lin]:
-                    raise misplaced(url, key, tensor, f"inner chunk {cell}", got, expect[lin])
+            off, nb = _entry(entries, lin, cell,
+                             lambda o, n: n > 4 and o + n <= data_end, url, key, tensor)
+            _check_chunk(blob, off, off + nb, lin, cell, url, key, tensor, expect)
             try:
                 raw = zstandard.ZstdDecompressor().decompress(
                     blob[off: off + nb - 4], max_output_size=geo.chunk_bytes)

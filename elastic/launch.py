@@ -332,21 +332,17 @@ def _launch(args: argparse.Namespace, opts: Sequence[str], positional: list[str]
             etcd.stop()
 
 
-WARM_PRELOAD = ("torch", "torch.distributed.tensor", "ckpt", "storage")
-"""What `--warm-start` imports once per node, with the training module itself."""
-
-
 def _start_warm(args: argparse.Namespace, positional: list[str], run_dir: Path) -> Any:
     """Start the node's fork server and point torchrun's workers at its client."""
     import tempfile
 
-    from elastic.warm import WarmServer, client_command
+    from elastic.warm import DEFAULT_PRELOAD, WarmServer, client_command
 
     if positional[0] == "--no-python":
         raise LaunchError("it needs a Python command (python -m module ... or "
                           "python script.py ...)")
     argv = ["-m", *positional[1:]] if positional[0] == "--module" else list(positional)
-    preload = [*WARM_PRELOAD, *([argv[1]] if argv[0] == "-m" else [])]
+    preload = [*DEFAULT_PRELOAD, *([argv[1]] if argv[0] == "-m" else [])]
     # AF_UNIX paths are short: the socket lives in its own temp dir, not the run dir.
     sock = Path(tempfile.mkdtemp(prefix="relight-warm-")) / "s.sock"
     server = WarmServer(sock, preload, log_path=run_dir / "warm.log").start()

@@ -42,7 +42,11 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
-__all__ = ["WarmServer", "client_command", "run", "serve"]
+__all__ = ["DEFAULT_PRELOAD", "WarmServer", "client_command", "run", "serve"]
+
+DEFAULT_PRELOAD = ("torch", "torch.distributed.tensor", "ckpt", "storage")
+"""What a Relight worker imports (torch, DTensor, the checkpoint engine, storage); a
+caller adds its training module."""
 
 _FORWARDED = (signal.SIGTERM, signal.SIGINT, signal.SIGHUP, signal.SIGUSR1, signal.SIGUSR2)
 _LEN = struct.Struct("!I")
@@ -100,16 +104,21 @@ def _receive(conn: socket.socket) -> tuple[dict, list[int]]:
         for fd in fds:
             os.close(fd)
         raise ValueError("expected a length prefix and three file descriptors")
-    (n,) = _LEN.unpack(msg[:_LEN.size])
-    if n > _MAX_HEADER:
-        raise ValueError(f"header of {n} bytes")
-    body = b""
-    while len(body) < n:
-        chunk = conn.recv(n - len(body))
-        if not chunk:
-            raise ValueError("client left before its header was complete")
-        body += chunk
-    return json.loads(body), fds
+    try:
+        (n,) = _LEN.unpack(msg[:_LEN.size])
+        if n > _MAX_HEADER:
+            raise ValueError(f"header of {n} bytes")
+        body = b""
+        while len(body) < n:
+            chunk = conn.recv(n - len(body))
+            if not chunk:
+                raise ValueError("client left before its header was complete")
+            body += chunk
+        return json.loads(body), fds
+    except BaseException:
+        for fd in fds:  # a refused request keeps none of the client's descriptors
+            os.close(fd)
+        raise
 
 
 def _send(conn: socket.socket, obj: dict) -> None:

@@ -151,16 +151,18 @@ class _Server(ThreadingHTTPServer):
         with self.lock:
             if self.budget is None:
                 return True
+            def excess() -> int:  # bytes over budget once `key` holds `n` bytes
+                return sum(self.held.values()) - self.held.get(key, 0) + n - self.budget
+
             step = key.split("/", 1)[0]
-            need = sum(self.held.values()) - self.held.get(key, 0) + n - self.budget
             older = [d for d in _step_dirs(self.root) if d < step]
             droppable = sum(b for k, b in self.held.items() if k.split("/", 1)[0] in older)
-            if 0 < need <= droppable:  # drop only what lets this one in, oldest first
+            if 0 < excess() <= droppable:  # drop only what lets this one in, oldest first
                 for old in older:
                     self._drop_step(old)
-                    if sum(self.held.values()) - self.held.get(key, 0) + n <= self.budget:
+                    if excess() <= 0:
                         break
-            if sum(self.held.values()) - self.held.get(key, 0) + n > self.budget:
+            if excess() > 0:
                 self.refused += 1
                 logger.warning("peer server %s: replica of %s (%d bytes) refused: %d of the "
                                "%d-byte budget held", self.root, key, n,
