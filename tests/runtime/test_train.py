@@ -96,9 +96,10 @@ def test_checkpoint_busy_policy_on_slow_storage(rank_pool: RankPool, tmp_path: P
                                                 busy: str) -> None:
     """Storage slower than the interval: "skip" drops saves while one persists (training
     goes on), "wait" takes every one; the last step's save is taken either way."""
-    # Each data object put sleeps: a persist takes many steps' time under "skip"; "wait"
-    # only has to take every checkpoint, so its storage is slowed less.
-    latency = 0.3 if busy == "skip" else 0.05
+    # Each data object put sleeps: a persist takes many steps' time under "skip", even on
+    # a loaded CI machine where a tiny step can take a few hundred ms (0.3 s was not
+    # enough there); "wait" only has to take every checkpoint, so its storage is slowed less.
+    latency = 1.0 if busy == "skip" else 0.05
     slow = json.dumps({"ops": ["put"], "key_contains": "/data/", "latency_s": latency})
     steps = 6
     out = rank_pool.run("tests.runtime.cases:train_on_slow_storage", 2, plan_json=slow,
