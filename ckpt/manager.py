@@ -18,6 +18,7 @@ import json
 import logging
 import os
 import time
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from typing import Any, Protocol
 
@@ -119,6 +120,38 @@ def list_records(store: Store) -> dict[int, StepRecord]:
                 pass
             out.setdefault(step, StepRecord(step, False, created))
     return out
+
+
+def _recorded_steps(store: Store) -> list[int]:
+    """Steps with a commit record, newest first (one listing; COMMIT not checked)."""
+    steps = []
+    for key in store.list(RECORDS):
+        stem, _, ext = key[len(RECORDS):].partition(".")
+        if ext == "json" and stem.isdigit():
+            steps.append(int(stem))
+    return sorted(steps, reverse=True)
+
+
+def _is_committed(store: Store, step: int) -> bool:
+    return store.exists(f"{step_dir(step)}/{COMMIT_KEY}")
+
+
+def committed_steps(store: Store) -> list[int]:
+    """Steps whose record and COMMIT marker both exist (ascending): one listing, then the
+    markers' existence checks side by side (each is a round trip to object storage, and a
+    restart waits for them)."""
+    recorded = _recorded_steps(store)
+    if len(recorded) <= 1:
+        return [s for s in recorded if _is_committed(store, s)]
+    with ThreadPoolExecutor(min(8, len(recorded)), thread_name_prefix="relight-ls") as pool:
+        found = list(pool.map(lambda s: _is_committed(store, s), recorded))
+    return sorted(s for s, ok in zip(recorded, found, strict=True) if ok)
+
+
+def newest_committed_step(store: Store) -> int | None:
+    """The newest committed step, checking markers from the newest record down: one
+    listing and, normally, one existence check."""
+    return next((s for s in _recorded_steps(store) if _is_committed(store, s)), None)
 
 
 def collect_garbage(store: Store, policies: list[RetentionPolicy], grace_s: float,
@@ -281,12 +314,11 @@ class CheckpointManager:
 
     def committed_steps(self) -> list[int]:
         """Steps whose record and COMMIT marker both exist (ascending)."""
-        return sorted(s for s, r in list_records(self.store).items() if r.committed)
+        return committed_steps(self.store)
 
     def latest_step(self) -> int | None:
         """The newest committed step, or None."""
-        steps = self.committed_steps()
-        return steps[-1] if steps else None
+        return newest_committed_step(self.store)
 
     def url_of(self, step: int) -> str:
         return self.store.child(step_dir(step)).url
@@ -299,9 +331,12 @@ class CheckpointManager:
         `state_dict`; falls back to older committed steps when a newer one is damaged,
         logging which one it used and why. Returns the step restored."""
         comm = Comm(self.process_group)
-        candidates = [step] if step is not None else list(reversed(self.committed_steps()))
-        # Every rank must try the same steps in the same order: the coordinator decides.
-        candidates = comm.allgather_json(candidates)[0]
+        # Every rank must try the same steps in the same order: the coordinator decides,
+        # and only it lists (the others' listings would be thrown away).
+        candidates = None
+        if comm.is_coordinator:
+            candidates = [step] if step is not None else self.committed_steps()[::-1]
+        candidates = comm.allgather_json(candidates)[0]  # the coordinator is the first
         if not candidates:
             raise CheckpointNotFoundError(
                 f"no committed checkpoint under {self.store.url}; start from scratch or "

@@ -44,9 +44,11 @@ from typing import Any
 
 __all__ = ["DEFAULT_PRELOAD", "WarmServer", "client_command", "run", "serve"]
 
-DEFAULT_PRELOAD = ("torch", "torch.distributed.tensor", "ckpt", "storage")
+DEFAULT_PRELOAD = ("torch", "torch.distributed.tensor", "torch._dynamo", "ckpt", "storage")
 """What a Relight worker imports (torch, DTensor, the checkpoint engine, storage); a
-caller adds its training module."""
+caller adds its training module. torch._dynamo is there because the first
+`DTensor.from_local` of a process imports it (torch._compile's disable wrapper): 1.6 s
+on this 2-core machine under load, paid inside every restarted worker's restore otherwise."""
 
 _FORWARDED = (signal.SIGTERM, signal.SIGINT, signal.SIGHUP, signal.SIGUSR1, signal.SIGUSR2)
 _LEN = struct.Struct("!I")

@@ -47,6 +47,7 @@ import re
 import shutil
 import socket
 import threading
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -287,12 +288,15 @@ class _Tier:
         step: a restore asks once; no object bytes are read)."""
         ok = self.newest_ok.get(step)
         if ok is None:
-            steps = set()
-            for k in self.persistent.list(_RECORDS):
-                stem, _, ext = k[len(_RECORDS):].partition(".")
-                if ext == "json" and stem.isdigit() and int(stem) > step:
-                    steps.add(int(stem))
-            ok = self._committed(step) and not any(self._committed(s) for s in steps)
+            # The marker check and the listing are independent round trips: side by side.
+            with ThreadPoolExecutor(1, thread_name_prefix="relight-tier-check") as pool:
+                own = pool.submit(self._committed, step)
+                newer = set()
+                for k in self.persistent.list(_RECORDS):
+                    stem, _, ext = k[len(_RECORDS):].partition(".")
+                    if ext == "json" and stem.isdigit() and int(stem) > step:
+                        newer.add(int(stem))
+                ok = own.result() and not any(self._committed(s) for s in newer)
             self.newest_ok[step] = ok
         return ok
 

@@ -330,6 +330,12 @@ def test_manager_retention_and_latest(tmp_path) -> None:
     store.put("step-000000000010/manifest.json", b"{}")
     store.put("steps/000000000010.pending", b"0")
     assert mgr.latest_step() == 9
+    # a coordinator killed between its record and COMMIT: newest record, still invisible
+    store.put("steps/000000000011.json", b'{"created_unix": 0}')
+    assert mgr.latest_step() == 9
+    assert mgr.committed_steps() == [4, 8, 9]
+    store.put(f"step-000000000011/{COMMIT_KEY}", b"{}")
+    assert mgr.latest_step() == 11
 
 
 def test_restore_falls_back_when_newest_is_damaged(tmp_path, caplog) -> None:
