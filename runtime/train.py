@@ -327,23 +327,28 @@ class Trainer:
     def _attach_peers(self, tiered: Any, comm: Any, node: str, nodes: list[str]) -> None:
         """The node's first rank serves the node's replicas (`storage.peer`); every rank
         learns the servers' addresses (one all-gather here, on the main thread) and copies
-        to the next `peer_replicas` nodes in name order."""
+        to the next `peer_replicas` nodes in name order. The servers answer only this
+        job's ranks: rank 0 draws a secret token and shares it in a first all-gather."""
+        import secrets
+
         from storage.peer import PeerServer
         from storage.tiered import REPLICA_DIR
 
+        token = comm.allgather_json(secrets.token_hex(32) if self.rank == 0 else None)[0]
         if nodes.index(node) == self.rank:
             # Each of the k nodes pushing here holds at most local_tier_budget_mb: the
             # node's memory stays within (1 + k) x the budget (docs/tiers.md).
             c = self.cfg.checkpoint
             self._peer_server = PeerServer(
                 os.path.join(tiered.local_dir, REPLICA_DIR), also_serve=(tiered.local_dir,),
-                budget_bytes=c.peer_replicas * c.local_tier_budget_mb * (1 << 20))
+                budget_bytes=c.peer_replicas * c.local_tier_budget_mb * (1 << 20),
+                token=token)
         mine = self._peer_server.address if self._peer_server is not None else None
         addrs = {n: a for n, a in comm.allgather_json([node, mine]) if a is not None}
         ring = sorted(addrs)
         others = [ring[(ring.index(node) + i) % len(ring)] for i in range(1, len(ring))]
         push_to = [addrs[n] for n in others[:self.cfg.checkpoint.peer_replicas]]
-        tiered.attach_peers(push_to, [addrs[n] for n in others])
+        tiered.attach_peers(push_to, [addrs[n] for n in others], token)
         self.log.info("peer tier: replicas to %s, %d peer(s) to fetch from",
                       others[:self.cfg.checkpoint.peer_replicas] or "no other node",
                       len(others))

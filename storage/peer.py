@@ -14,10 +14,19 @@ of the nodes that push to it); older steps are deleted when a newer one arrives.
 room for by dropping older steps, and refused (HTTP 507, before its body is read) if it
 still does not fit; the pushing node counts that as a failed replica and its ranks then
 restore those shards from the persistent store.
+
+Access: a server made with a `token` (the trainer always passes one: a random secret its
+rank 0 draws at start and shares over the job's process group) answers only requests
+that carry it (`X-Relight-Token`, compared in constant time); anything else gets 403
+before a body is read. So another process on the network can neither plant replicas
+(which a restore would then reject as damaged, falling back a checkpoint) nor read the
+job's state. The token travels in clear HTTP like the data itself: it keeps out other
+tenants of the network, not someone who can read the job's own traffic.
 """
 
 from __future__ import annotations
 
+import hmac
 import http.client
 import json
 import logging
@@ -38,6 +47,7 @@ logger = logging.getLogger(__name__)
 __all__ = ["PeerServer", "Replica", "fetch", "push"]
 
 TIMEOUT_S = 10.0
+TOKEN_HEADER = "X-Relight-Token"
 KEEP_STEPS = 2
 _META = ".meta"
 
@@ -59,7 +69,18 @@ class _Handler(BaseHTTPRequestHandler):
     def log_message(self, fmt: str, *args: Any) -> None:  # the default prints every request
         logger.debug("peer server %s: " + fmt, self.server.root, *args)
 
+    def _allowed(self) -> bool:
+        want = self.server.token
+        if want is None or hmac.compare_digest(
+                self.headers.get(TOKEN_HEADER, "").encode(), want.encode()):
+            return True
+        self.close_connection = True  # the body stays unread
+        self.send_error(403, "missing or wrong peer token")
+        return False
+
     def _key(self) -> str | None:
+        if not self._allowed():
+            return None
         try:
             return check_key(unquote(self.path.lstrip("/")), self.server.root)
         except ValueError:
@@ -121,8 +142,9 @@ class _Server(ThreadingHTTPServer):
     daemon_threads = True
 
     def __init__(self, addr: tuple[str, int], root: str, also_serve: tuple[str, ...],
-                 budget_bytes: int | None) -> None:
+                 budget_bytes: int | None, token: str | None) -> None:
         super().__init__(addr, _Handler)
+        self.token = token
         self.root = root
         self.also_serve = also_serve
         self.budget = budget_bytes
@@ -195,15 +217,18 @@ class _Server(ThreadingHTTPServer):
 class PeerServer:
     """Receives and serves replicas under `root` on `host`:<a free port>, in a daemon
     thread; also serves the objects under `also_serve` (the node's own local tier, laid
-    out the same way), so a rank can read what another node's ranks wrote."""
+    out the same way), so a rank can read what another node's ranks wrote. With a `token`,
+    only requests carrying it are answered."""
 
     def __init__(self, root: str, host: str = "0.0.0.0", also_serve: tuple[str, ...] = (),
-                 budget_bytes: int | None = None) -> None:
+                 budget_bytes: int | None = None, token: str | None = None) -> None:
         if budget_bytes is not None and budget_bytes < 0:
             raise ValueError(f"replica budget must be >= 0 bytes, got {budget_bytes}")
+        if token is not None and not token:
+            raise ValueError("peer token must be a non-empty string (or None: no check)")
         os.makedirs(root, exist_ok=True)
         self.root = root
-        self._server = _Server((host, 0), root, tuple(also_serve), budget_bytes)
+        self._server = _Server((host, 0), root, tuple(also_serve), budget_bytes, token)
         self._thread = threading.Thread(target=self._server.serve_forever,
                                         name="relight-peer-server", daemon=True)
         self._thread.start()
@@ -238,13 +263,18 @@ def _conn(addr: str) -> http.client.HTTPConnection:
     return http.client.HTTPConnection(host, int(port), timeout=TIMEOUT_S)
 
 
-def push(addr: str, key: str, url: str, data: bytes, crc: int) -> None:
+def _auth(token: str | None) -> dict[str, str]:
+    return {TOKEN_HEADER: token} if token else {}
+
+
+def push(addr: str, key: str, url: str, data: bytes, crc: int, token: str | None = None
+         ) -> None:
     """Store a replica of `key` on the server at `addr`; raises OSError on failure."""
     conn = _conn(addr)
     try:
         conn.request("PUT", "/" + quote(key), body=data, headers={
             "X-Relight-Crc32c": str(crc), "X-Relight-Url": url,
-            "Content-Length": str(len(data))})
+            "Content-Length": str(len(data)), **_auth(token)})
         resp = conn.getresponse()
         resp.read()
         if resp.status != 204:
@@ -253,12 +283,13 @@ def push(addr: str, key: str, url: str, data: bytes, crc: int) -> None:
         conn.close()
 
 
-def fetch(addr: str, key: str) -> Replica | None:
+def fetch(addr: str, key: str, token: str | None = None) -> Replica | None:
     """The replica of `key` held by the server at `addr` if it is there and its bytes
-    match the crc32c recorded with it; None otherwise (or if the peer is unreachable)."""
+    match the crc32c recorded with it; None otherwise (or if the peer is unreachable or
+    refuses the token)."""
     conn = _conn(addr)
     try:
-        conn.request("GET", "/" + quote(key))
+        conn.request("GET", "/" + quote(key), headers=_auth(token))
         resp = conn.getresponse()
         data = resp.read()
         if resp.status != 200:

@@ -168,6 +168,7 @@ class _Tier:
         self.push_to: list[str] = []
         """Peer servers (`storage.peer`) this process copies its data objects to."""
         self.fetch_from: list[str] = []
+        self.peer_token: str | None = None
         """Peer servers asked for an object the local tier lacks."""
 
     def _scan(self) -> dict[int, int]:
@@ -239,7 +240,8 @@ class _Tier:
         self.stats.add("copied_bytes", len(data))
         for addr in self.push_to:
             try:
-                peer.push(addr, rel_key, self.persistent.url_of(rel_key), data, crc)
+                peer.push(addr, rel_key, self.persistent.url_of(rel_key), data, crc,
+                          self.peer_token)
                 self.stats.add("peer_copied_bytes", len(data))
             except OSError as e:
                 self.stats.add("peer_copy_errors")
@@ -317,7 +319,7 @@ class _Tier:
             return None
         url = self.persistent.url_of(rel_key)
         for addr in self.fetch_from:
-            rep = peer.fetch(addr, rel_key)
+            rep = peer.fetch(addr, rel_key, self.peer_token)
             if rep is None or rep["url"] != url:
                 continue
             whole = rep["data"]
@@ -404,11 +406,14 @@ class TieredStore(ForwardedPrimitives, Store):
         """Wait until the write-behind copies queued so far are in the local tier."""
         self._tier.flush()
 
-    def attach_peers(self, push_to: list[str], fetch_from: list[str]) -> None:
+    def attach_peers(self, push_to: list[str], fetch_from: list[str],
+                     token: str | None = None) -> None:
         """Copy data objects to the peer servers `push_to` too, and ask `fetch_from` for
-        objects the local tier lacks (`ip:port` of `storage.peer.PeerServer`s)."""
+        objects the local tier lacks (`ip:port` of `storage.peer.PeerServer`s, which
+        answer only requests carrying their `token` when they have one)."""
         self._tier.push_to = list(push_to)
         self._tier.fetch_from = list(fetch_from)
+        self._tier.peer_token = token
 
     def drop_local(self) -> None:
         """Delete this node's local tier (the job is over). Every rank of the node calls it

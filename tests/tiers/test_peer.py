@@ -88,3 +88,24 @@ def test_replicas_stay_within_the_budget(tmp_path: Path) -> None:
         assert again.held_bytes == 200  # what is on disk counts after a restart
     finally:
         again.close()
+
+
+def test_a_server_with_a_token_answers_only_requests_carrying_it(tmp_path: Path) -> None:
+    """Another process on the network can neither plant nor read replicas."""
+    srv = PeerServer(str(tmp_path / "replicas"), host="127.0.0.1", token="s3cret")
+    addr = f"127.0.0.1:{srv.address.rsplit(':', 1)[1]}"
+    data = b"shard bytes" * 100
+    crc = google_crc32c.value(data)
+    try:
+        for wrong in (None, "guess"):
+            with pytest.raises(ConnectionError, match="403"):
+                push(addr, _key(1), "u", data, crc, wrong)
+        assert srv.held_bytes == 0 and not (Path(srv.root) / _key(1)).exists()
+        push(addr, _key(1), "u", data, crc, "s3cret")
+        assert fetch(addr, _key(1), "guess") is None and fetch(addr, _key(1)) is None
+        got = fetch(addr, _key(1), "s3cret")
+        assert got is not None and got["data"] == data
+    finally:
+        srv.close()
+    with pytest.raises(ValueError, match="token"):
+        PeerServer(str(tmp_path / "other"), host="127.0.0.1", token="")
