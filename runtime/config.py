@@ -259,6 +259,11 @@ class CheckpointConfig:
     0 disables. Fewer other nodes than this: all of them. A node holds at most
     ``peer_replicas x local_tier_budget_mb`` of other nodes' replicas (pushes beyond it
     are refused and those shards come from the persistent store)."""
+    peer_host: str = ""
+    """The address this node's replica server binds and other nodes reach it at; empty:
+    all interfaces, advertised as the address the host name resolves to, or, when that
+    is a loopback address and the job's master is on another host, the address of the
+    interface that routes to the master."""
 
     def __post_init__(self) -> None:
         _require(self.every >= 1, "checkpoint.every must be >= 1")

@@ -340,7 +340,8 @@ class Trainer:
             # node's memory stays within (1 + k) x the budget (docs/tiers.md).
             c = self.cfg.checkpoint
             self._peer_server = PeerServer(
-                os.path.join(tiered.local_dir, REPLICA_DIR), also_serve=(tiered.local_dir,),
+                os.path.join(tiered.local_dir, REPLICA_DIR), host=c.peer_host or "0.0.0.0",
+                toward=os.environ.get("MASTER_ADDR"), also_serve=(tiered.local_dir,),
                 budget_bytes=c.peer_replicas * c.local_tier_budget_mb * (1 << 20),
                 token=token)
         mine = self._peer_server.address if self._peer_server is not None else None

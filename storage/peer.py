@@ -44,7 +44,7 @@ from storage.url import check_key
 
 logger = logging.getLogger(__name__)
 
-__all__ = ["PeerServer", "Replica", "fetch", "push"]
+__all__ = ["PeerServer", "Replica", "advertised_ip", "fetch", "push"]
 
 TIMEOUT_S = 10.0
 TOKEN_HEADER = "X-Relight-Token"
@@ -221,13 +221,15 @@ class PeerServer:
     only requests carrying it are answered."""
 
     def __init__(self, root: str, host: str = "0.0.0.0", also_serve: tuple[str, ...] = (),
-                 budget_bytes: int | None = None, token: str | None = None) -> None:
+                 budget_bytes: int | None = None, token: str | None = None,
+                 toward: str | None = None) -> None:
         if budget_bytes is not None and budget_bytes < 0:
             raise ValueError(f"replica budget must be >= 0 bytes, got {budget_bytes}")
         if token is not None and not token:
             raise ValueError("peer token must be a non-empty string (or None: no check)")
         os.makedirs(root, exist_ok=True)
         self.root = root
+        self._host, self._toward = host, toward
         self._server = _Server((host, 0), root, tuple(also_serve), budget_bytes, token)
         self._thread = threading.Thread(target=self._server.serve_forever,
                                         name="relight-peer-server", daemon=True)
@@ -235,12 +237,11 @@ class PeerServer:
 
     @property
     def address(self) -> str:
-        """`ip:port` other nodes reach this server at."""
-        try:
-            ip = socket.gethostbyname(socket.gethostname())
-        except OSError:
-            ip = "127.0.0.1"
-        return f"{ip}:{self._server.server_address[1]}"
+        """`ip:port` other nodes reach this server at: the bound host when one was given;
+        else the host name's address, unless that is a loopback address and `toward` (a
+        host other nodes share, e.g. the job's master) is not: then the address of the
+        interface that routes to `toward`."""
+        return f"{advertised_ip(self._host, self._toward)}:{self._server.server_address[1]}"
 
     @property
     def held_bytes(self) -> int:
@@ -256,6 +257,32 @@ class PeerServer:
     def close(self) -> None:
         self._server.shutdown()
         self._server.server_close()
+
+
+def _is_loopback(ip: str) -> bool:
+    return ip.startswith("127.") or ip == "::1"
+
+
+def advertised_ip(bound: str, toward: str | None = None) -> str:
+    """The address a server bound to `bound` is reached at (see `PeerServer.address`)."""
+    if bound not in ("0.0.0.0", "", "::"):
+        return bound
+    try:
+        ip = socket.gethostbyname(socket.gethostname())
+    except OSError:
+        ip = "127.0.0.1"
+    if not _is_loopback(ip) or not toward:
+        return ip
+    try:
+        target = socket.gethostbyname(toward)
+        if _is_loopback(target):
+            return ip
+        # A UDP "connect" sends nothing; it only asks the kernel for the route's source.
+        with socket.socket(socket.AF_INET, socket.SOCK_DGRAM) as s:
+            s.connect((target, 9))
+            return s.getsockname()[0]
+    except OSError:
+        return ip
 
 
 def _conn(addr: str) -> http.client.HTTPConnection:

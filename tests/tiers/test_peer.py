@@ -109,3 +109,19 @@ def test_a_server_with_a_token_answers_only_requests_carrying_it(tmp_path: Path)
         srv.close()
     with pytest.raises(ValueError, match="token"):
         PeerServer(str(tmp_path / "other"), host="127.0.0.1", token="")
+
+
+def test_advertised_address() -> None:
+    """A bound host is advertised as is; all interfaces: the host name's address, or the
+    route's source toward a non-loopback master when the name resolves to loopback."""
+    from storage.peer import advertised_ip
+
+    assert advertised_ip("10.1.2.3") == "10.1.2.3"
+    ip = advertised_ip("0.0.0.0")
+    assert ip  # whatever the host name resolves to here
+    assert advertised_ip("0.0.0.0", "127.0.0.1") == ip  # a loopback master changes nothing
+    toward = advertised_ip("0.0.0.0", "192.0.2.1")  # TEST-NET-1: routed, never reached
+    if not ip.startswith("127."):
+        assert toward == ip
+    else:  # the interface of the default route, if there is one
+        assert toward == ip or not toward.startswith("127.")
