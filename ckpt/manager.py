@@ -333,10 +333,22 @@ class CheckpointManager:
         comm = Comm(self.process_group)
         # Every rank must try the same steps in the same order: the coordinator decides,
         # and only it lists (the others' listings would be thrown away).
-        candidates = None
+        # A listing that fails is shared too, so no rank is left waiting in the gather.
+        found: dict[str, Any] | None = None
+        failed: Exception | None = None
         if comm.is_coordinator:
-            candidates = [step] if step is not None else self.committed_steps()[::-1]
-        candidates = comm.allgather_json(candidates)[0]  # the coordinator is the first
+            try:
+                found = {"steps": [step] if step is not None else
+                         self.committed_steps()[::-1]}
+            except Exception as e:  # noqa: BLE001 - raised below, after telling the others
+                failed, found = e, {"error": f"{type(e).__name__}: {e}"}
+        found = comm.allgather_json(found)[0]  # the coordinator is the first
+        if failed is not None:
+            raise failed
+        if "error" in found:
+            raise StorageError(f"listing the checkpoints under {self.store.url} failed on "
+                               f"the coordinator: {found['error']}", url=self.store.url)
+        candidates = found["steps"]
         if not candidates:
             raise CheckpointNotFoundError(
                 f"no committed checkpoint under {self.store.url}; start from scratch or "

@@ -187,6 +187,22 @@ def manager_restore(root: str, tensors: list[dict[str, Any]], mesh: list[int],
     return {"step": step, "value": sd["step"], "ok": ok}
 
 
+def restore_listing_fails_on_coordinator(root: str) -> dict[str, Any]:
+    """Only the coordinator lists for a restore; when its listing fails (S3 down past
+    the retry budget), every rank must raise at once instead of waiting in a gather."""
+    store = storage.open_store(root)
+    if dist.get_rank() == 0:
+        store = storage.FaultyStore(store, storage.FaultPlan(
+            fail_fraction=1.0, fail_times=100, ops=("list",)))
+        store.retry = storage.RetryPolicy(max_attempts=2, base_delay_s=0.0, max_delay_s=0.0)
+    mgr = ckpt.CheckpointManager(store)
+    try:
+        mgr.restore({"w": torch.zeros(4)})
+    except OSError as e:
+        return {"raised": type(e).__name__, "storage": isinstance(e, storage.StorageError)}
+    return {"raised": None}
+
+
 def crash_save(root: str, tensors: list[dict[str, Any]], mesh: list[int],
                pl: list[list[str]], victim: int, where: str, timeout_s: float) -> dict[str, Any]:
     """Commit step 1, then save step 2 during which `victim` is SIGKILLed: in the middle

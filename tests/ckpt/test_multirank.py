@@ -155,6 +155,16 @@ def test_manager_restore_into_new_layout_with_fallback(pool, tmp_path) -> None:
     assert all(r["ok"] and r["value"] == 2 for r in res[:3])
 
 
+def test_restore_listing_failure_on_the_coordinator_reaches_every_rank(pool, tmp_path
+                                                                         ) -> None:
+    # A rank left waiting in the gather would sit out the 300 s collective timeout; the
+    # pool's 60 s fails the test first.
+    out = pool.run("tests.ckpt.cases:restore_listing_fails_on_coordinator",
+                   root=str(tmp_path / "run"), timeout=60)
+    assert out[0]["raised"] == "TransientStorageError", out  # the retries gave up
+    assert all(r["raised"] and r["storage"] for r in out), out
+
+
 @pytest.mark.parametrize("victim,where", [(1, "persist"), (0, "commit")])
 def test_rank_killed_mid_save(tmp_path, victim, where) -> None:
     root = str(tmp_path / "run")
