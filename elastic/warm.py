@@ -66,6 +66,12 @@ def serve(socket_path: str, preload: Sequence[str]) -> None:
     SIGTERM. Never returns in a forked child."""
     for name in preload:
         importlib.import_module(name)
+    if "storage" in preload:
+        # botocore's one-time client set-up, done here once instead of in every worker's
+        # first S3 operation (no thread or connection outlives it: safe to fork after).
+        from storage.settings import warm_s3_sdk
+
+        warm_s3_sdk()
     with contextlib.suppress(FileNotFoundError):
         os.unlink(socket_path)
     listener = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)

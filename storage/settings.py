@@ -7,7 +7,9 @@ import os
 from dataclasses import dataclass, field
 from typing import Any
 
-__all__ = ["S3Settings"]
+__all__ = ["S3Settings", "warm_s3_sdk"]
+
+logger = logging.getLogger(__name__)
 
 SDK_LOGGERS = ("botocore", "aiobotocore", "s3fs", "urllib3", "aiohttp")
 """At DEBUG these print every request's headers, the access key id included."""
@@ -98,3 +100,31 @@ class S3Settings:
         import tensorstore as ts
 
         return ts.Context({"s3_request_concurrency": {"limit": self.max_pool_connections}})
+
+
+def warm_s3_sdk() -> bool:
+    """Build and close one S3 client, sending nothing, so that processes forked from this
+    one afterwards (`elastic.warm`'s workers) find botocore's one-time set-up done; their
+    first S3 operation is then cheaper (docs/elastic.md). Fixed dummy credentials: the
+    credential chain (files, instance metadata) is not consulted here. Best effort:
+    False when the SDK is missing or the client could not be built."""
+    try:
+        import asyncio
+
+        from aiobotocore.session import AioSession
+    except ImportError:
+        return False
+    s = S3Settings.from_env()
+
+    async def build() -> None:
+        async with AioSession().create_client(
+                "s3", region_name=s.region, endpoint_url=s.endpoint_url,
+                aws_access_key_id="relight-warm", aws_secret_access_key="relight-warm"):
+            pass
+
+    try:
+        asyncio.run(build())
+    except Exception as e:  # noqa: BLE001 - an optimisation; workers build their own
+        logger.debug("warming the S3 SDK failed: %s", e)
+        return False
+    return True

@@ -166,3 +166,16 @@ def test_fault_plan_file_is_reread_when_it_changes(tmp_path, monkeypatch) -> Non
 def test_bad_fault_plan_json_names_the_problem(text, field) -> None:
     with pytest.raises(storage.FaultPlanError, match=field):
         storage.plan_from_json(text)
+
+
+def test_warming_the_s3_sdk_leaves_nothing_running(monkeypatch) -> None:
+    """elastic.warm forks workers after it: no thread may outlive it, and it must not
+    need a server or credentials (it sends nothing)."""
+    import threading
+
+    from storage.settings import warm_s3_sdk
+
+    monkeypatch.setenv("AWS_ENDPOINT_URL", "http://127.0.0.1:9")  # nothing listens there
+    before = {t.ident for t in threading.enumerate()}
+    assert warm_s3_sdk() is True
+    assert {t.ident for t in threading.enumerate()} == before
