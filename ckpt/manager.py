@@ -95,6 +95,10 @@ class StepRecord:
     """A commit record exists (its COMMIT may still be missing after a crash)."""
 
 
+def _is_committed(store: Store, step: int) -> bool:
+    return store.exists(f"{step_dir(step)}/{COMMIT_KEY}")
+
+
 def list_records(store: Store) -> dict[int, StepRecord]:
     """Steps the manager knows about: committed records win over pending ones."""
     out: dict[int, StepRecord] = {}
@@ -110,7 +114,7 @@ def list_records(store: Store) -> dict[int, StepRecord]:
                 created = float(json.loads(store.get(key)).get("created_unix", 0.0))
             except (StorageError, ValueError, AttributeError):
                 pass
-            committed = store.exists(f"{step_dir(step)}/{COMMIT_KEY}")
+            committed = _is_committed(store, step)
             out[step] = StepRecord(step, committed, created, record=True)
         elif ext == "pending" and step not in out:
             created = 0.0
@@ -130,10 +134,6 @@ def _recorded_steps(store: Store) -> list[int]:
         if ext == "json" and stem.isdigit():
             steps.append(int(stem))
     return sorted(steps, reverse=True)
-
-
-def _is_committed(store: Store, step: int) -> bool:
-    return store.exists(f"{step_dir(step)}/{COMMIT_KEY}")
 
 
 def committed_steps(store: Store) -> list[int]:

@@ -34,6 +34,7 @@ import argparse
 import contextlib
 import logging
 import os
+import secrets
 import sys
 import time
 from collections.abc import Callable
@@ -315,26 +316,28 @@ class Trainer:
 
         comm = Comm(None)
         node = tier_node(c.local_tier_node)
-        nodes = comm.allgather_json(node)
+        # With peers, rank 0 draws the token the replica servers will ask for; it rides
+        # on the gather of node names.
+        token = secrets.token_hex(32) if self.rank == 0 and c.peer_replicas > 0 else None
+        gathered = comm.allgather_json([node, token])
+        nodes = [n for n, _ in gathered]
         budget = c.local_tier_budget_mb * (1 << 20) // nodes.count(node)
         tiered = TieredStore(store, local_tier_dir(c.local_tier_dir, store.url, node), budget,
                              writer=self.rank)
         self.log.info("local tier %s, %d MiB for this rank", tiered.local_dir, budget >> 20)
         if c.peer_replicas > 0:
-            self._attach_peers(tiered, comm, node, nodes)
+            self._attach_peers(tiered, comm, node, nodes, gathered[0][1])
         return tiered
 
-    def _attach_peers(self, tiered: Any, comm: Any, node: str, nodes: list[str]) -> None:
+    def _attach_peers(self, tiered: Any, comm: Any, node: str, nodes: list[str],
+                      token: str) -> None:
         """The node's first rank serves the node's replicas (`storage.peer`); every rank
         learns the servers' addresses (one all-gather here, on the main thread) and copies
-        to the next `peer_replicas` nodes in name order. The servers answer only this
-        job's ranks: rank 0 draws a secret token and shares it in a first all-gather."""
-        import secrets
-
+        to the next `peer_replicas` nodes in name order. The servers answer only requests
+        carrying `token` (rank 0's secret, shared with every rank)."""
         from storage.peer import PeerServer
         from storage.tiered import REPLICA_DIR
 
-        token = comm.allgather_json(secrets.token_hex(32) if self.rank == 0 else None)[0]
         if nodes.index(node) == self.rank:
             # Each of the k nodes pushing here holds at most local_tier_budget_mb: the
             # node's memory stays within (1 + k) x the budget (docs/tiers.md).
