@@ -24,6 +24,11 @@ systems (ABBA order over `--rounds`), and each figure is the median over rounds:
   returns (the state may change; no compute in between) / until durable; their ratios
   are against DCP's stall_s and async_total_s (`stall_s_vs_pipelined_return_s`, ...).
 
+- floor (file storage only): what the machine itself allows for the same bytes, in the
+  same rounds: save_s = one file per rank written and fsynced, load_s = that file read
+  back into the tensors, stall_s = a copy into preallocated buffers; "floor_ratios" are
+  floor / system (1.0: the system runs at the floor, so no format could beat it by more).
+
 The "extra" section has figures the issue does not name (direct vs broadcast reads
 of replicated regions, staging buffer size, objects per checkpoint).
 """
@@ -158,6 +163,54 @@ def _prefix_bytes(url: str) -> tuple[int, int]:
     return sum(store.size(k) for k in keys), len(keys)
 
 
+def _local_bytes(state: dict) -> list[memoryview]:
+    """This rank's shard of every tensor of `state`, as raw bytes views (no copy)."""
+    from ckpt.flatten import flatten_state
+
+    out = []
+    for leaf in flatten_state(state).tensors.values():
+        t = leaf.tensor
+        local = t.to_local() if hasattr(t, "to_local") else t
+        out.append(memoryview(local.contiguous().numpy()).cast("B"))
+    return out
+
+
+def _floor_save(views: list[memoryview], path: str) -> None:
+    """What any writer of these bytes pays on this machine: one file per rank, written
+    in order, fsynced with its directory (the durability both systems give)."""
+    os.makedirs(os.path.dirname(path), exist_ok=True)
+    fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o644)
+    try:
+        for v in views:
+            while v:
+                v = v[os.write(fd, v):]
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+    dfd = os.open(os.path.dirname(path), os.O_RDONLY)
+    try:
+        os.fsync(dfd)
+    finally:
+        os.close(dfd)
+
+
+def _floor_load(views: list[memoryview], path: str) -> None:
+    """Read that file back straight into the rank's (preallocated) tensors."""
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        at = 0
+        for v in views:
+            got = 0
+            while got < len(v):
+                n = os.preadv(fd, [v[got:]], at + got)
+                if n <= 0:
+                    raise OSError(f"{path}: short read at {at + got}")
+                got += n
+            at += len(v)
+    finally:
+        os.close(fd)
+
+
 def _worker(rank: int, world: int, init: str, args: dict, out_q: Any) -> None:
     os.environ.update(args["env"])
     import torch
@@ -181,9 +234,9 @@ def _worker(rank: int, world: int, init: str, args: dict, out_q: Any) -> None:
     s3 = args["storage"] == "s3"
     if s3:
         _count_s3fs_reads()
-    results: dict[str, dict[str, list[float]]] = {"relight": {}, "dcp": {}}
+    results: dict[str, dict[str, list[float]]] = {"relight": {}, "dcp": {}, "floor": {}}
     extra: dict[str, list[float]] = {}
-    peak = {"relight": 0, "dcp": 0}
+    peak = {"relight": 0, "dcp": 0, "floor": 0}
 
     def win(system: str, on: bool) -> None:
         """Extra memory a phase needs: peak RSS during it minus RSS when it started
@@ -305,6 +358,26 @@ def _worker(rank: int, world: int, init: str, args: dict, out_q: Any) -> None:
             staged = bufs.staging.numel() if bufs.staging is not None else 0
             extra.setdefault("relight_staging_over_shard_bytes", []).append(
                 maxed(staged / (3 * rows * (HIDDEN + 1) * 4 * n / world)))
+        elif system == "floor":
+            # The machine's floor for the same bytes, no checkpoint format at all: a
+            # write+fsync of one file per rank, a read back into the tensors, and the
+            # staging copy into a preallocated buffer.
+            path = os.path.join(url, f"r{rank:05d}.bin")
+            views = _local_bytes(src)
+            rec(system, "save_s", timed(lambda: _floor_save(views, path), system))
+            same = _state(mesh, n, rows, [Shard(0)], [Shard(0)], False)
+            dst = _local_bytes(same)
+            rec(system, "load_s", timed(lambda: _floor_load(dst, path), system))
+            del same, dst
+            staging = [torch.empty(len(v), dtype=torch.uint8) for v in views]
+            srcs = [torch.frombuffer(v, dtype=torch.uint8) for v in views]
+
+            def copy() -> None:
+                for d, s in zip(staging, srcs, strict=True):
+                    d.copy_(s)
+            copy()  # the buffers are reused across saves, as both systems' are
+            rec(system, "stall_s", timed(copy, system))
+            del staging, srcs
         else:
             path = url + "-sync"
             rec(system, "save_s", timed(lambda: dcp.save(src, storage_writer=dcp_writer(path)),
@@ -340,6 +413,8 @@ def _worker(rank: int, world: int, init: str, args: dict, out_q: Any) -> None:
 
     for r in range(args["rounds"]):
         order = ["dcp", "relight"] if r % 2 == 0 else ["relight", "dcp"]
+        if not s3:
+            order.append("floor")
         for system in order:
             run_system(system, r)
             if rank == 0:
@@ -423,6 +498,15 @@ def main(argv: list[str] | None = None) -> int:
         per_round[f] = [d / r for d, r in zip(dcp_r[base], rl, strict=True) if r > 0]
         out["ratios"][f"{base}_vs_{f}"] = statistics.median(per_round[f])
         out["relight"][f] = statistics.median(rl)
+    # The floor (file storage only): the same bytes with no format, in the same rounds.
+    # floor/system per round, median: 1.0 means the system runs at the machine's floor.
+    fl = got["results"].get("floor", {})
+    if fl.get("save_s"):
+        out["floor"] = {f: statistics.median(v) for f, v in fl.items() if f.endswith("_s")}
+        out["floor_ratios"] = {
+            f"{system}_{f}": statistics.median(
+                [x / y for x, y in zip(fl[f], got["results"][system][f], strict=True) if y > 0])
+            for system in ("relight", "dcp") for f in ("save_s", "load_s", "stall_s")}
     out["extra"] = {"ratios_per_round": per_round}
     out["extra"].update({k: statistics.median(v) for k, v in got["extra"].items()})
     out["extra"]["all_rounds"] = got["results"]
@@ -435,7 +519,8 @@ def main(argv: list[str] | None = None) -> int:
     if a.json_out:
         with open(a.json_out, "w") as f:
             f.write(text)
-    print(json.dumps({k: out[k] for k in ("relight", "dcp", "ratios")}, indent=1))
+    print(json.dumps({k: out[k] for k in ("relight", "dcp", "ratios", "floor", "floor_ratios")
+                      if k in out}, indent=1))
     return 0
 
 

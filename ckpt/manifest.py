@@ -8,8 +8,6 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
-import google_crc32c
-
 from ckpt.errors import (
     AbsurdShapeError,
     CheckpointExistsError,
@@ -32,16 +30,13 @@ from ckpt.format import (
     zarr_metadata,
 )
 from storage import ObjectNotFoundError, StorageError, Store
+from storage.checksum import crc32c
 
 logger = logging.getLogger(__name__)
 
 __all__ = ["Manifest", "read_manifest", "crc32c", "publish_commit", "chunk_objects"]
 
 MAX_CHUNKS = 10_000_000
-
-
-def crc32c(data: bytes) -> int:
-    return int(google_crc32c.value(data))
 
 
 @dataclass

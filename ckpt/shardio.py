@@ -42,22 +42,20 @@ uses against the manifest's record (`direct_read_ok`); only writes keep the narr
 from __future__ import annotations
 
 import ctypes
-import ctypes.util
-import glob
 import itertools
-import os
 import struct
 import sys
+import threading
 from contextlib import AbstractContextManager, nullcontext
 from dataclasses import dataclass
 from typing import Any
 
-import google_crc32c
 import numpy as np
 import zstandard
 
 from ckpt.errors import ChecksumMismatchError, CorruptCheckpointError, MissingChunkError
 from storage import ObjectNotFoundError, ObjectTruncatedError, Store
+from storage.checksum import crc32c
 
 __all__ = ["ShardGeometry", "direct_ok", "direct_read_ok", "grid_geometry", "encode_shard",
            "read_shard_region", "stored_crcs"]
@@ -147,33 +145,9 @@ def direct_read_ok(shape: tuple[int, ...] | list[int], inner: tuple[int, ...] | 
             and all(s > 0 and i > 0 and s % i == 0 for s, i in zip(shape, inner, strict=True)))
 
 
-def _c_crc32c() -> Any:
-    """`crc32c_extend(crc, ptr, n)` of the crc32c library google_crc32c bundles (or a
-    system one): it takes any memory and releases the GIL (a ctypes call), where
-    `google_crc32c.value` takes only `bytes` and would force a copy of every slice."""
-    try:
-        base = os.path.dirname(os.path.dirname(os.path.abspath(google_crc32c.__file__)))
-        found = sorted(glob.glob(os.path.join(base, "google_crc32c.libs", "libcrc32c*.so*")))
-        found.append(ctypes.util.find_library("crc32c") or "")
-        for path in filter(None, found):
-            fn = ctypes.CDLL(path).crc32c_extend
-            fn.restype, fn.argtypes = ctypes.c_uint32, (ctypes.c_uint32, ctypes.c_void_p,
-                                                        ctypes.c_size_t)
-            if fn(0, b"123456789", 9) == 0xE3069283:  # the CRC-32C check value
-                return fn
-    except (OSError, AttributeError):
-        pass
-    return None
-
-
-_CRC = _c_crc32c()
-
-
 def crc32c_of(buf: np.ndarray, lo: int, hi: int) -> int:
     """crc32c of bytes [lo, hi) of a C-contiguous uint8 array, without copying them."""
-    if _CRC is not None:
-        return int(_CRC(0, buf.ctypes.data + lo, hi - lo))
-    return int(google_crc32c.value(buf[lo:hi].tobytes()))
+    return crc32c(buf[lo:hi])
 
 
 def _new_bytes(n: int) -> tuple[bytes | bytearray, np.ndarray]:
@@ -236,10 +210,34 @@ def encode_shard(arr: np.ndarray, geo: ShardGeometry, crcs: list[int | None] | N
     return out if isinstance(out, bytes) else bytes(out)
 
 
+SCRATCH_MAX = 64 << 20
+"""Largest read a reader thread keeps a buffer for, to reuse on its next read."""
+
+_SCRATCH = threading.local()
+
+
+def _scratch(n: int) -> np.ndarray:
+    """A uint8 buffer of n bytes for this thread's next read, reused while n is at most
+    `SCRATCH_MAX`: loading a checkpoint reads many shards of similar size, and fresh
+    pages for each would cost a page fault every 4 KiB."""
+    if n > SCRATCH_MAX:
+        return np.empty(n, np.uint8)
+    buf = getattr(_SCRATCH, "buf", None)
+    if buf is None or buf.size < n:
+        buf = _SCRATCH.buf = np.empty(max(n, 1 << 20), np.uint8)
+    return buf[:n]
+
+
 def _get(store: Store, key: str, start: int | None, end: int | None, url: str, tensor: str,
-         what: str) -> bytes:
+         what: str) -> np.ndarray:
+    """Bytes [start, end) of `key` as uint8; read in place into this thread's scratch
+    buffer where the store can (valid until the thread's next `_get`)."""
     try:
-        return store.get(key, start, end)
+        if store.in_place_reads and end is not None:
+            out = _scratch(end - (start or 0))
+            store.get_into(key, memoryview(out), start or 0)
+            return out
+        return np.frombuffer(store.get(key, start, end), np.uint8)
     except ObjectNotFoundError as e:
         raise MissingChunkError(
             f"tensor {tensor!r}, object {url}/{key}: the object is missing ({e}); the "
@@ -366,11 +364,11 @@ def read_shard_region(store: Store, key: str, geo: ShardGeometry, region: tuple[
     cells = geo.overlapping(region)
     whole = len(cells) == geo.n_stored
     if whole:
-        blob = np.frombuffer(_get(store, key, 0, end, url, tensor, "the shard"), np.uint8)
+        blob = _get(store, key, 0, end, url, tensor, "the shard")
         raw = blob[data_end:]
     else:
-        raw = np.frombuffer(_get(store, key, data_end, end, url, tensor, "the shard index"),
-                            np.uint8)
+        # A copy: the chunk reads below reuse the scratch buffer.
+        raw = _get(store, key, data_end, end, url, tensor, "the shard index").copy()
     if crc32c_of(raw, 0, raw.size) != RESIDUE:
         raise _damaged(url, key, tensor, "the shard index")
     entries = raw[:-4].view("<u8").reshape(-1, 2)
@@ -390,8 +388,7 @@ def read_shard_region(store: Store, key: str, geo: ShardGeometry, region: tuple[
         if whole:
             run, base = blob, 0
         else:
-            run = np.frombuffer(_get(store, key, lo, hi, url, tensor, "an inner chunk"),
-                                np.uint8)
+            run = _get(store, key, lo, hi, url, tensor, "an inner chunk")
             base = lo
             fetched += hi - lo
         with cpu or nullcontext():
@@ -409,7 +406,7 @@ def _read_compressed(store: Store, key: str, geo: ShardGeometry, region: tuple[s
     """`read_shard_region` of a zstd shard: the whole object in one get, then per inner
     chunk `region` needs: its frame's crc32c, the manifest's record, a decompression to
     exactly one inner chunk of bytes, the copy."""
-    blob = np.frombuffer(_get(store, key, None, None, url, tensor, "the shard"), np.uint8)
+    blob = _get(store, key, None, None, url, tensor, "the shard")
     ib = geo.index_bytes
     if blob.size < ib or crc32c_of(blob, blob.size - ib, blob.size) != RESIDUE:
         raise _damaged(url, key, tensor, "the shard index")

@@ -38,8 +38,7 @@ from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from typing import Any
 from urllib.parse import quote, unquote
 
-import google_crc32c
-
+from storage.checksum import crc32c
 from storage.url import check_key
 
 logger = logging.getLogger(__name__)
@@ -105,7 +104,7 @@ class _Handler(BaseHTTPRequestHandler):
         try:
             data = self.rfile.read(n)
             crc = int(self.headers.get("X-Relight-Crc32c", "-1"))
-            if len(data) != n or google_crc32c.value(data) != crc:
+            if len(data) != n or crc32c(data) != crc:
                 self.send_error(422, "crc32c mismatch")
                 return
             self.server.store(key, data, {"url": self.headers.get("X-Relight-Url", ""),
@@ -326,6 +325,6 @@ def fetch(addr: str, key: str, token: str | None = None) -> Replica | None:
         return None
     finally:
         conn.close()
-    if meta.get("key") != key or google_crc32c.value(data) != meta.get("crc32c"):
+    if meta.get("key") != key or crc32c(data) != meta.get("crc32c"):
         return None
     return Replica(data=data, url=meta.get("url"), key=key, crc32c=meta["crc32c"])

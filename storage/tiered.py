@@ -51,10 +51,9 @@ from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from typing import Any
 
-import google_crc32c
-
 from storage import peer
 from storage.base import ForwardedPrimitives, Store
+from storage.checksum import crc32c
 from storage.errors import ObjectNotFoundError, StorageError
 from storage.fsspec_store import LocalStore
 from storage.url import parse_url
@@ -231,7 +230,7 @@ class _Tier:
         if sum(self.held.values()) + len(data) > self.budget:
             self.stats.add("skipped_budget")
             return
-        crc = google_crc32c.value(data)
+        crc = crc32c(data)
         self.local.put(rel_key, data)
         self.local.put(f"{_META}/{rel_key}.json", json.dumps({
             "url": self.persistent.url_of(rel_key), "key": rel_key, "size": len(data),
@@ -359,7 +358,7 @@ class _Tier:
         try:
             if checked not in self.verified:
                 whole = copies.get(rel_key)
-                if len(whole) != meta.get("size") or google_crc32c.value(whole) != meta.get(
+                if len(whole) != meta.get("size") or crc32c(whole) != meta.get(
                         "crc32c"):
                     self.stats.miss("checksum")
                     logger.warning("local tier %s: %s fails its crc32c; trying the next tier",
@@ -450,6 +449,9 @@ class TieredStore(ForwardedPrimitives, Store):
         data = self.persistent.get(key, start, end)
         self._tier.stats.serve("persistent", len(data))
         return data
+
+    def get_into(self, key: str, out: memoryview, start: int = 0) -> None:
+        out[:] = self.get(key, start, start + len(out))  # through the tiers, like get
 
     def size(self, key: str) -> int:
         return self.persistent.size(key)
