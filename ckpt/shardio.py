@@ -45,7 +45,6 @@ import ctypes
 import itertools
 import struct
 import sys
-import threading
 from contextlib import AbstractContextManager, nullcontext
 from dataclasses import dataclass
 from typing import Any
@@ -210,33 +209,10 @@ def encode_shard(arr: np.ndarray, geo: ShardGeometry, crcs: list[int | None] | N
     return out if isinstance(out, bytes) else bytes(out)
 
 
-SCRATCH_MAX = 64 << 20
-"""Largest read a reader thread keeps a buffer for, to reuse on its next read."""
-
-_SCRATCH = threading.local()
-
-
-def _scratch(n: int) -> np.ndarray:
-    """A uint8 buffer of n bytes for this thread's next read, reused while n is at most
-    `SCRATCH_MAX`: loading a checkpoint reads many shards of similar size, and fresh
-    pages for each would cost a page fault every 4 KiB."""
-    if n > SCRATCH_MAX:
-        return np.empty(n, np.uint8)
-    buf = getattr(_SCRATCH, "buf", None)
-    if buf is None or buf.size < n:
-        buf = _SCRATCH.buf = np.empty(max(n, 1 << 20), np.uint8)
-    return buf[:n]
-
-
 def _get(store: Store, key: str, start: int | None, end: int | None, url: str, tensor: str,
          what: str) -> np.ndarray:
-    """Bytes [start, end) of `key` as uint8; read in place into this thread's scratch
-    buffer where the store can (valid until the thread's next `_get`)."""
+    """Bytes [start, end) of `key`, as uint8."""
     try:
-        if store.in_place_reads and end is not None:
-            out = _scratch(end - (start or 0))
-            store.get_into(key, memoryview(out), start or 0)
-            return out
         return np.frombuffer(store.get(key, start, end), np.uint8)
     except ObjectNotFoundError as e:
         raise MissingChunkError(
@@ -367,8 +343,7 @@ def read_shard_region(store: Store, key: str, geo: ShardGeometry, region: tuple[
         blob = _get(store, key, 0, end, url, tensor, "the shard")
         raw = blob[data_end:]
     else:
-        # A copy: the chunk reads below reuse the scratch buffer.
-        raw = _get(store, key, data_end, end, url, tensor, "the shard index").copy()
+        raw = _get(store, key, data_end, end, url, tensor, "the shard index")
     if crc32c_of(raw, 0, raw.size) != RESIDUE:
         raise _damaged(url, key, tensor, "the shard index")
     entries = raw[:-4].view("<u8").reshape(-1, 2)

@@ -121,23 +121,6 @@ class Store(ABC):
         self.stats.record_read(len(data))
         return data
 
-    in_place_reads = False
-    """Whether `get_into` reads straight into the caller's buffer (files). Where it does
-    not, it is `get` plus a copy, and callers that only need the bytes use `get`."""
-
-    def get_into(self, key: str, out: memoryview, start: int = 0) -> None:
-        """Fill `out` with bytes [start, start + len(out)) of the object: no new buffer
-        where `in_place_reads`, so a reader can reuse one (fresh pages cost a fault
-        each). Fewer bytes than asked for raise `ObjectTruncatedError`, like `get`."""
-        path = self._path(key)
-        got = self._retry(lambda: self._get_into(path, out, start), key)
-        if got != len(out):
-            raise ObjectTruncatedError(
-                f"{self.url_of(key)}: asked for bytes [{start}, {start + len(out)}), got {got}",
-                url=self.url_of(key),
-            )
-        self.stats.record_read(got)
-
     def size(self, key: str) -> int:
         path = self._path(key)
         return self._retry(lambda: self._size(path), key)
@@ -243,12 +226,6 @@ class Store(ABC):
     @abstractmethod
     def _get(self, path: str, start: int | None, end: int | None) -> bytes: ...
 
-    def _get_into(self, path: str, out: memoryview, start: int) -> int:
-        """Read into `out` from `start`; returns the bytes read (fewer at the object's end)."""
-        data = self._get(path, start, start + len(out))
-        out[:len(data)] = data
-        return len(data)
-
     @abstractmethod
     def _size(self, path: str) -> int: ...
 
@@ -294,9 +271,6 @@ class ForwardedPrimitives:
 
     def _get(self, path: str, start: int | None, end: int | None) -> bytes:
         return self._wrapped._get(path, start, end)
-
-    def _get_into(self, path: str, out: memoryview, start: int) -> int:
-        return self._wrapped._get_into(path, out, start)
 
     def _size(self, path: str) -> int:
         return self._wrapped._size(path)

@@ -65,24 +65,8 @@ class LocalStore(_FsspecStore):
         self.fsync = fsync
         """fsync file and directory on put, so a published object survives a power cut."""
 
-    in_place_reads = True
-
     def _root_path(self) -> str:
         return self.location.root
-
-    def _get_into(self, path: str, out: memoryview, start: int) -> int:
-        # pread straight into the caller's buffer: no bytes object, no fresh pages.
-        fd = os.open(path, os.O_RDONLY)
-        try:
-            got = 0
-            while got < len(out):
-                n = os.preadv(fd, [out[got:]], start + got)
-                if n == 0:
-                    break
-                got += n
-            return got
-        finally:
-            os.close(fd)
 
     def _with_location(self, location: StorageLocation) -> Store:
         return LocalStore(location, self.retry, self.stats, self.fsync)

@@ -450,9 +450,6 @@ class TieredStore(ForwardedPrimitives, Store):
         self._tier.stats.serve("persistent", len(data))
         return data
 
-    def get_into(self, key: str, out: memoryview, start: int = 0) -> None:
-        out[:] = self.get(key, start, start + len(out))  # through the tiers, like get
-
     def size(self, key: str) -> int:
         return self.persistent.size(key)
 

@@ -54,22 +54,6 @@ class StoreSuite:
             store.get("short", 5, 50)
         assert "short" in str(info.value)
 
-    def test_get_into_fills_the_callers_buffer(self, store: Store) -> None:
-        data = os.urandom(5000)
-        store.put("into/obj", data)
-        before = store.stats.snapshot()["bytes_read"]
-        buf = np.zeros(1000, np.uint8)
-        store.get_into("into/obj", memoryview(buf), 4000)
-        assert buf.tobytes() == data[4000:]
-        store.get_into("into/obj", memoryview(buf)[:10])
-        assert buf[:10].tobytes() == data[:10] and buf[10:].tobytes() == data[4010:]
-        assert store.stats.snapshot()["bytes_read"] - before == 1010
-        with pytest.raises(ObjectTruncatedError) as info:
-            store.get_into("into/obj", memoryview(buf), 4500)  # 500 bytes left
-        assert "into/obj" in str(info.value)
-        with pytest.raises(ObjectNotFoundError):
-            store.get_into("into/nope", memoryview(buf))
-
     def test_missing_object_is_typed(self, store: Store) -> None:
         for op in (lambda: store.get("nope"), lambda: store.size("nope")):
             with pytest.raises(ObjectNotFoundError) as info:
