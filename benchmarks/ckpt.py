@@ -26,9 +26,9 @@ systems (ABBA order over `--rounds`), and each figure is the median over rounds:
   returns (the state may change; no compute in between) / until durable; their ratios
   are against DCP's stall_s and async_total_s (`stall_s_vs_pipelined_return_s`, ...).
 
-- floor (file storage only): what the machine itself allows for the same bytes, in the
-  same rounds: save_s = one file per rank written and fsynced, load_s = that file read
-  back into the tensors, stall_s = a copy into preallocated buffers; "floor_ratios" are
+- floor: what the machine itself allows for the same bytes, in the same rounds: save_s =
+  one object per rank (a file written and fsynced; on S3 one PUT), load_s = that object
+  read back into the tensors, stall_s = a copy into preallocated buffers; "floor_ratios" are
   floor / system (1.0: the system runs at the floor, so no format could beat it by more).
 
 The "extra" section has figures the issue does not name (direct vs broadcast reads
@@ -374,15 +374,30 @@ def _worker(rank: int, world: int, init: str, args: dict, out_q: Any) -> None:
             extra.setdefault("relight_staging_over_shard_bytes", []).append(
                 maxed(staged / (3 * rows * (HIDDEN + 1) * 4 * n / world)))
         elif system == "floor":
-            # The machine's floor for the same bytes, no checkpoint format at all: a
-            # write+fsync of one file per rank, a read back into the tensors, and the
-            # staging copy into a preallocated buffer.
-            path = os.path.join(url, f"r{rank:05d}.bin")
+            # The machine's floor for the same bytes, no checkpoint format at all: one
+            # object per rank (a file written and fsynced; on S3 one PUT of the bytes,
+            # joined beforehand), read back into the tensors, and the staging copy into
+            # a preallocated buffer.
             views = _local_bytes(src)
-            rec(system, "save_s", timed(lambda: _floor_save(views, path), system))
             same = _state(mesh, n, rows, [Shard(0)], [Shard(0)], False)
             dst = _local_bytes(same)
-            rec(system, "load_s", timed(lambda: _floor_load(dst, path), system))
+            if s3:
+                store = storage.open_store(url)
+                key = f"r{rank:05d}.bin"
+                blob = b"".join(views)
+                rec(system, "save_s", timed(lambda: store.put(key, blob), system))
+                del blob
+
+                def load_s3() -> None:
+                    data, at = memoryview(store.get(key)), 0
+                    for v in dst:
+                        v[:] = data[at: at + len(v)]
+                        at += len(v)
+                rec(system, "load_s", timed(load_s3, system))
+            else:
+                path = os.path.join(url, f"r{rank:05d}.bin")
+                rec(system, "save_s", timed(lambda: _floor_save(views, path), system))
+                rec(system, "load_s", timed(lambda: _floor_load(dst, path), system))
             del same, dst
             staging = [torch.empty(len(v), dtype=torch.uint8) for v in views]
             srcs = [torch.frombuffer(v, dtype=torch.uint8) for v in views]
@@ -428,8 +443,7 @@ def _worker(rank: int, world: int, init: str, args: dict, out_q: Any) -> None:
 
     for r in range(args["rounds"]):
         order = ["dcp", "relight"] if r % 2 == 0 else ["relight", "dcp"]
-        if not s3:
-            order.append("floor")
+        order.append("floor")
         for system in order:
             run_system(system, r)
             if rank == 0:
@@ -513,7 +527,7 @@ def main(argv: list[str] | None = None) -> int:
         per_round[f] = [d / r for d, r in zip(dcp_r[base], rl, strict=True) if r > 0]
         out["ratios"][f"{base}_vs_{f}"] = statistics.median(per_round[f])
         out["relight"][f] = statistics.median(rl)
-    # The floor (file storage only): the same bytes with no format, in the same rounds.
+    # The floor: the same bytes with no format, in the same rounds.
     # floor/system per round, median: 1.0 means the system runs at the machine's floor.
     fl = got["results"].get("floor", {})
     if fl.get("save_s"):

@@ -663,10 +663,10 @@ class _SaveJob:
 
     def _persist_and_index(self, check_exists: bool = False) -> BaseException | None:
         try:
+            if self.stager is not None:  # first: the caller waits for it, not for storage
+                self._stage()
             if check_exists and self.store.exists(COMMIT_KEY):
                 raise _exists(self.store.url)
-            if self.stager is not None:
-                self._stage()
             if self.on_start is not None:
                 self.on_start()
             nbytes = self.persist()
