@@ -1,4 +1,4 @@
-"""torchrun's local elastic agent with three changes for preemptible fleets.
+"""torchrun's local elastic agent with four changes for preemptible fleets.
 
 `relight run` installs `RelightAgent` for the duration of the launch (`installed()`); a
 plain `torchrun --rdzv-backend=relight-etcd` keeps torchrun's own agent, without them.
@@ -28,6 +28,11 @@ otherwise restart it forever.
 with a status of `runtime.exit_codes.FATAL_EXIT_CODES` (bad config; every committed
 checkpoint damaged) is not restarted: torchrun's agent would spend every slot rerunning
 the same failure (chaos preemptible-fleet seed 9 restarted 40 times in 26 minutes).
+
+**A spare that was never needed exits 0.** A hot spare waits in the rendezvous for as
+long as the job lives; when the job finishes, the rendezvous closes and the handler raises
+`RendezvousGracefulExitError`. torchrun's agent then returns no result, which its launcher
+fails on; here the spare's run succeeds.
 """
 
 from __future__ import annotations
@@ -79,6 +84,16 @@ class RelightAgent(LocalElasticAgent):
         self._free_after_s = preemption_free_after_s()
         self._group_started = time.monotonic()
         self._last_result: RunResult | None = None
+
+    def run(self, role: str = "default") -> RunResult:
+        result = super().run(role)
+        if result is None:
+            # torchrun's agent returns nothing after RendezvousGracefulExitError (a hot
+            # spare whose job finished) and its launcher then fails on the missing
+            # result; a spare that was never needed has succeeded.
+            logger.info("the job finished while this node waited as a spare: exiting 0")
+            return RunResult(state=WorkerState.SUCCEEDED)
+        return result
 
     def _rendezvous(self, worker_group: WorkerGroup) -> None:
         for attempt in range(1, MAX_ROUND_RETRIES + 2):

@@ -16,6 +16,7 @@ JSON. Nothing read from etcd is ever unpickled or evaluated.
 from __future__ import annotations
 
 import base64
+import dataclasses
 import json
 import logging
 import threading
@@ -39,10 +40,12 @@ __all__ = [
     "EtcdSettings",
     "EtcdUnavailableError",
     "KeyValue",
+    "MIN_ETCD_VERSION",
     "LeaseKeeper",
     "OpDelete",
     "OpPut",
     "TxnResult",
+    "etcd_version_advice",
 ]
 
 
@@ -72,6 +75,11 @@ class EtcdSettings:
     """Root of every key Relight writes; a job lives under `{prefix}/{job_id}/`."""
     timeout: float = 5.0
     """Seconds one call may spend, retries included, before EtcdUnavailableError."""
+    attempt_timeout: float = 2.0
+    """Seconds one HTTP attempt against one endpoint may take before the next endpoint is
+    tried. A member that accepts connections and never answers (frozen, or cut off from
+    its peers) costs at most this once; each full pass over the endpoints doubles it, so
+    a slow single etcd still gets long attempts, never past what is left of `timeout`."""
     username: str | None = None
     """etcd user (with `password`) when etcd has auth enabled."""
     password: str | None = field(default=None, repr=False)
@@ -90,6 +98,9 @@ class EtcdSettings:
             raise ValueError("EtcdSettings.endpoints is empty: give at least one host:port")
         if self.timeout <= 0:
             raise ValueError(f"EtcdSettings.timeout must be > 0, got {self.timeout}")
+        if self.attempt_timeout <= 0:
+            raise ValueError(
+                f"EtcdSettings.attempt_timeout must be > 0, got {self.attempt_timeout}")
         if (self.username is None) != (self.password is None):
             raise ValueError("EtcdSettings: give both username and password, or neither")
         if (self.cert_file is None) != (self.key_file is None):
@@ -225,23 +236,61 @@ _CN_HINT = (
 _REAUTH_MARKERS = ("invalid auth token", "user name is empty", "auth token is expired")
 
 
+class _Endpoints:
+    """The endpoint rotation, shared by every client made from one (`EtcdClient.sibling`):
+    once one of them found a member dead or hung, the others start at the next one
+    instead of paying the same attempt timeout again."""
+
+    def __init__(self, urls: list[str]) -> None:
+        self.urls = urls
+        self._index = 0
+        self._lock = threading.Lock()
+
+    def current(self) -> str:
+        return self.urls[self._index % len(self.urls)]
+
+    def failed(self, url: str) -> None:
+        """Move past `url`, unless another thread already did."""
+        with self._lock:
+            if self.urls[self._index % len(self.urls)] == url:
+                self._index += 1
+
+
+class _Auth:
+    """The simple-auth token, shared like the endpoints (one login for all siblings)."""
+
+    def __init__(self) -> None:
+        self.token: str | None = None
+        self.lock = threading.Lock()
+
+
 class EtcdClient:
     """A small synchronous etcd v3 client. Thread-safe: calls may come from any thread.
 
-    Every call retries connection failures (and moves to the next endpoint) until
-    `settings.timeout` has passed, then raises EtcdUnavailableError naming the
-    endpoints. A request that was sent but not answered may have been applied: every
-    write here is either idempotent (put, delete, revoke) or a compare-and-swap whose
-    caller re-reads on failure.
+    Every call retries connection failures until `settings.timeout` has passed, then
+    raises EtcdUnavailableError naming the endpoints. A failed attempt moves to the next
+    endpoint at once (a refused connection, a member without a leader, or an attempt
+    that ran past `settings.attempt_timeout`: a frozen member); only after every
+    endpoint failed in a pass does the client back off. A request that was sent but not
+    answered may have been applied: every write here is either idempotent (put, delete,
+    revoke) or a compare-and-swap whose caller re-reads on failure.
     """
 
-    def __init__(self, settings: EtcdSettings) -> None:
+    def __init__(self, settings: EtcdSettings, *, _endpoints: _Endpoints | None = None,
+                 _auth: _Auth | None = None) -> None:
         self.settings = settings
         self._urls = settings.urls()
-        self._index = 0
-        self._lock = threading.Lock()
-        self._token: str | None = None
+        self._endpoints = _endpoints or _Endpoints(self._urls)
+        self._auth = _auth or _Auth()
         self._local = threading.local()
+
+    def sibling(self, *, timeout: float, attempt_timeout: float | None = None) -> EtcdClient:
+        """A client with other deadlines that shares this one's endpoint rotation and
+        auth token (the rendezvous's monitor and keepalive clients)."""
+        settings = dataclasses.replace(
+            self.settings, timeout=timeout,
+            attempt_timeout=min(attempt_timeout or self.settings.attempt_timeout, timeout))
+        return EtcdClient(settings, _endpoints=self._endpoints, _auth=self._auth)
 
     # -- transport ------------------------------------------------------------
 
@@ -262,13 +311,13 @@ class EtcdClient:
             self._local.session = session
         return session
 
-    def _gateway(self, url: str) -> Etcd3Client:
+    def _gateway(self, url: str, timeout: float) -> Etcd3Client:
         host, _, port = url.split("://", 1)[1].rpartition(":")
         return Etcd3Client(
             host=host,
             port=int(port),
             protocol=url.split("://", 1)[0],
-            timeout=self.settings.timeout,
+            timeout=timeout,
             api_path="/v3/",
             session=self._session(),
         )
@@ -276,9 +325,18 @@ class EtcdClient:
     @property
     def endpoint(self) -> str:
         """The endpoint currently in use (for messages)."""
-        return self._urls[self._index % len(self._urls)]
+        return self._endpoints.current()
 
-    def _authenticate(self, gw: Etcd3Client) -> None:
+    @property
+    def _token(self) -> str | None:
+        return self._auth.token
+
+    @_token.setter
+    def _token(self, value: str | None) -> None:
+        with self._auth.lock:
+            self._auth.token = value
+
+    def _authenticate(self, gw: Etcd3Client, endpoint: str) -> None:
         assert self.settings.username is not None
         try:
             resp = gw.post(
@@ -289,62 +347,68 @@ class EtcdClient:
             if isinstance(exc, gw_exc.ConnectionFailedError | gw_exc.ConnectionTimeoutError):
                 raise
             if "commonname" in (exc.detail_text or "").lower():
-                raise EtcdAuthError(_CN_HINT.format(endpoint=self.endpoint)) from None
+                raise EtcdAuthError(_CN_HINT.format(endpoint=endpoint)) from None
             raise EtcdAuthError(
-                f"etcd at {self.endpoint} refused user {self.settings.username!r}: "
+                f"etcd at {endpoint} refused user {self.settings.username!r}: "
                 f"{(exc.detail_text or '').strip()[:200]}; check the etcd username/password"
             ) from None
-        with self._lock:
-            self._token = resp["token"]
+        with self._auth.lock:
+            self._auth.token = resp["token"]
 
     def call(self, path: str, body: dict[str, Any], *, what: str) -> dict[str, Any]:
-        """POST `body` to `/v3/{path}`, with retries, auth and typed errors.
+        """POST `body` to `/v3/{path}`, with failover, retries, auth and typed errors.
 
         `what` names the operation and key for error messages.
         """
         deadline = time.monotonic() + self.settings.timeout
+        attempt = self.settings.attempt_timeout
         delay = 0.05
+        failed_in_pass = 0
         reauthed = False
         last: Exception | None = None
         while True:
-            gw = self._gateway(self.endpoint)
+            url = self.endpoint
+            per_try = max(0.05, min(attempt, deadline - time.monotonic()))
+            gw = self._gateway(url, per_try)
             try:
                 if self.settings.username and self._token is None:
-                    self._authenticate(gw)
+                    self._authenticate(gw, url)
                 headers = {"Authorization": self._token} if self._token else None
-                return gw.post(gw.get_url(path), json=body, headers=headers)
+                resp = gw.post(gw.get_url(path), json=body, headers=headers)
+                _check_version_once(self, url)
+                return resp
             except (gw_exc.ConnectionFailedError, gw_exc.ConnectionTimeoutError) as exc:
                 last = exc
-                with self._lock:
-                    self._index += 1
             except gw_exc.Etcd3Exception as exc:
                 text = (exc.detail_text or "").lower()
                 if self.settings.username and not reauthed and any(
                     m in text for m in _REAUTH_MARKERS
                 ):
                     reauthed = True
-                    with self._lock:
-                        self._token = None
+                    with self._auth.lock:
+                        self._auth.token = None
                     continue
                 if "commonname" in text:
-                    raise EtcdAuthError(_CN_HINT.format(endpoint=self.endpoint)) from None
+                    raise EtcdAuthError(_CN_HINT.format(endpoint=url)) from None
                 if "permission denied" in text or "authentication failed" in text or (
                     any(m in text for m in _REAUTH_MARKERS)
                 ):
                     raise EtcdAuthError(
-                        f"etcd at {self.endpoint} denied {what}: {text.strip()[:200]}; "
+                        f"etcd at {url} denied {what}: {text.strip()[:200]}; "
                         "check the etcd user and its role's key permissions"
                     ) from None
                 if "lease not found" in text:
-                    raise EtcdLeaseLostError(
-                        f"{what}: lease not found at {self.endpoint}"
-                    ) from None
+                    raise EtcdLeaseLostError(f"{what}: lease not found at {url}") from None
                 if "no leader" in text or "timed out" in text or "unavailable" in text:
+                    # A member cut off from its peers (or mid-election) answers this way;
+                    # another member may have a leader now.
                     last = exc
                 else:
                     raise EtcdError(
-                        f"etcd at {self.endpoint} rejected {what}: {text.strip()[:300]}"
+                        f"etcd at {url} rejected {what}: {text.strip()[:300]}"
                     ) from None
+            self._endpoints.failed(url)
+            failed_in_pass += 1
             remaining = deadline - time.monotonic()
             if remaining <= 0:
                 raise EtcdUnavailableError(
@@ -352,8 +416,13 @@ class EtcdClient:
                     f"within {self.settings.timeout:.1f}s (last error: {_short(last)}); "
                     "check that etcd is running and the endpoint (--rdzv-endpoint) is right"
                 ) from None
-            time.sleep(min(delay, remaining))
-            delay = min(delay * 2, 1.0)
+            if failed_in_pass >= len(self._urls):
+                # Every endpoint failed once: back off, and give the next pass longer
+                # attempts (a loaded single etcd may just be slow).
+                failed_in_pass = 0
+                attempt *= 2
+                time.sleep(min(delay, remaining))
+                delay = min(delay * 2, 1.0)
 
     # -- key/value ------------------------------------------------------------
 
@@ -503,7 +572,65 @@ def _short(exc: BaseException | None) -> str:
     if exc is None:
         return "none"
     text = getattr(exc, "detail_text", None) or str(exc) or type(exc).__name__
-    return f"{type(exc).__name__}: {str(text)[:160]}"
+    # Long enough for requests' nested causes ("...(Caused by ReadTimeoutError(...))").
+    return f"{type(exc).__name__}: {str(text)[:600]}"
+
+
+MIN_ETCD_VERSION = (3, 5, 13)
+"""The oldest etcd Relight recommends for real clusters (see `etcd_version_advice`)."""
+
+_LOOPBACK = frozenset({"127.0.0.1", "localhost", "::1", "[::1]"})
+_versions_lock = threading.Lock()
+_versions_checked: set[str] = set()
+_versions_told: set[str] = set()
+
+
+def etcd_version_advice(version: str) -> str | None:
+    """Why etcd `version` (e.g. "3.5.1") is unsafe for Relight's leases, or None if it
+    is not known to be. Pure; `EtcdClient` logs it once per endpoint and process."""
+    try:
+        parts = tuple(int(p) for p in version.split("-", 1)[0].split(".")[:3])
+    except ValueError:
+        return None
+    if len(parts) < 3 or parts >= MIN_ETCD_VERSION or parts >= (3, 6, 0):
+        return None
+    reasons = []
+    if (3, 5, 0) <= parts <= (3, 5, 2):
+        reasons.append("3.5.0-3.5.2 can lose data consistency after a crash "
+                       "(etcd-io/etcd#13766, fixed in 3.5.3)")
+    reasons.append("a leader that stalls and resumes can revoke leases the new leader kept "
+                   "alive, restarting healthy nodes (etcd-io/etcd#15247, fixed in 3.5.13)")
+    minimum = ".".join(map(str, MIN_ETCD_VERSION))
+    return (f"etcd {version} is older than {minimum}: " + "; ".join(reasons)
+            + f". Use etcd >= {minimum} (or 3.6) for a real cluster; the embedded "
+            "single-member etcd of `relight run` is for local runs only")
+
+
+def _check_version_once(client: EtcdClient, url: str) -> None:
+    """Read `/version` of `url` once per process and warn if it is an affected release.
+    Best effort: a failure here never fails the call that triggered it."""
+    with _versions_lock:
+        if url in _versions_checked:
+            return
+        _versions_checked.add(url)
+    try:
+        resp = client._session().get(url + "/version",
+                                     timeout=client.settings.attempt_timeout)
+        version = str(resp.json().get("etcdserver", ""))
+    except (requests.exceptions.RequestException, ValueError) as exc:
+        logger.debug("could not read the version of etcd at %s: %s", url, exc)
+        return
+    advice = etcd_version_advice(version)
+    with _versions_lock:
+        if advice and version in _versions_told:
+            return
+        _versions_told.add(version)
+    if advice:
+        # On loopback it is a local run (the embedded etcd, a test cluster): say it once
+        # quietly. Anywhere else it is a cluster users depend on: warn.
+        host = url.split("://", 1)[1].rsplit(":", 1)[0]
+        level = logging.INFO if host in _LOOPBACK else logging.WARNING
+        logger.log(level, "etcd at %s: %s", url, advice)
 
 
 class LeaseKeeper:
@@ -540,21 +667,26 @@ class LeaseKeeper:
 
     def _run(self) -> None:
         interval = max(self.ttl / 3.0, 0.2)
-        while not self._stop.wait(interval):
+        wait = interval
+        while not self._stop.wait(wait):
             try:
                 self.client.lease_keepalive(self.lease_id)
                 if self.unreachable_since is not None:
                     logger.info("lease %x refreshed again after %.1fs without etcd",
                                 self.lease_id, time.monotonic() - self.unreachable_since)
                 self.unreachable_since = None
+                wait = interval
             except EtcdLeaseLostError as exc:
                 self._fail(exc)
                 return
             except Exception as exc:  # noqa: BLE001 - etcd decides when the lease is gone
+                # The TTL is running: try again almost at once (the client has moved on
+                # to the next endpoint), backing off only while nothing answers at all.
+                wait = 0.05 if self.unreachable_since is None else min(wait * 2, interval)
                 if self.unreachable_since is None:
                     self.unreachable_since = time.monotonic()
-                    logger.warning("lease %x keepalive failed (%s); retrying every %.1fs",
-                                   self.lease_id, _short(exc), interval)
+                    logger.warning("lease %x keepalive failed (%s); retrying on the next "
+                                   "endpoint", self.lease_id, _short(exc))
 
     def _fail(self, exc: BaseException) -> None:
         self.error = exc

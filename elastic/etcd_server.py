@@ -8,6 +8,7 @@ same directory keeps every key (chaos kills and restarts it on purpose).
 
 from __future__ import annotations
 
+import json
 import logging
 import os
 import shutil
@@ -22,7 +23,8 @@ from pathlib import Path
 
 logger = logging.getLogger(__name__)
 
-__all__ = ["EtcdServer", "EtcdServerError", "EtcdTLS", "etcd_binary", "free_port"]
+__all__ = ["EtcdCluster", "EtcdServer", "EtcdServerError", "EtcdTLS", "etcd_binary",
+           "free_port"]
 
 
 class EtcdServerError(RuntimeError):
@@ -83,6 +85,9 @@ class EtcdServer:
     tls: EtcdTLS | None = None
     log_path: Path | None = None
     extra_args: list[str] = field(default_factory=list)
+    initial_cluster: str | None = None
+    """`name=peer-url,...` of every member when this one is part of a cluster
+    (`EtcdCluster` sets it); None: a single-member cluster of its own."""
     _proc: subprocess.Popen | None = field(default=None, init=False, repr=False)
     # Ports we picked ourselves may be re-picked until the first successful start;
     # after that the endpoint is what clients hold, so a restart keeps it.
@@ -143,8 +148,20 @@ class EtcdServer:
         raise AssertionError("unreachable")
 
     def _start_once(self, timeout: float) -> None:
+        log_path, log_start = self._spawn()
+        self._wait_healthy(timeout, log_path, log_start)
+        assert self._proc is not None
+        logger.info("etcd started pid=%d at %s (data %s)", self._proc.pid, self.url, self.data_dir)
+
+    @property
+    def peer_url(self) -> str:
+        return f"http://127.0.0.1:{self.peer_port}"
+
+    def _spawn(self) -> tuple[Path, int]:
+        """Start the process without waiting; returns its log and where this start's
+        lines begin."""
         self.data_dir.mkdir(parents=True, exist_ok=True)
-        peer = f"http://127.0.0.1:{self.peer_port}"
+        peer = self.peer_url
         args = [
             etcd_binary(),
             f"--name={self.name}",
@@ -153,7 +170,7 @@ class EtcdServer:
             f"--advertise-client-urls={self.url}",
             f"--listen-peer-urls={peer}",
             f"--initial-advertise-peer-urls={peer}",
-            f"--initial-cluster={self.name}={peer}",
+            f"--initial-cluster={self.initial_cluster or f'{self.name}={peer}'}",
             "--initial-cluster-state=new",
             "--log-level=warn",
             # Keep a restarted server's compaction off our revisions: the
@@ -176,8 +193,7 @@ class EtcdServer:
             args, stdout=log_file, stderr=subprocess.STDOUT, env=env, start_new_session=True
         )
         log_file.close()
-        self._wait_healthy(timeout, log_path, log_start)
-        logger.info("etcd started pid=%d at %s (data %s)", self._proc.pid, self.url, self.data_dir)
+        return log_path, log_start
 
     def _wait_healthy(self, timeout: float, log_path: Path, log_start: int) -> None:
         deadline = time.monotonic() + timeout
@@ -218,6 +234,7 @@ class EtcdServer:
         if not self._proc:
             return
         if self._proc.poll() is None:
+            self._proc.send_signal(signal.SIGCONT)  # a paused member cannot stop
             self._proc.send_signal(signal.SIGTERM)
             try:
                 self._proc.wait(timeout)
@@ -233,6 +250,17 @@ class EtcdServer:
             self._proc.wait()
         self._proc = None
 
+    def pause(self) -> None:
+        """SIGSTOP: the member keeps its sockets (connections are accepted by the
+        kernel) and answers nothing, as a hung machine would."""
+        if self._proc and self._proc.poll() is None:
+            os.kill(self._proc.pid, signal.SIGSTOP)
+
+    def resume(self) -> None:
+        """SIGCONT after `pause()`."""
+        if self._proc and self._proc.poll() is None:
+            os.kill(self._proc.pid, signal.SIGCONT)
+
     def restart(self, timeout: float = 20.0) -> EtcdServer:
         self.kill()
         return self.start(timeout)
@@ -242,3 +270,104 @@ class EtcdServer:
 
     def __exit__(self, *exc: object) -> None:
         self.stop()
+
+
+@dataclass
+class EtcdCluster:
+    """`size` etcd members on 127.0.0.1, as users run etcd (three members survive the
+    loss of any one). The chaos harness and the tests kill, pause and restart members.
+
+    Call order: `start()` -> `endpoints` -> `stop()`; per member `kill(i)`, `pause(i)`,
+    `resume(i)`, `start_member(i)` (same ports and data dir: it rejoins).
+    """
+
+    base_dir: Path
+    size: int = 3
+    name: str = "relight-etcd"
+    members: list[EtcdServer] = field(default_factory=list, init=False)
+
+    def __post_init__(self) -> None:
+        if self.size < 1:
+            raise ValueError(f"EtcdCluster.size must be >= 1, got {self.size}")
+        self.base_dir = Path(self.base_dir)
+        self.members = [
+            EtcdServer(self.base_dir / f"m{i}" / "data", name=f"{self.name}-{i}",
+                       log_path=self.base_dir / f"m{i}.etcd.log")
+            for i in range(self.size)
+        ]
+        cluster = ",".join(f"{m.name}={m.peer_url}" for m in self.members)
+        for m in self.members:
+            m.initial_cluster = cluster
+
+    @property
+    def endpoints(self) -> list[str]:
+        """Every member's host:port, in member order (what `--rdzv-endpoint` takes,
+        joined by commas)."""
+        return [m.endpoint for m in self.members]
+
+    def start(self, timeout: float = 60.0) -> EtcdCluster:
+        """Start every member and wait until each is healthy (has a leader)."""
+        spawned = [m._spawn() for m in self.members]
+        for m, (log_path, log_start) in zip(self.members, spawned, strict=True):
+            m._wait_healthy(timeout, log_path, log_start)
+            m._ports_movable = False
+        return self
+
+    def start_member(self, i: int, timeout: float = 30.0) -> None:
+        """Start member `i` again on its ports and data dir (it rejoins the cluster)."""
+        m = self.members[i]
+        if not m.running():
+            log_path, log_start = m._spawn()
+            m._wait_healthy(timeout, log_path, log_start)
+
+    def kill(self, i: int) -> None:
+        self.members[i].kill()
+
+    def pause(self, i: int) -> None:
+        self.members[i].pause()
+
+    def resume(self, i: int) -> None:
+        self.members[i].resume()
+
+    def leader(self, timeout: float = 30.0) -> int:
+        """Index of the member that is the leader now, by asking the running members
+        (waits out an election, up to `timeout`)."""
+        deadline = time.monotonic() + timeout
+        while True:
+            ids: dict[str, int] = {}
+            leader_id = None
+            for i, m in enumerate(self.members):
+                status = _member_status(m)
+                if status is None:
+                    continue
+                ids[str(status["header"]["member_id"])] = i
+                if str(status.get("leader", "0")) != "0":
+                    leader_id = str(status["leader"])
+            if leader_id in ids:
+                return ids[leader_id]
+            if time.monotonic() > deadline:
+                raise EtcdServerError(f"no etcd leader among {self.endpoints} after "
+                                      f"{timeout:.0f}s")
+            time.sleep(0.1)
+
+    def stop(self) -> None:
+        for m in self.members:
+            m.stop()
+
+    def __enter__(self) -> EtcdCluster:
+        return self.start()
+
+    def __exit__(self, *exc: object) -> None:
+        self.stop()
+
+
+def _member_status(member: EtcdServer) -> dict | None:
+    if not member.running():
+        return None
+    request = urllib.request.Request(f"{member.url}/v3/maintenance/status", data=b"{}",
+                                     headers={"Content-Type": "application/json"})
+    try:
+        with urllib.request.urlopen(request, timeout=1.0) as resp:
+            return json.loads(resp.read())
+    except (urllib.error.URLError, OSError, ValueError):
+        return None  # paused, electing, or gone

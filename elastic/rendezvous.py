@@ -60,6 +60,7 @@ from torch.distributed import DistError, TCPStore
 from torch.distributed.elastic.rendezvous import (
     RendezvousClosedError,
     RendezvousConnectionError,
+    RendezvousGracefulExitError,
     RendezvousHandler,
     RendezvousInfo,
     RendezvousParameters,
@@ -199,8 +200,8 @@ class RendezvousSettings:
     def from_parameters(cls, params: RendezvousParameters) -> RendezvousSettings:
         conf = params.config
         known = {"timeout", "join_timeout", "last_call_timeout", "rejoin_timeout", "lease_ttl",
-                 "etcd_timeout", "store_timeout", "poll_interval", "prefix", "username",
-                 "ca_file", "cert_file", "key_file"}
+                 "etcd_timeout", "attempt_timeout", "store_timeout", "poll_interval", "prefix",
+                 "username", "ca_file", "cert_file", "key_file"}
         unknown = sorted(set(conf) - known)
         if "password" in unknown:
             raise ValueError(
@@ -222,6 +223,10 @@ class RendezvousSettings:
         endpoints = tuple(e.strip() for e in (params.endpoint or "127.0.0.1:2379").split(",")
                           if e.strip())
         etcd_timeout = num("etcd_timeout", 30.0)
+        lease_ttl = num("lease_ttl", 10.0)
+        # A member that cannot answer within a third of the lease TTL is failing by the
+        # rendezvous's own measure of liveness: try the next one.
+        attempt_timeout = num("attempt_timeout", min(2.0, max(0.2, lease_ttl / 3)))
         return cls(
             run_id=params.run_id,
             min_nodes=params.min_nodes,
@@ -230,6 +235,7 @@ class RendezvousSettings:
                 endpoints=endpoints,
                 prefix=str(conf.get("prefix", "/relight")),
                 timeout=etcd_timeout,
+                attempt_timeout=attempt_timeout,
                 username=username,
                 password=password,
                 ca_file=conf.get("ca_file"),
@@ -239,7 +245,7 @@ class RendezvousSettings:
             join_timeout=num("join_timeout", num("timeout", 900.0)),
             last_call_timeout=num("last_call_timeout", 5.0),
             rejoin_timeout=num("rejoin_timeout", 30.0),
-            lease_ttl=num("lease_ttl", 10.0),
+            lease_ttl=lease_ttl,
             etcd_timeout=etcd_timeout,
             store_timeout=num("store_timeout", 300.0),
             poll_interval=num("poll_interval", 1.0),
@@ -316,6 +322,14 @@ def release_leases(reason: str) -> int:
 atexit.register(release_leases, "process exit")
 
 
+@dataclass(frozen=True, slots=True)
+class _Spare:
+    """`_step`'s answer when the group is full: wait (at most `wait` seconds per watch)
+    without a join deadline."""
+
+    wait: float
+
+
 class _StoreMissing(Exception):
     def __init__(self, round_: int, message: str) -> None:
         super().__init__(message)
@@ -345,10 +359,13 @@ class EtcdRendezvousHandler(RendezvousHandler):
         self._client = EtcdClient(settings.etcd)
         # Separate, shorter deadlines for the calls made from the agent's monitor loop
         # and from the keepalive thread: neither may block for the full etcd timeout.
-        self._fast = EtcdClient(dataclasses.replace(
-            settings.etcd, timeout=min(settings.etcd.timeout, max(1.0, settings.poll_interval))))
-        self._keep_client = EtcdClient(dataclasses.replace(
-            settings.etcd, timeout=max(0.5, settings.lease_ttl / 3)))
+        # They share the endpoint rotation, so a member found frozen by one is skipped
+        # by all.
+        fast = min(settings.etcd.timeout, max(1.0, settings.poll_interval))
+        self._fast = self._client.sibling(timeout=fast)
+        keep = max(0.5, settings.lease_ttl / 3)
+        self._keep_client = self._client.sibling(
+            timeout=keep, attempt_timeout=min(settings.etcd.attempt_timeout, keep / 2))
         self._lease: int | None = None
         self._lease_pid = -1
         self._keeper: LeaseKeeper | None = None
@@ -359,6 +376,8 @@ class EtcdRendezvousHandler(RendezvousHandler):
         self._waiting_cache: tuple[float, int] = (-1e9, 0)
         self._min_seen: dict[int, float] = {}
         self._lost_logged = -1
+        self._waiting_outage: float | None = None
+        """When num_nodes_waiting() first failed to reach etcd in the current outage."""
         """The round whose lost participants were already logged (one line per fault)."""
 
     def _log(self, msg: str, *args: Any, level: int = logging.INFO) -> None:
@@ -463,10 +482,17 @@ class EtcdRendezvousHandler(RendezvousHandler):
                 return cached
             try:
                 count = self._count_waiting()
+                if self._waiting_outage is not None:
+                    self._log("num_nodes_waiting: etcd answers again after %.1fs",
+                              _now() - self._waiting_outage)
+                    self._waiting_outage = None
             except EtcdError as exc:
-                # A running job must not die because etcd restarts: report nothing new.
-                self._log("num_nodes_waiting: etcd error (%s); assuming 0", exc,
-                          level=logging.WARNING)
+                # A running job must not die because etcd restarts: report nothing new,
+                # and say so once per outage (the agent polls every monitor tick).
+                if self._waiting_outage is None:
+                    self._waiting_outage = _now()
+                    self._log("num_nodes_waiting: etcd error (%s); assuming 0 until etcd "
+                              "answers", exc, level=logging.WARNING)
                 count = 0
             self._waiting_cache = (_now(), count)
         _notify("nodes_waiting", {"run_id": self.settings.run_id, "node": self.node_id,
@@ -588,8 +614,9 @@ class EtcdRendezvousHandler(RendezvousHandler):
         s = self.settings
         self._ensure_lease()
         prev_round = self._round
+        spare_since: float | None = None
         while True:
-            if _now() >= deadline:
+            if _now() >= deadline and spare_since is None:
                 raise RendezvousTimeoutError(
                     f"rendezvous for job {s.run_id!r} on etcd {self._client.endpoint} did not "
                     f"complete within {s.join_timeout:.0f}s (min_nodes={s.min_nodes}, "
@@ -599,12 +626,20 @@ class EtcdRendezvousHandler(RendezvousHandler):
                 self._ensure_lease()
             state, kv, revision = self._read_at(self._client)
             if state is not None and state.closed:
+                if spare_since is not None:
+                    raise RendezvousGracefulExitError(
+                        f"job {s.run_id!r} finished while node {self.node_id} waited as a "
+                        "spare")
                 raise RendezvousClosedError(
                     f"rendezvous for job {s.run_id!r} is closed (the job finished or was "
                     f"stopped); start a new job with another --rdzv-id, or delete "
                     f"{s.namespace} in etcd to reuse this one")
+            alive, _ = self._alive(self._client)
+            if self.node_id not in alive:
+                self._reregister()
+                continue
             try:
-                step = self._step(state, kv, prev_round)
+                step = self._step(state, kv, prev_round, alive)
             except _StoreMissing as exc:
                 # Rank 0 died before publishing the round's store: re-form without it.
                 self._log("%s; opening a new round", exc, level=logging.WARNING)
@@ -614,30 +649,55 @@ class EtcdRendezvousHandler(RendezvousHandler):
                 return step
             if step == "retry":
                 continue
-            # Wait for any change under the job's namespace, bounded.
-            wait = min(max(0.0, deadline - _now()), step)
+            if isinstance(step, _Spare):
+                # A hot spare waits as long as the job lives, woken by any change under
+                # the job's keys (a lost member's key expiring, a new round, the close).
+                if spare_since is None:
+                    spare_since = _now()
+                    self._log("the group is full (%d nodes): waiting as a spare",
+                              s.max_nodes)
+                wait = step.wait
+            else:
+                if spare_since is not None:
+                    # No longer a spare: joining gets a join timeout of its own.
+                    spare_since, deadline = None, _now() + s.join_timeout
+                wait = min(max(0.0, deadline - _now()), step)
             self._client.wait_for_change(s.namespace, revision, wait)
 
-    def _step(self, state: RoundState | None, kv: KeyValue | None,
-              prev_round: int) -> RendezvousInfo | str | float:
+    def _reregister(self) -> None:
+        """This node's key is gone while it rendezvouses: its lease expired or was
+        revoked before the keeper noticed, or the key was deleted. Registering again at
+        once keeps the loop from dropping this node from the open round and adding it
+        back on every pass until the next keepalive."""
+        self._log("this node's key is gone (lease %x); registering again", self._lease or 0,
+                  level=logging.WARNING)
+        if self._lease is not None:
+            try:
+                self._client.lease_keepalive(self._lease)
+            except EtcdLeaseLostError:
+                self._drop_lease()
+        self._ensure_lease()
+
+    def _step(self, state: RoundState | None, kv: KeyValue | None, prev_round: int,
+              alive: set[str]) -> RendezvousInfo | str | float | _Spare:
         """One decision on the current state: a RendezvousInfo when this node's round is
-        complete, "retry" after a CAS (won or lost), or seconds to wait for a change."""
+        complete, "retry" after a CAS (won or lost), seconds to wait for a change, or
+        `_Spare` when the group is full and this node waits for a place."""
         s, me = self.settings, self.node_id
+        spare = _Spare(max(s.lease_ttl, s.poll_interval))
         if state is None:
             self._cas_state(None, RoundState(round=0, phase="open", members=[me]))
             return "retry"
         if state.phase == "complete":
             if me in state.participants and state.round > prev_round:
                 return self._finish(state)
-            alive, _ = self._alive(self._client)
             dead = any(p not in alive for p in state.participants)
             if (me in state.participants or len(state.participants) < s.max_nodes or dead):
                 self._cas_state(kv, RoundState(round=state.round + 1, phase="open",
                                                members=[me], previous=state.participants))
                 return "retry"
-            return min(s.poll_interval * 5, s.lease_ttl)  # a spare: the group is full
+            return spare
         # Open round.
-        alive, _ = self._alive(self._client)
         members = [m for m in state.members if m in alive]
         if members != state.members:
             gone = [m for m in state.members if m not in alive]
@@ -646,7 +706,7 @@ class EtcdRendezvousHandler(RendezvousHandler):
             return "retry"
         if me not in members:
             if len(members) >= s.max_nodes:
-                return min(s.poll_interval * 5, s.lease_ttl)  # full: wait as a spare
+                return spare
             self._cas_state(kv, dataclasses.replace(state, members=[*members, me]))
             return "retry"
         if len(members) < s.min_nodes:

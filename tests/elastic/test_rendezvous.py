@@ -13,10 +13,10 @@ import pytest
 from torch.distributed.elastic.rendezvous import (
     RendezvousClosedError,
     RendezvousConnectionError,
+    RendezvousGracefulExitError,
     RendezvousInfo,
     RendezvousParameters,
     RendezvousStateError,
-    RendezvousTimeoutError,
 )
 
 from elastic.etcd_client import EtcdClient, EtcdSettings
@@ -124,20 +124,114 @@ def test_last_call_admits_a_late_node(etcd_server) -> None:
         shutdown_all([*early, late])
 
 
-def test_max_nodes_leaves_a_spare_waiting(etcd_server) -> None:
+class _Counting:
+    """Counts the requests a client makes (watches are not requests: they block)."""
+
+    def __init__(self, client: EtcdClient) -> None:
+        self.calls = 0
+        self._call = client.call
+
+        def call(*args, **kwargs):
+            self.calls += 1
+            return self._call(*args, **kwargs)
+
+        client.call = call
+
+
+def test_hot_spare_waits_past_its_join_timeout_and_steps_in(etcd_server) -> None:
     run = job_id()
     hs = [handler(etcd_server.endpoint, run, 1, 2) for _ in range(2)]
     spare = handler(etcd_server.endpoint, run, 1, 2, join_timeout="2")
     try:
-        _check_group(join_all(hs), 2)
+        first = _check_group(join_all(hs), 2)
+        counter = _Counting(spare._client)
+        thread, out = in_thread(spare.next_rendezvous)
+        # Wait for the spare to be registered, then twice its join timeout: it must
+        # still be waiting (it used to fail with RendezvousTimeoutError here).
+        client = EtcdClient(EtcdSettings(endpoints=(etcd_server.endpoint,)))
         t0 = time.monotonic()
-        with pytest.raises(RendezvousTimeoutError, match="min_nodes=1, max_nodes=2"):
-            spare.next_rendezvous()
-        assert 1.9 < time.monotonic() - t0 < 10
+        while client.get(f"/relight-test/{run}/nodes/{spare.node_id}") is None:
+            assert time.monotonic() - t0 < 30, "the spare never registered"
+            time.sleep(0.05)
+        calls_before = counter.calls
+        thread.join(4.0)
+        assert thread.is_alive() and not out, out
+        # Woken only by changes or once per lease TTL (2 s): no busy polling.
+        assert counter.calls - calls_before <= 8, counter.calls - calls_before
         # A full group is not disturbed by a spare.
         assert [h.num_nodes_waiting() for h in hs] == [0, 0]
+        # A member's node is lost: its lease goes, and the spare takes its place.
+        lost = hs[1] if first[1].rank == 1 else hs[0]
+        survivor = hs[0] if lost is hs[1] else hs[1]
+        t_lost = time.monotonic()
+        assert lost.leave("test: node lost")
+        while survivor.num_nodes_waiting() == 0:
+            assert time.monotonic() - t_lost < 20, "the survivor never saw the new round"
+            time.sleep(0.05)
+        info = survivor.next_rendezvous()
+        thread.join(30)
+        infos = _check_group([info, out[0]], 2)
+        assert info.rank == 0 and infos[1].rank == 1  # the survivor keeps rank 0
+        state = client.get(f"/relight-test/{run}/state").json()
+        assert set(state["participants"]) == {survivor.node_id, spare.node_id}
+        # Generous for a loaded machine: the spare reacts to the lost key at once.
+        assert time.monotonic() - t_lost < 15
     finally:
         shutdown_all([*hs, spare])
+
+
+def test_spare_leaves_gracefully_when_the_job_finishes(etcd_server) -> None:
+    run = job_id()
+    hs = [handler(etcd_server.endpoint, run, 1, 1)]
+    spare = handler(etcd_server.endpoint, run, 1, 1)
+    try:
+        _check_group(join_all(hs), 1)
+        thread, out = in_thread(spare.next_rendezvous)
+        client = EtcdClient(EtcdSettings(endpoints=(etcd_server.endpoint,)))
+        t0 = time.monotonic()
+        while client.get(f"/relight-test/{run}/nodes/{spare.node_id}") is None:
+            assert time.monotonic() - t0 < 30, "the spare never registered"
+            time.sleep(0.05)
+        hs[0].shutdown()  # the job ends: torchrun closes the rendezvous
+        thread.join(30)
+        assert not thread.is_alive()
+        assert isinstance(out[0], RendezvousGracefulExitError), out
+    finally:
+        shutdown_all([*hs, spare])
+
+
+def test_node_whose_lease_was_revoked_registers_again_at_once(etcd_server) -> None:
+    run = job_id()
+    # A long TTL: the keeper would notice the revoked lease only at its next keepalive.
+    node = handler(etcd_server.endpoint, run, 2, 2, lease_ttl="30")
+    other = handler(etcd_server.endpoint, run, 2, 2, lease_ttl="30")
+    client = EtcdClient(EtcdSettings(endpoints=(etcd_server.endpoint,)))
+    try:
+        thread, out = in_thread(node.next_rendezvous)
+        t0 = time.monotonic()
+        while (kv := client.get(f"/relight-test/{run}/state")) is None or (
+                node.node_id not in kv.json()["members"]):
+            assert time.monotonic() - t0 < 30, "the node never joined the open round"
+            time.sleep(0.05)
+        old_lease = node._lease
+        client.lease_revoke(old_lease)  # from outside: the node's key goes with it
+        rev0 = client.revision()
+        t0 = time.monotonic()
+        while (kv := client.get(f"/relight-test/{run}/nodes/{node.node_id}")) is None:
+            assert time.monotonic() - t0 < 20, "the node never registered again"
+            time.sleep(0.05)
+        assert kv.lease != old_lease
+        time.sleep(2.0)  # a window in which the old loop rewrote the state ~100 times/s
+        writes = client.revision() - rev0
+        # Re-registering is a few writes (new node key, back into the round), not a loop
+        # of dropping and re-adding itself.
+        assert writes <= 6, writes
+        assert node.node_id in client.get(f"/relight-test/{run}/state").json()["members"]
+        info = other.next_rendezvous()
+        thread.join(30)
+        _check_group([info, out[0]], 2)
+    finally:
+        shutdown_all([node, other])
 
 
 def test_late_node_triggers_scale_up_with_stable_ranks(etcd_server) -> None:
