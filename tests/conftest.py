@@ -13,7 +13,7 @@ from collections.abc import Iterator
 import pytest
 
 from chaos.s3_server import S3Server
-from elastic.etcd_server import EtcdServer
+from elastic.etcd_server import EtcdCluster, EtcdServer
 
 
 def _running(server: EtcdServer) -> Iterator[EtcdServer]:
@@ -34,6 +34,18 @@ def etcd_server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[EtcdServer
 def etcd_restartable(tmp_path) -> Iterator[EtcdServer]:
     """A private etcd a test may kill and restart (`.kill()`, `.start()`, `.restart()`)."""
     yield from _running(EtcdServer(tmp_path / "etcd-data"))
+
+
+@pytest.fixture
+def etcd_cluster(tmp_path) -> Iterator[EtcdCluster]:
+    """Three real etcd members on loopback, as users run etcd; a test may kill, pause
+    (SIGSTOP) and restart members (`.kill(i)`, `.pause(i)`, `.start_member(i)`)."""
+    cluster = EtcdCluster(tmp_path / "etcd-cluster", size=3)
+    cluster.start()
+    try:
+        yield cluster
+    finally:
+        cluster.stop()
 
 
 @pytest.fixture(scope="session")
