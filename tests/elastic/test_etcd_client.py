@@ -3,9 +3,12 @@ restart, TLS and auth."""
 
 from __future__ import annotations
 
+import contextlib
+import socket
 import threading
 import time
 import uuid
+from collections.abc import Iterator
 
 import pytest
 
@@ -147,6 +150,57 @@ def test_second_endpoint_used_when_first_is_down(etcd_server, ns: str) -> None:
     c = EtcdClient(EtcdSettings(endpoints=(dead, etcd_server.endpoint), timeout=3))
     c.put(ns + "k", b"v")
     assert c.get(ns + "k").value == b"v"
+
+
+@contextlib.contextmanager
+def _hung_endpoint() -> Iterator[str]:
+    """A loopback port that accepts connections (the kernel completes the handshake into
+    the backlog) and never answers: what a SIGSTOPped etcd member looks like."""
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
+        sock.bind(("127.0.0.1", 0))
+        sock.listen(64)
+        yield f"127.0.0.1:{sock.getsockname()[1]}"
+
+
+def test_hung_first_endpoint_costs_one_attempt_then_is_skipped(etcd_server, ns: str) -> None:
+    with _hung_endpoint() as hung:
+        c = EtcdClient(EtcdSettings(endpoints=(hung, etcd_server.endpoint), timeout=30,
+                                    attempt_timeout=1.0))
+        t0 = time.monotonic()
+        c.put(ns + "k", b"v")
+        first = time.monotonic() - t0
+        # One attempt timeout on the hung endpoint, not the whole 30 s deadline.
+        assert first < 1.0 + 5.0, first
+        assert c.endpoint == f"http://{etcd_server.endpoint}"
+        # A sibling (another deadline, same rotation) starts at the live endpoint.
+        fast = c.sibling(timeout=0.5)
+        assert fast.get(ns + "k").value == b"v"
+
+
+def test_keeper_survives_a_hung_first_endpoint(etcd_server) -> None:
+    with _hung_endpoint() as hung:
+        settings = EtcdSettings(endpoints=(hung, etcd_server.endpoint), timeout=1.0,
+                                attempt_timeout=0.5)
+        c = EtcdClient(settings)
+        lease = EtcdClient(EtcdSettings(endpoints=(etcd_server.endpoint,))).lease_grant(3)
+        keeper = LeaseKeeper(c, lease, 3).start()
+        try:
+            # Three TTLs: each keepalive must reach the live endpoint in time.
+            time.sleep(9)
+            assert not keeper.lost.is_set(), keeper.error
+        finally:
+            keeper.stop()
+
+
+def test_version_advice() -> None:
+    from elastic.etcd_client import etcd_version_advice
+
+    assert "13766" in etcd_version_advice("3.5.1")
+    assert "15247" in etcd_version_advice("3.5.12")
+    assert "13766" not in etcd_version_advice("3.5.12")
+    assert "15247" in etcd_version_advice("3.4.20")
+    for fine in ("3.5.13", "3.5.21", "3.6.0", "3.6.5", "garbage", "3"):
+        assert etcd_version_advice(fine) is None, fine
 
 
 def test_survives_etcd_restart(etcd_restartable) -> None:
