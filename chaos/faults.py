@@ -26,6 +26,8 @@ from typing import Any, Protocol
 
 import psutil
 
+from elastic.warm import worker_of
+
 logger = logging.getLogger(__name__)
 
 __all__ = [
@@ -194,13 +196,21 @@ def find_workers(agent_pid: int) -> list[WorkerProc]:
             parent = proc.parent()
             if parent is not None and "LOCAL_RANK" in parent.environ():
                 continue
+            target = proc
+            forked = worker_of(proc.cmdline(), proc.pid)
+            if forked is not None:
+                # A warm start: the agent's child is a client that forwards signals
+                # (not SIGSTOP); the worker is the process the fork server made for it.
+                target = psutil.Process(forked)
+            elif "elastic.warm" in proc.cmdline():
+                continue  # a warm client whose worker is not forked yet
             out.append(
                 WorkerProc(
-                    pid=proc.pid,
+                    pid=target.pid,
                     rank=int(env.get("RANK", "-1")),
                     local_rank=int(env["LOCAL_RANK"]),
                     restart_count=int(env.get("TORCHELASTIC_RESTART_COUNT", "0")),
-                    create_time=proc.create_time(),
+                    create_time=target.create_time(),
                 )
             )
         except (psutil.NoSuchProcess, psutil.AccessDenied, ValueError):

@@ -179,11 +179,14 @@ def _parser() -> argparse.ArgumentParser:
         "--metrics-host", default="127.0.0.1",
         help="Address for --metrics-port (default loopback).")
     parser.add_argument(
-        "--warm-start", action="store_true",
-        help="Start every worker (and every restarted worker) by forking a per-node server "
-             "that has imported torch, the checkpoint engine and the training module "
-             "once (elastic.warm), instead of a fresh interpreter importing them. Python "
-             "commands only; a SIGSTOP of a worker does not reach it.")
+        "--warm-start", action=argparse.BooleanOptionalAction, default=True,
+        help="On by default: start every worker (and every restarted worker) by forking a "
+             "per-node server that has imported torch, the checkpoint engine and the "
+             "training module once (elastic.warm), instead of a fresh interpreter "
+             "importing them. Falls back to cold starts for a command that is not Python "
+             "or when the server cannot start. Turn it off (--no-warm-start) to freeze "
+             "workers with SIGSTOP from outside (a client cannot forward SIGSTOP) or when "
+             "the training module starts threads or CUDA at import.")
     parser.add_argument(
         "--checkpoint-url", default=None,
         help="Checkpoint root for the metrics' last committed step and its age (default: "
@@ -301,8 +304,8 @@ def _launch(args: argparse.Namespace, opts: Sequence[str], positional: list[str]
             try:
                 warm = _start_warm(args, positional, run_dir)
             except (LaunchError, OSError, RuntimeError) as exc:
-                print(f"relight run: --warm-start: {exc}", file=sys.stderr)
-                return 1
+                print(f"relight run: cold starts (warm starts unavailable: {exc}; "
+                      "--no-warm-start silences this)", file=sys.stderr)
         if args.metrics_port is not None:
             try:
                 metrics = _start_metrics(args, hints)

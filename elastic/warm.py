@@ -42,7 +42,7 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
-__all__ = ["DEFAULT_PRELOAD", "WarmServer", "client_command", "run", "serve"]
+__all__ = ["DEFAULT_PRELOAD", "WarmServer", "client_command", "run", "serve", "worker_of"]
 
 DEFAULT_PRELOAD = ("torch", "torch.distributed.tensor", "torch._dynamo", "ckpt", "storage")
 """What a Relight worker imports (torch, DTensor, the checkpoint engine, storage); a
@@ -214,6 +214,7 @@ def run(socket_path: str, argv: Sequence[str], connect_timeout_s: float = 60.0) 
     if not first:
         raise WarmStartError(f"the warm server on {socket_path} refused the start")
     pid = json.loads(first)["pid"]
+    _record_worker(socket_path, pid)
 
     def forward(signum: int, _frame: object) -> None:
         with contextlib.suppress(ProcessLookupError):
@@ -227,6 +228,38 @@ def run(socket_path: str, argv: Sequence[str], connect_timeout_s: float = 60.0) 
         return 1
     code = json.loads(last)["exit"]
     return 128 - code if code < 0 else code
+
+
+def _workers_dir(socket_path: str) -> Path:
+    return Path(socket_path).parent / "workers"
+
+
+def _record_worker(socket_path: str, pid: int) -> None:
+    """Leave `{socket dir}/workers/{client pid}` holding the worker's pid, so a tool
+    that sees only the agent's process tree (the chaos harness freezing a worker with
+    SIGSTOP, which a client cannot forward) can find the worker behind a client."""
+    d = _workers_dir(socket_path)
+    try:
+        d.mkdir(exist_ok=True)
+        tmp = d / f".{os.getpid()}.tmp"
+        tmp.write_text(str(pid))
+        os.replace(tmp, d / str(os.getpid()))
+    except OSError:
+        pass  # only observability: the worker runs either way
+
+
+def worker_of(client_cmdline: Sequence[str], client_pid: int) -> int | None:
+    """The pid of the worker a warm client (`client_command`) started, from the client's
+    command line and pid; None if `client_cmdline` is not a warm client or its worker is
+    not known (yet)."""
+    argv = list(client_cmdline)
+    if "elastic.warm" not in argv or "run" not in argv or "--socket" not in argv:
+        return None
+    socket_path = argv[argv.index("--socket") + 1]
+    try:
+        return int((_workers_dir(socket_path) / str(client_pid)).read_text())
+    except (OSError, ValueError):
+        return None
 
 
 def client_command(socket_path: str, argv: Sequence[str]) -> list[str]:

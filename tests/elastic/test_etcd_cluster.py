@@ -163,6 +163,7 @@ def test_torchrun_job_through_cluster_faults(etcd_cluster, tmp_path) -> None:
         etcd_cluster.resume(first)
         wait_for(_trains_on(out, t0 + 3 * TTL), 60, "training after the freeze", agents)
         outcome["follower frozen"] = {"restarts": _rdzv_starts(out) - starts}
+        print(f"\n{outcome}", flush=True)
 
         # 2. The leader killed.
         starts = _rdzv_starts(out)
@@ -172,6 +173,7 @@ def test_torchrun_job_through_cluster_faults(etcd_cluster, tmp_path) -> None:
         wait_for(_trains_on(out, t0 + TTL), 60, "training after the leader's death", agents)
         etcd_cluster.start_member(leader)
         outcome["leader killed"] = {"restarts": _rdzv_starts(out) - starts}
+        print(f"\n{outcome}", flush=True)
 
         # 3. Two of three members down: no quorum, but a running group needs none.
         starts = _rdzv_starts(out)
@@ -185,13 +187,14 @@ def test_torchrun_job_through_cluster_faults(etcd_cluster, tmp_path) -> None:
         for i in down:
             etcd_cluster.start_member(i)
         outcome["two members down"] = {"restarts": _rdzv_starts(out) - starts}
+        print(f"\n{outcome}", flush=True)
 
         # 4. The leader frozen, then a worker killed while it is.
         starts = _rdzv_starts(out)
         leader = etcd_cluster.leader()
         etcd_cluster.pause(leader)
-        restart = max(e["restart"] for e in workers(out))
-        victim = next(e["pid"] for e in workers(out, restart=restart, rank=1))
+        newest = max(workers(out, rank=1), key=lambda e: e["t"])  # the live rank 1
+        restart, victim = newest["restart"], newest["pid"]
         t_kill = time.time()
         os.kill(victim, signal.SIGKILL)
         wait_for(lambda: [s for s in steps(out, world=4) if s["t"] > t_kill

@@ -63,6 +63,17 @@ def test_run_with_embedded_etcd(tmp_path) -> None:
     assert etcd_processes_in(run_dir) == []  # and was stopped at the end
 
 
+def test_no_warm_start_runs_fresh_interpreters(tmp_path) -> None:
+    worker = str(Path(__file__).parent / "scripts" / "warm_worker.py")
+    res = relight_run("--no-warm-start", "--nproc-per-node=1", "--run-dir",
+                      str(tmp_path / "run"), "--", sys.executable, worker,
+                      str(tmp_path / "o"), "exit0", cwd=tmp_path)
+    assert res.returncode == 0, res.stderr[-3000:]
+    assert "warm starts through" not in res.stderr
+    rec = json.loads((tmp_path / "o").read_text().splitlines()[0])
+    assert not rec["torch_preloaded"]
+
+
 def test_failing_command_returns_nonzero_and_stops_etcd(tmp_path) -> None:
     # The command exits with the preemption status 76 at once, every time: a notice that
     # never clears. Relight's agent gives a preempted group its --max-restarts slot back
@@ -73,6 +84,8 @@ def test_failing_command_returns_nonzero_and_stops_etcd(tmp_path) -> None:
                       "exit 76", cwd=tmp_path)
     assert res.returncode == 1, res.stderr[-3000:]
     assert "sh" in res.stderr and "76" in res.stderr  # torchrun's failure summary
+    # Not a Python command: warm starts fall back to cold ones, and say so.
+    assert "cold starts (warm starts unavailable" in res.stderr
     events = [json.loads(line) for line in
               (run_dir / "events.jsonl").read_text().splitlines()]
     done = [e for e in events if e["ev"] == "rdzv_done"]
@@ -119,7 +132,7 @@ def test_fatal_exit_statuses_are_not_restarted(tmp_path, status) -> None:
 
 
 def test_warm_start_forks_workers_with_torch_imported(tmp_path) -> None:
-    """`--warm-start`: the workers are forked by the node's server (torch already
+    """Warm starts (the default): the workers are forked by the node's server (torch already
     imported: the script itself never imports it), their exit statuses reach the agent
     (a fault is restarted), and the server is gone when the job ends."""
     run_dir = tmp_path / "run"
@@ -129,7 +142,7 @@ def test_warm_start_forks_workers_with_torch_imported(tmp_path) -> None:
               f'sys.argv = ["{worker}", "{tmp_path}/o", "exit0" if n >= 2 else "exit1"]; '
               f'exec(open("{worker}").read())')
     (tmp_path / "job.py").write_text(script)
-    res = relight_run("--warm-start", "--nproc-per-node=2", "--max-restarts=1",
+    res = relight_run("--nproc-per-node=2", "--max-restarts=1",
                       "--run-dir", str(run_dir), "--", sys.executable, str(tmp_path / "job.py"),
                       cwd=tmp_path)
     assert res.returncode == 0, res.stderr[-3000:]
