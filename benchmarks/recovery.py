@@ -387,9 +387,10 @@ def job_argument_parser(prog: str, doc: str | None, arms: str) -> argparse.Argum
     p.add_argument("--recovery-timeout", type=float, default=180.0)
     p.add_argument("--arms", default=arms)
     p.add_argument("--workdir", default=None)
-    p.add_argument("--warm", action="store_true",
+    p.add_argument("--warm", action=argparse.BooleanOptionalAction, default=True,
                    help="start Relight's workers through a per-node fork server with torch "
-                        "and the engine imported (elastic.warm; `relight run --warm-start`)")
+                        "and the engine imported (elastic.warm), as `relight run` does by "
+                        "default; --no-warm measures cold starts")
     p.add_argument("--baseline-shared-store", action="store_true",
                    help="run the baseline's workers on torchrun's shared rendezvous TCPStore "
                         "(its default; restarted groups then fail in init_process_group on "

@@ -42,13 +42,18 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
-__all__ = ["DEFAULT_PRELOAD", "WarmServer", "client_command", "run", "serve", "worker_of"]
+__all__ = ["DEFAULT_PRELOAD", "PARENT_ENV", "WarmServer", "client_command", "run", "serve",
+           "worker_of"]
 
 DEFAULT_PRELOAD = ("torch", "torch.distributed.tensor", "torch._dynamo", "ckpt", "storage")
 """What a Relight worker imports (torch, DTensor, the checkpoint engine, storage); a
 caller adds its training module. torch._dynamo is there because the first
 `DTensor.from_local` of a process imports it (torch._compile's disable wrapper): 1.6 s
 on this 2-core machine under load, paid inside every restarted worker's restore otherwise."""
+
+PARENT_ENV = "RELIGHT_WARM_PARENT_PID"
+"""Set in a warm-started worker's environment to the pid of the process that started its
+client (torchrun's agent): the parent it would have had without the fork server."""
 
 _FORWARDED = (signal.SIGTERM, signal.SIGINT, signal.SIGHUP, signal.SIGUSR1, signal.SIGUSR2)
 _LEN = struct.Struct("!I")
@@ -205,7 +210,10 @@ def run(socket_path: str, argv: Sequence[str], connect_timeout_s: float = 60.0) 
                 raise WarmStartError(f"no warm server on {socket_path} after "
                                      f"{connect_timeout_s:.0f} s: {exc}") from exc
             time.sleep(0.05)
-    body = json.dumps({"argv": list(argv), "env": dict(os.environ),
+    # The worker's parent is the server, not the agent that started this client: tell
+    # it who that was (a worker that reports its supervisor reads this).
+    env = {**os.environ, PARENT_ENV: str(os.getppid())}
+    body = json.dumps({"argv": list(argv), "env": env,
                        "cwd": os.getcwd()}).encode()
     socket.send_fds(conn, [_LEN.pack(len(body))], [0, 1, 2])
     conn.sendall(body)

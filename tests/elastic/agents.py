@@ -34,12 +34,22 @@ RDZV_CONF = {
 
 def torchrun_cmd(endpoint: str, run_id: str, nnodes: str, nproc: int, script: Path,
                  script_args: Sequence[str], max_restarts: int = 0,
-                 conf: dict[str, str] | None = None) -> list[str]:
+                 conf: dict[str, str] | None = None, launcher: str = "torchrun",
+                 ) -> list[str]:
+    """One agent: plain torchrun (`launcher="torchrun"`) or `relight run` ("relight":
+    Relight's agent, warm starts) on the relight-etcd rendezvous."""
     rdzv_conf = ",".join(f"{k}={v}" for k, v in {**RDZV_CONF, **(conf or {})}.items())
-    return [sys.executable, "-m", "torch.distributed.run", "--rdzv-backend=relight-etcd",
+    if launcher == "relight":
+        head = [sys.executable, "-c",
+                "import sys; from elastic.launch import main; sys.exit(main(sys.argv[1:]))"]
+        tail = ["--", sys.executable, str(script), *script_args]
+    else:
+        head = [sys.executable, "-m", "torch.distributed.run"]
+        tail = [str(script), *script_args]
+    return [*head, "--rdzv-backend=relight-etcd",
             f"--rdzv-endpoint={endpoint}", f"--rdzv-id={run_id}", f"--nnodes={nnodes}",
             f"--nproc-per-node={nproc}", f"--max-restarts={max_restarts}",
-            "--monitor-interval=0.1", f"--rdzv-conf={rdzv_conf}", str(script), *script_args]
+            "--monitor-interval=0.1", f"--rdzv-conf={rdzv_conf}", *tail]
 
 
 class Agents:

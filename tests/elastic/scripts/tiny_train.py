@@ -69,7 +69,9 @@ def reference(steps: int) -> list[float]:
 
 def event(out: str, ev: str, **fields: object) -> None:
     line = json.dumps({"ev": ev, "t": time.time(), "pid": os.getpid(),
-                       "agent_pid": os.getppid(),
+                       # Under warm starts the parent is the fork server.
+                       "agent_pid": int(os.environ.get("RELIGHT_WARM_PARENT_PID",
+                                                       os.getppid())),
                        "round": int(os.environ.get("RELIGHT_RDZV_ROUND", "-1")), **fields})
     fd = os.open(os.path.join(out, "events.jsonl"), os.O_WRONLY | os.O_APPEND | os.O_CREAT)
     try:
