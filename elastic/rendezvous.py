@@ -375,6 +375,9 @@ class EtcdRendezvousHandler(RendezvousHandler):
         self._lock = threading.Lock()
         self._waiting_cache: tuple[float, int] = (-1e9, 0)
         self._min_seen: dict[int, float] = {}
+        self._seat_wait: dict[int, float] = {}
+        """Per open round: when this node first waited for a seat reserved for a live
+        member of the previous round."""
         self._lost_logged = -1
         self._waiting_outage: float | None = None
         """When num_nodes_waiting() first failed to reach etcd in the current outage."""
@@ -705,8 +708,16 @@ class EtcdRendezvousHandler(RendezvousHandler):
             self._cas_state(kv, dataclasses.replace(state, members=members))
             return "retry"
         if me not in members:
-            if len(members) >= s.max_nodes:
+            seats = s.max_nodes - len(members)
+            if seats <= 0:
                 return spare
+            # Live members of the last round keep their places: a newcomer takes a seat
+            # they still need only once they had `rejoin_timeout` to come back.
+            reserved = [p for p in state.previous if p in alive and p not in members]
+            if me not in state.previous and seats <= len(reserved):
+                waited = _now() - self._seat_wait.setdefault(state.round, _now())
+                if waited < s.rejoin_timeout:
+                    return _Spare(max(0.05, min(s.rejoin_timeout - waited, spare.wait)))
             self._cas_state(kv, dataclasses.replace(state, members=[*members, me]))
             return "retry"
         if len(members) < s.min_nodes:

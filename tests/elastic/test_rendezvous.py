@@ -420,3 +420,33 @@ def test_entry_point_registers_when_elastic_rendezvous_is_imported_first() -> No
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
                          timeout=60, cwd=os.getcwd())
     assert out.stdout.strip() == "EtcdRendezvousHandler", out.stderr[-2000:]
+
+
+def test_two_new_nodes_one_joins_one_stays_spare(etcd_server) -> None:
+    """torch's dynamic-rendezvous "new node handling" scenario: a 1-node group at
+    max_nodes=2, two nodes arrive at once; the participant re-rendezvous (its agent
+    sees them waiting), and the next round has the participant + one newcomer while the
+    other newcomer waits as a spare."""
+    run = job_id()
+    first = handler(etcd_server.endpoint, run, 1, 2)
+    newcomers = [handler(etcd_server.endpoint, run, 1, 2) for _ in range(2)]
+    try:
+        _check_group(join_all([first]), 1)
+        waiting = [in_thread(h.next_rendezvous) for h in newcomers]
+        t0 = time.monotonic()
+        while first.num_nodes_waiting() == 0:
+            assert time.monotonic() - t0 < 30, "the participant never saw the newcomers"
+            time.sleep(0.05)
+        info = first.next_rendezvous()
+        t0 = time.monotonic()
+        while sum(1 for _, out in waiting if out) < 1:
+            assert time.monotonic() - t0 < 30, "no newcomer joined the grown round"
+            time.sleep(0.05)
+        joined = [out[0] for _, out in waiting if out]
+        _check_group([info, *joined], 2)
+        assert info.rank == 0  # the participant keeps its rank
+        time.sleep(1.0)  # the other newcomer stays a spare, without failing
+        assert [t.is_alive() for t, out in waiting].count(True) == 1
+        assert all(isinstance(out[0], RendezvousInfo) for _, out in waiting if out)
+    finally:
+        shutdown_all([first, *newcomers])
