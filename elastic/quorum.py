@@ -1,0 +1,330 @@
+"""Replica-group membership, per-step quorums and commit votes in etcd.
+
+A job healing in place is a set of replica groups (along `dp_replicate`); each group is a
+torchrun agent of its own with its own workers. This module is the agreement between the
+groups, with etcd as the only coordinator (no lighthouse process: a 3-member etcd survives
+the loss of any member). Keys, all under `{prefix}/{job}/replicas/`:
+
+| key | value (JSON) | lifetime |
+| --- | --- | --- |
+| `groups/{group}` | `{"store": [host, port], "ready", "since"}` | the group's lease |
+| `quorum` | `{"id", "members"}`: the groups that train together now | the job |
+| `votes/{quorum id}/{step}/{group}` | `"ok"` or `"fail"` | two steps |
+
+**Quorum.** Before a step a group calls `agree()`: if the `quorum` key names exactly the
+live, ready groups it is the quorum; otherwise the group proposes the next one (id + 1)
+with a compare-and-swap on the key's `mod_revision`, and whoever loses re-reads. Every
+group therefore trains step `s` in the same quorum. Cross-group collectives of quorum `n`
+run on a process group built from a fresh store prefix (`quorum/{n}/`), so a group that
+still holds quorum `n - 1` can never meet a newer quorum's collectives (the fence on the
+data path).
+
+**Commit vote.** After its cross-group reduction a group votes `ok` (or `fail`) for
+`(quorum, step)` in a transaction that requires its own group key to exist and the
+`quorum` key to be unchanged (the fence on the control path: a group whose lease expired,
+or that belongs to a replaced quorum, cannot vote). `decide()` reads every key under
+`replicas/` in one range, so it judges one snapshot: the step commits when every member
+voted `ok`; it is abandoned when any member voted `fail`, lost its key, or the quorum was
+replaced before every vote was in. Since a vote needs its voter's key and an unchanged
+quorum, no snapshot can show "abandoned" to one group and "all ok" to another: every
+group applies the same steps, and replicas stay bitwise identical.
+
+Pure decisions (`Quorum.from_snapshot`, `decide_votes`) are separate from the I/O
+(`QuorumClient`), so the protocol is testable without etcd.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import time
+from collections import deque
+from dataclasses import dataclass
+from typing import Any
+
+from elastic.etcd_client import (
+    Compare,
+    EtcdClient,
+    EtcdLeaseLostError,
+    KeyValue,
+    LeaseKeeper,
+    OpDelete,
+    OpPut,
+)
+
+logger = logging.getLogger(__name__)
+
+__all__ = ["Quorum", "QuorumClient", "QuorumError", "Snapshot", "decide_votes"]
+
+
+class QuorumError(RuntimeError):
+    """The replica groups could not agree (etcd unreachable past the deadline, this
+    group's lease lost, or no quorum within the timeout)."""
+
+
+@dataclass(frozen=True, slots=True)
+class Quorum:
+    """The groups that train together, and the etcd revision of the `quorum` key that
+    fences every vote cast in it."""
+
+    id: int
+    members: tuple[str, ...]
+    """Group ids, sorted: a group's cross-group rank is its index."""
+    revision: int
+    """`mod_revision` of the `quorum` key when this quorum was read."""
+
+    def rank(self, group: str) -> int:
+        return self.members.index(group)
+
+    @property
+    def size(self) -> int:
+        return len(self.members)
+
+    def to_json(self) -> bytes:
+        return json.dumps({"id": self.id, "members": list(self.members)}).encode()
+
+
+@dataclass(frozen=True, slots=True)
+class Snapshot:
+    """Everything under `replicas/` at one etcd revision."""
+
+    groups: dict[str, dict[str, Any]]
+    """Live groups (their keys exist) and what they published."""
+    quorum: Quorum | None
+    votes: dict[tuple[int, int], dict[str, str]]
+    """`(quorum id, step)` -> `{group: "ok" | "fail"}`."""
+    revision: int
+
+    @property
+    def ready(self) -> tuple[str, ...]:
+        return tuple(sorted(g for g, doc in self.groups.items() if doc.get("ready")))
+
+    @classmethod
+    def parse(cls, kvs: list[KeyValue], root: str, revision: int) -> Snapshot:
+        groups: dict[str, dict[str, Any]] = {}
+        quorum: Quorum | None = None
+        votes: dict[tuple[int, int], dict[str, str]] = {}
+        for kv in kvs:
+            rel = kv.key[len(root):]
+            try:
+                if rel.startswith("groups/"):
+                    groups[rel[len("groups/"):]] = kv.json()
+                elif rel == "quorum":
+                    doc = kv.json()
+                    quorum = Quorum(int(doc["id"]), tuple(str(m) for m in doc["members"]),
+                                    kv.mod_revision)
+                elif rel.startswith("votes/"):
+                    qid, step, group = rel[len("votes/"):].split("/", 2)
+                    votes.setdefault((int(qid), int(step)), {})[group] = kv.value.decode()
+            except (ValueError, KeyError, TypeError) as exc:
+                raise QuorumError(f"replica key {kv.key} holds no valid value ({exc}); "
+                                  f"delete it or use a new job id") from None
+        return cls(groups, quorum, votes, revision)
+
+
+def decide_votes(snap: Snapshot, quorum: Quorum, step: int) -> bool | None:
+    """Whether `step` of `quorum` commits (True), is abandoned (False), or is still open
+    (None), judged on one snapshot."""
+    votes = snap.votes.get((quorum.id, step), {})
+    if all(votes.get(m) == "ok" for m in quorum.members):
+        return True
+    if any(v == "fail" for v in votes.values()):
+        return False
+    missing = [m for m in quorum.members if m not in votes]
+    if any(m not in snap.groups for m in missing):
+        return False  # a member died before voting: its vote can never arrive
+    if snap.quorum is None or snap.quorum.revision != quorum.revision:
+        return False  # replaced: a missing vote is now fenced out
+    return None
+
+
+class QuorumClient:
+    """One replica group's side of the protocol.
+
+    Call order: `join(store_addr)` once (and `set_ready(True)` once the group holds
+    the current state), then per step `agree()` -> cross-group reduction -> `vote()` ->
+    `decide()`; `leave()` at the end. Thread-safe for one caller at a time.
+    """
+
+    def __init__(self, client: EtcdClient, job: str, group: str, *, lease_ttl: float = 10.0,
+                 timeout: float = 60.0, failover_grace_s: float = 1.0) -> None:
+        if not group or "/" in group:
+            raise ValueError(f"replica group id {group!r} must be non-empty without '/'")
+        self.client = client
+        self.group = group
+        self.root = f"{client.settings.prefix}/{job}/replicas/"
+        self.lease_ttl = lease_ttl
+        self.timeout = timeout
+        self.failover_grace_s = failover_grace_s
+        self._last_quorum: int | None = None
+        self._lease: int | None = None
+        self._keeper: LeaseKeeper | None = None
+        self._doc: dict[str, Any] = {}
+        self._my_votes: deque[str] = deque()
+        self.requests = 0
+        """etcd requests made by the per-step calls (agree, vote, decide)."""
+
+    # -- membership --------------------------------------------------------------------
+
+    def join(self, store: tuple[str, int], *, ready: bool) -> None:
+        """Register this group (its key bound to a fresh lease kept alive in the
+        background), advertising the address of the store it hosts."""
+        ttl = max(1, round(self.lease_ttl))
+        self._lease = self.client.lease_grant(ttl)
+        self._keeper = LeaseKeeper(
+            self.client.sibling(timeout=max(0.5, ttl / 3)), self._lease, ttl,
+            name=f"relight-replica-{self.group}").start()
+        self._doc = {"store": list(store), "ready": ready, "since": -1}
+        if ready:
+            self._doc["since"] = self._current_quorum_id()
+        self._publish()
+
+    def set_ready(self, ready: bool) -> None:
+        """Mark this group ready to train (it holds the current state) or not. A group
+        that becomes ready records the quorum it saw then: it may enter the next one."""
+        self._doc["ready"] = ready
+        if ready:
+            self._doc["since"] = self._current_quorum_id()
+        self._publish()
+
+    def _current_quorum_id(self) -> int:
+        kv = self.client.get(self.root + "quorum")
+        return int(kv.json()["id"]) if kv is not None else -1
+
+    def _publish(self) -> None:
+        if self._lease is None:
+            raise QuorumError(f"replica group {self.group}: join() first")
+        self.client.put(self.root + "groups/" + self.group, json.dumps(self._doc),
+                        lease=self._lease)
+
+    def store_of(self, snap: Snapshot, group: str) -> tuple[str, int]:
+        host, port = snap.groups[group]["store"]
+        return str(host), int(port)
+
+    def leave(self) -> None:
+        if self._keeper is not None:
+            self._keeper.stop()
+            self._keeper = None
+        if self._lease is not None:
+            self.client.lease_revoke(self._lease)
+            self._lease = None
+
+    def _check_lease(self) -> None:
+        if self._keeper is not None and self._keeper.lost.is_set():
+            raise QuorumError(f"replica group {self.group} lost its etcd lease "
+                              f"({self._keeper.error}); it must rejoin and heal")
+
+    # -- per step ----------------------------------------------------------------------
+
+    def snapshot(self) -> Snapshot:
+        self.requests += 1
+        kvs, revision = self.client.get_prefix(self.root)
+        return Snapshot.parse(kvs, self.root, revision)
+
+    def agree(self, *, failed: tuple[Quorum, int] | None = None,
+              min_groups: int = 1) -> tuple[Quorum, Snapshot]:
+        """The quorum to train the next step in.
+
+        Normally the current one, when it names exactly the groups entitled to train:
+        its members that are still alive, plus ready groups that joined after it formed.
+        After `failed = (quorum, step)` was abandoned, the survivors wait up to
+        `failover_grace_s` for every member's vote on that step and re-form with the
+        groups that voted: a member that did not (dead, or frozen past the grace) is
+        out, and can come back only by healing and joining again. The first quorum
+        waits for `min_groups` ready groups.
+        """
+        deadline = time.monotonic() + self.timeout
+        while True:
+            self._check_lease()
+            snap = self.snapshot()
+            current = snap.quorum
+            if self.group not in snap.ready:
+                raise QuorumError(f"replica group {self.group} is not registered as ready "
+                                  f"under {self.root}groups/ (lease lost, or not healed)")
+            if (current is not None and self.group not in current.members
+                    and self._last_quorum is not None
+                    and snap.groups[self.group].get("since", -1) < current.id):
+                raise QuorumError(
+                    f"replica group {self.group} was left out of quorum {current.id} "
+                    f"(it did not vote in time after a failed step): its state may be "
+                    "behind the others'; it must heal from a live group and join again")
+            if failed is not None and current is not None and current.id == failed[0].id:
+                members = self._survivors(failed[0], failed[1], snap)
+                proposal = Quorum(current.id + 1, members, 0)
+            else:
+                entitled = self._entitled(current, snap)
+                if current is not None and current.members == entitled:
+                    self._last_quorum = current.id
+                    return current, snap
+                if current is None and len(entitled) < min_groups:
+                    self.client.wait_for_change(self.root + "groups/", snap.revision,
+                                                self.lease_ttl)
+                    if time.monotonic() > deadline:
+                        raise QuorumError(
+                            f"replica group {self.group}: {len(entitled)} of {min_groups} "
+                            f"groups ready after {self.timeout:.0f}s under {self.root}")
+                    continue
+                proposal = Quorum(current.id + 1 if current else 0, entitled, 0)
+            self.requests += 1
+            if self.client.cas(self.root + "quorum", current.revision if current else 0,
+                               proposal.to_json()):
+                logger.info("[replica %s] quorum %d: %s", self.group, proposal.id,
+                            list(proposal.members))
+            failed = None  # the failed quorum is replaced, by this group or another
+            if time.monotonic() > deadline:
+                raise QuorumError(f"replica group {self.group}: no quorum within "
+                                  f"{self.timeout:.0f}s under {self.root}")
+
+    @staticmethod
+    def _entitled(current: Quorum | None, snap: Snapshot) -> tuple[str, ...]:
+        if current is None:
+            return snap.ready
+        return tuple(g for g in snap.ready if g in current.members
+                     or snap.groups[g].get("since", -1) >= current.id)
+
+    def _survivors(self, quorum: Quorum, step: int, snap: Snapshot) -> tuple[str, ...]:
+        """Members of `quorum` that voted on `step` within the grace, and are alive."""
+        grace_end = time.monotonic() + self.failover_grace_s
+        while True:
+            votes = snap.votes.get((quorum.id, step), {})
+            voters = [m for m in quorum.members if m in votes and m in snap.groups]
+            remaining = grace_end - time.monotonic()
+            if len(voters) == quorum.size or remaining <= 0:
+                return tuple(sorted({*voters, self.group}))
+            self.client.wait_for_change(self.root + "votes/", snap.revision, remaining)
+            snap = self.snapshot()
+
+    def vote(self, quorum: Quorum, step: int, ok: bool) -> bool:
+        """Cast this group's vote for `(quorum, step)`. False: fenced out (this group's
+        key is gone or the quorum was replaced), so the step must be abandoned here."""
+        key = f"{self.root}votes/{quorum.id}/{step}/{self.group}"
+        cond = [Compare(self.root + "groups/" + self.group, "version", ">", 0),
+                Compare(self.root + "quorum", "mod", "==", quorum.revision)]
+        ops: list[OpPut | OpDelete] = [OpPut(key, "ok" if ok else "fail")]
+        # Two steps back is safe to delete: every member finished deciding it before the
+        # reduction of the step after it could complete.
+        while len(self._my_votes) >= 2:
+            ops.append(OpDelete(self._my_votes.popleft()))
+        self.requests += 1
+        try:
+            result = self.client.txn(cond, ops)
+        except EtcdLeaseLostError:
+            return False
+        if result.succeeded:
+            self._my_votes.append(key)
+        return result.succeeded
+
+    def decide(self, quorum: Quorum, step: int) -> bool:
+        """Wait until `step` of `quorum` commits (True) or is abandoned (False)."""
+        deadline = time.monotonic() + self.timeout
+        while True:
+            snap = self.snapshot()
+            verdict = decide_votes(snap, quorum, step)
+            if verdict is not None:
+                return verdict
+            remaining = deadline - time.monotonic()
+            if remaining <= 0:
+                raise QuorumError(f"replica group {self.group}: step {step} of quorum "
+                                  f"{quorum.id} undecided after {self.timeout:.0f}s")
+            self.client.wait_for_change(self.root, snap.revision,
+                                        min(remaining, self.lease_ttl))
