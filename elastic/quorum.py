@@ -72,6 +72,9 @@ class Quorum:
     """Group ids, sorted: a group's cross-group rank is its index."""
     revision: int
     """`mod_revision` of the `quorum` key when this quorum was read."""
+    healing: tuple[str, ...] = ()
+    """Members that join without the current state: they receive it from a healthy
+    member's memory before the quorum's first step (`elastic.heal`)."""
 
     def rank(self, group: str) -> int:
         return self.members.index(group)
@@ -80,8 +83,13 @@ class Quorum:
     def size(self) -> int:
         return len(self.members)
 
+    @property
+    def healthy(self) -> tuple[str, ...]:
+        return tuple(m for m in self.members if m not in self.healing)
+
     def to_json(self) -> bytes:
-        return json.dumps({"id": self.id, "members": list(self.members)}).encode()
+        return json.dumps({"id": self.id, "members": list(self.members),
+                           "healing": list(self.healing)}).encode()
 
 
 @dataclass(frozen=True, slots=True)
@@ -99,6 +107,12 @@ class Snapshot:
     def ready(self) -> tuple[str, ...]:
         return tuple(sorted(g for g, doc in self.groups.items() if doc.get("ready")))
 
+    @property
+    def healing(self) -> tuple[str, ...]:
+        """Live groups waiting to receive the state from a healthy one."""
+        return tuple(sorted(g for g, doc in self.groups.items()
+                            if not doc.get("ready") and doc.get("heal")))
+
     @classmethod
     def parse(cls, kvs: list[KeyValue], root: str, revision: int) -> Snapshot:
         groups: dict[str, dict[str, Any]] = {}
@@ -112,7 +126,8 @@ class Snapshot:
                 elif rel == "quorum":
                     doc = kv.json()
                     quorum = Quorum(int(doc["id"]), tuple(str(m) for m in doc["members"]),
-                                    kv.mod_revision)
+                                    kv.mod_revision,
+                                    tuple(str(m) for m in doc.get("healing", [])))
                 elif rel.startswith("votes/"):
                     qid, step, group = rel[len("votes/"):].split("/", 2)
                     votes.setdefault((int(qid), int(step)), {})[group] = kv.value.decode()
@@ -166,15 +181,16 @@ class QuorumClient:
 
     # -- membership --------------------------------------------------------------------
 
-    def join(self, store: tuple[str, int], *, ready: bool) -> None:
+    def join(self, store: tuple[str, int], *, ready: bool, heal: bool = False) -> None:
         """Register this group (its key bound to a fresh lease kept alive in the
-        background), advertising the address of the store it hosts."""
+        background), advertising the address of the store it hosts. `heal`: it holds no
+        current state and asks to receive it from a healthy group when it enters."""
         ttl = max(1, round(self.lease_ttl))
         self._lease = self.client.lease_grant(ttl)
         self._keeper = LeaseKeeper(
             self.client.sibling(timeout=max(0.5, ttl / 3)), self._lease, ttl,
             name=f"relight-replica-{self.group}").start()
-        self._doc = {"store": list(store), "ready": ready, "since": -1}
+        self._doc = {"store": list(store), "ready": ready, "since": -1, "heal": heal}
         if ready:
             self._doc["since"] = self._current_quorum_id()
         self._publish()
@@ -238,7 +254,7 @@ class QuorumClient:
             self._check_lease()
             snap = self.snapshot()
             current = snap.quorum
-            if self.group not in snap.ready:
+            if self.group not in snap.ready and self.group not in snap.healing:
                 raise QuorumError(f"replica group {self.group} is not registered as ready "
                                   f"under {self.root}groups/ (lease lost, or not healed)")
             if (current is not None and self.group not in current.members
@@ -248,9 +264,20 @@ class QuorumClient:
                     f"replica group {self.group} was left out of quorum {current.id} "
                     f"(it did not vote in time after a failed step): its state may be "
                     "behind the others'; it must heal from a live group and join again")
+            if (current is not None and self.group not in current.members
+                    and any(m in snap.groups for m in current.members)):
+                # A joiner waits for the members to take it in at their next step
+                # boundary: replacing the quorum now would fence out the step they are
+                # in the middle of.
+                self.client.wait_for_change(self.root + "quorum", snap.revision,
+                                            self.lease_ttl)
+                if time.monotonic() > deadline:
+                    raise QuorumError(f"replica group {self.group}: not taken into a "
+                                      f"quorum within {self.timeout:.0f}s under {self.root}")
+                continue
             if failed is not None and current is not None and current.id == failed[0].id:
                 members = self._survivors(failed[0], failed[1], snap)
-                proposal = Quorum(current.id + 1, members, 0)
+                proposal = self._proposal(current.id + 1, members, snap)
             else:
                 entitled = self._entitled(current, snap)
                 if current is not None and current.members == entitled:
@@ -264,7 +291,7 @@ class QuorumClient:
                             f"replica group {self.group}: {len(entitled)} of {min_groups} "
                             f"groups ready after {self.timeout:.0f}s under {self.root}")
                     continue
-                proposal = Quorum(current.id + 1 if current else 0, entitled, 0)
+                proposal = self._proposal(current.id + 1 if current else 0, entitled, snap)
             self.requests += 1
             if self.client.cas(self.root + "quorum", current.revision if current else 0,
                                proposal.to_json()):
@@ -277,10 +304,19 @@ class QuorumClient:
 
     @staticmethod
     def _entitled(current: Quorum | None, snap: Snapshot) -> tuple[str, ...]:
+        """Who may train next: every ready group at the start; later the current
+        members still alive and ready, ready groups that joined after it formed, and
+        groups asking to heal."""
         if current is None:
             return snap.ready
-        return tuple(g for g in snap.ready if g in current.members
-                     or snap.groups[g].get("since", -1) >= current.id)
+        ready = [g for g in snap.ready if g in current.members
+                 or snap.groups[g].get("since", -1) >= current.id]
+        return tuple(sorted({*ready, *snap.healing}))
+
+    @staticmethod
+    def _proposal(qid: int, members: tuple[str, ...], snap: Snapshot) -> Quorum:
+        healing = tuple(m for m in members if m in snap.healing)
+        return Quorum(qid, tuple(sorted(members)), 0, healing)
 
     def _survivors(self, quorum: Quorum, step: int, snap: Snapshot) -> tuple[str, ...]:
         """Members of `quorum` that voted on `step` within the grace, and are alive."""

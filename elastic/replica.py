@@ -23,13 +23,16 @@ from __future__ import annotations
 
 import logging
 import time
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 from datetime import timedelta
+from typing import Any
 
 import torch
 import torch.distributed as dist
 
 from elastic.etcd_client import EtcdClient, EtcdSettings
+from elastic.heal import HealError, HealStats, transfer_state
 from elastic.quorum import Quorum, QuorumClient, QuorumError, Snapshot
 
 logger = logging.getLogger(__name__)
@@ -88,9 +91,21 @@ class ReplicaManager:
     `should_commit(step)`. `close()` at the end. Used by one thread.
     """
 
-    def __init__(self, settings: ReplicaSettings, *, ready: bool = True) -> None:
+    def __init__(self, settings: ReplicaSettings, *,
+                 state: Callable[[], Mapping[str, Any]] | None = None,
+                 heal: bool = False) -> None:
+        """`state()` returns the group's live state dict (tensors, stateful objects and
+        JSON values, as for `ckpt.save`): what this group sends to a healing group, or,
+        with `heal=True` (a replacement that holds no current state), where what it
+        receives lands before its first step."""
+        if heal and state is None:
+            raise ValueError("ReplicaManager(heal=True) needs state=: where the healed "
+                             "state lands")
         self.settings = settings
         self.group = settings.group
+        self._state = state
+        self.healing = heal
+        self.heal_stats: HealStats | None = None
         client = EtcdClient(settings.etcd)
         self.quorum_client = QuorumClient(client, settings.job, settings.group,
                                           lease_ttl=settings.lease_ttl,
@@ -99,7 +114,8 @@ class ReplicaManager:
         timeout = timedelta(seconds=settings.collective_timeout_s)
         self._store = dist.TCPStore(settings.host, 0, is_master=True,
                                     wait_for_workers=False, timeout=timeout)
-        self.quorum_client.join((settings.host, self._store.port), ready=ready)
+        self.quorum_client.join((settings.host, self._store.port), ready=not heal,
+                                heal=heal)
         self.quorum: Quorum | None = None
         self._pg: dist.ProcessGroup | None = None
         self._pg_quorum = -1
@@ -122,6 +138,10 @@ class ReplicaManager:
     def _rebuild(self, quorum: Quorum, snap: Snapshot) -> None:
         self._pg, self._pg_quorum = None, quorum.id
         self.stats.rebuilt = True
+        if quorum.healing and not quorum.healthy:
+            raise QuorumError(f"quorum {quorum.id} has no healthy group to heal "
+                              f"{list(quorum.healing)} from: every replica is lost; "
+                              "restore the job from its storage checkpoint")
         if quorum.size == 1:
             return
         timeout = timedelta(seconds=self.settings.collective_timeout_s)
@@ -138,12 +158,30 @@ class ReplicaManager:
                                              quorum.size, options)
             logger.info("[replica %s] cross-group process group of quorum %d: rank %d of "
                         "%d", self.group, quorum.id, quorum.rank(self.group), quorum.size)
-        except (RuntimeError, dist.DistError) as exc:
+            if quorum.healing:
+                self._heal(quorum, prefixed)
+        except (RuntimeError, dist.DistError, HealError) as exc:
             # A member died between the quorum and the connection: fail this step; the
             # next quorum forms without it.
             logger.warning("[replica %s] building quorum %d's process group failed: %s",
                            self.group, quorum.id, exc)
             self._ok = False
+
+    def _heal(self, quorum: Quorum, store: dist.Store) -> None:
+        """The quorum's first step begins with the live heal of its joiners."""
+        if self._state is None:
+            raise QuorumError(f"group {list(quorum.healing)} is healing from this group's "
+                              "memory, but this ReplicaManager was given no state=")
+        receiving = self.group in quorum.healing
+        stats = transfer_state(self._pg, store, quorum.rank(self.group),
+                               quorum.rank(quorum.healthy[0]), self._state(),
+                               receiving=receiving)
+        if receiving:
+            self.heal_stats, self.healing = stats, False
+            self.quorum_client.set_ready(True)
+            logger.info("[replica %s] healed from %s in quorum %d: %d tensors, %.1f MB in "
+                        "%.2fs", self.group, quorum.healthy[0], quorum.id, stats.tensors,
+                        stats.bytes / 1e6, stats.seconds)
 
     def allreduce(self, tensors: list[torch.Tensor]) -> None:
         """Average `tensors` in place across the quorum's groups. A failure (a peer died

@@ -1,7 +1,8 @@
-"""Healing in place, first part: replica groups agree on a quorum per step in etcd,
-reduce across groups on a process group rebuilt per quorum, and apply a step only when
-every member voted. Survivors of a lost group keep training without a restart, and every
-replica holds bitwise identical weights after every step.
+"""Healing in place: replica groups agree on a quorum per step in etcd, reduce across
+groups on a process group rebuilt per quorum, and apply a step only when every member
+voted. Survivors of a lost group keep training without a restart, a replacement heals
+from a live group's memory, and every replica holds bitwise identical weights after
+every step.
 
 Pure protocol tests first (no etcd), then real processes (one per group, gloo) against a
 3-member etcd cluster, with a group SIGKILLed and an etcd member killed mid-run.
@@ -93,24 +94,29 @@ def _steps(out: Path, group: str) -> list[dict]:
 @pytest.mark.timeout(300)
 def test_survivors_keep_training_through_a_lost_group(etcd_cluster, tmp_path) -> None:
     groups = ["g0", "g1", "g2"]
-    steps = 40
+    stop = tmp_path / "STOP"  # the job's length, decided once the replacement trains
     job = job_id()
     env = {**os.environ, "PYTHONPATH": str(ROOT), "OMP_NUM_THREADS": "1"}
     procs = {}
     logs = {}
+
+    def start(g: str, log: str, *extra: str) -> subprocess.Popen:
+        logs[log] = open(tmp_path / f"{log}.log", "wb")  # noqa: SIM115 - the child owns it
+        return subprocess.Popen(
+            [sys.executable, str(SCRIPTS / "replica_train.py"), "--endpoints",
+             ",".join(etcd_cluster.endpoints), "--job", job, "--group", g, "--out",
+             str(tmp_path), "--steps", "100000", "--stop-file", str(stop), "--min-groups",
+             "3", "--state-mb", "32", *extra],
+            stdout=logs[log], stderr=subprocess.STDOUT, env=env, cwd=ROOT,
+            start_new_session=True)
+
+    def logs_text() -> str:
+        return "\n".join(f"--- {name}\n{(tmp_path / f'{name}.log').read_text()[-3000:]}"
+                         for name in logs)
+
     try:
         for g in groups:
-            logs[g] = open(tmp_path / f"{g}.log", "wb")  # noqa: SIM115 - the child owns it
-            procs[g] = subprocess.Popen(
-                [sys.executable, str(SCRIPTS / "replica_train.py"), "--endpoints",
-                 ",".join(etcd_cluster.endpoints), "--job", job, "--group", g, "--out",
-                 str(tmp_path), "--steps", str(steps), "--min-groups", "3"],
-                stdout=logs[g], stderr=subprocess.STDOUT, env=env, cwd=ROOT,
-                start_new_session=True)
-
-        def logs_text() -> str:
-            return "\n".join(f"--- {g}\n{(tmp_path / f'{g}.log').read_text()[-3000:]}"
-                             for g in groups)
+            procs[g] = start(g, g)
 
         wait_for(lambda: all(len(_steps(tmp_path, g)) >= 8 for g in groups), 120,
                  "three groups training together\n" + logs_text())
@@ -121,7 +127,19 @@ def test_survivors_keep_training_through_a_lost_group(etcd_cluster, tmp_path) ->
         # A whole group dies.
         t_kill = time.time()
         os.killpg(procs["g2"].pid, signal.SIGKILL)
-        for g in ("g0", "g1"):
+        procs["g2"].wait(10)
+        wait_for(lambda: len([e for e in _steps(tmp_path, "g0") if e["t"] > t_kill]) >= 8,
+                 60, "the survivors training on\n" + logs_text())
+        # Its replacement joins without state and heals from a live group's memory.
+        t_join = time.time()
+        procs["g2-new"] = start("g2", "g2-new", "--heal")
+        wait_for(lambda: [e for e in _events(tmp_path) if e["ev"] == "healed"], 120,
+                 "the replacement healed\n" + logs_text())
+        wait_for(lambda: len([e for e in _steps(tmp_path, "g2") if e["t"] > t_join]) >= 5,
+                 60, "the replacement training\n" + logs_text())
+        steps = max(e["step"] for e in _steps(tmp_path, "g0")) + 10
+        stop.write_text(str(steps))
+        for g in ("g0", "g1", "g2-new"):
             procs[g].wait(240)
             assert procs[g].returncode == 0, logs_text()
     finally:
@@ -133,14 +151,25 @@ def test_survivors_keep_training_through_a_lost_group(etcd_cluster, tmp_path) ->
             f.close()
 
     evs = _events(tmp_path)
-    # Survivors never restarted: one start each.
-    starts = [e["group"] for e in evs if e["ev"] == "start"]
-    assert sorted(starts) == groups
+    # Survivors never restarted: one start each; g2 twice (the lost one, its replacement).
+    starts = [(e["group"], e["heal"]) for e in evs if e["ev"] == "start"]
+    assert sorted(starts) == [("g0", False), ("g1", False), ("g2", False), ("g2", True)]
     by_group = {g: {e["step"]: e for e in _steps(tmp_path, g)} for g in ("g0", "g1")}
     for g, got in by_group.items():
         assert sorted(got) == list(range(steps)), (g, sorted(got))
         assert len(_steps(tmp_path, g)) == steps  # each step applied once
-    # Bitwise identical replicas after every step, including g2's steps before it died.
+    # g2's steps: the lost group's up to its death, then the replacement's from the
+    # step it healed at, each step once.
+    healed = [e for e in evs if e["ev"] == "healed"]
+    assert len(healed) == 1, healed
+    g2_steps = [e["step"] for e in _steps(tmp_path, "g2")]
+    assert g2_steps == sorted(set(g2_steps)), g2_steps
+    assert g2_steps[-1] == steps - 1 and healed[0]["step"] in g2_steps
+    # The healed group received all of the state, not only what the steps change.
+    done = [e for e in evs if e["ev"] == "done"]
+    assert len(done) == 3 and len({e["extra"] for e in done}) == 1, done
+    assert len({json.dumps(e["w"]) for e in done}) == 1
+    # Bitwise identical replicas after every step, the lost and the healed group too.
     for s in range(steps):
         digests = {by_group[g][s]["digest"] for g in by_group}
         digests |= {e["digest"] for e in _steps(tmp_path, "g2") if e["step"] == s}
@@ -152,15 +181,25 @@ def test_survivors_keep_training_through_a_lost_group(etcd_cluster, tmp_path) ->
             used = sorted(used + next(e["samples"] for e in _steps(tmp_path, "g2")
                                       if e["step"] == s))
         assert used == list(range(s * 12, s * 12 + 12)), (s, used)
-    # The survivors' pause: the longest gap between committed steps after the kill.
-    after = sorted(e["t"] for e in _steps(tmp_path, "g0") if e["t"] > t_kill)
-    before = max(e["t"] for e in _steps(tmp_path, "g0") if e["t"] <= t_kill)
-    gaps = [b - a for a, b in zip([before, *after], after, strict=False)]
+
+    def pause(t0: float, t1: float) -> float:
+        """The longest gap between g0's committed steps in [t0, t1]."""
+        ts = sorted(e["t"] for e in _steps(tmp_path, "g0"))
+        before = max(t for t in ts if t <= t0)
+        inside = [t for t in ts if t0 < t <= t1] + [min(t for t in ts if t > t1)]
+        return max(b - a for a, b in zip([before, *inside], inside, strict=False))
+
+    loss_pause = pause(t_kill, t_join)
+    heal_t = next(e["t"] for e in healed)
+    heal_pause = pause(heal_t - healed[0]["seconds"] - 0.5, heal_t)
     abandoned = [e for e in evs if e["ev"] == "abandoned"]
-    print(f"\nsurvivors' pause after the group loss: {max(gaps):.2f}s; abandoned steps "
+    join_s = heal_t - t_join
+    print(f"\nsurvivors' pause after the group loss: {loss_pause:.2f}s; during the heal: "
+          f"{heal_pause:.2f}s; replacement start -> healed {join_s:.2f}s (transfer "
+          f"{healed[0]['seconds']:.3f}s, {healed[0]['bytes']} B); abandoned steps "
           f"{[(e['group'], e['step']) for e in abandoned]}")
     # The failover grace (1 s) + rebuilding the process group; slack for a loaded box.
-    assert max(gaps) < 1.0 + 6.0, gaps
+    assert loss_pause < 1.0 + 6.0, loss_pause
     # Work lost per fault: at most the step in flight, on each survivor.
     for g in ("g0", "g1"):
         assert len([e for e in abandoned if e["group"] == g]) <= 1

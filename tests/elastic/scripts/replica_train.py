@@ -42,20 +42,35 @@ def main() -> None:
     p.add_argument("--group", required=True)
     p.add_argument("--out", required=True)
     p.add_argument("--steps", type=int, default=40)
+    p.add_argument("--stop-file", default=None,
+                   help="a file whose content, once it exists, replaces --steps")
     p.add_argument("--min-groups", type=int, default=1)
     p.add_argument("--step-sleep", type=float, default=0.05)
+    p.add_argument("--state-mb", type=float, default=0.0,
+                   help="extra state (float32, the same on every group) a heal must carry")
+    p.add_argument("--heal", action="store_true",
+                   help="join without state and heal from a live group")
     a = p.parse_args()
     settings = ReplicaSettings(
         job=a.job, group=a.group, lease_ttl=2.0, collective_timeout_s=10.0,
         min_groups=a.min_groups,
         etcd=EtcdSettings(endpoints=tuple(a.endpoints.split(",")), prefix="/relight-test",
                           timeout=30.0, attempt_timeout=0.7))
-    mgr = ReplicaManager(settings)
-    event(a.out, ev="start", group=a.group)
-    w = torch.zeros(DIM, dtype=torch.float64)
-    step = 0
-    while step < a.steps:
+    # The live state: what a healing group receives from a healthy one's memory.
+    state = {"w": torch.zeros(DIM, dtype=torch.float64), "progress": {"step": 0},
+             "extra": torch.zeros(int(a.state_mb * 2**20) // 4)}
+    if not a.heal:
+        state["extra"].copy_(torch.arange(state["extra"].numel(), dtype=torch.float32))
+    mgr = ReplicaManager(settings, state=lambda: state, heal=a.heal)
+    event(a.out, ev="start", group=a.group, heal=a.heal)
+    target = a.steps
+    while state["progress"]["step"] < target:
         q = mgr.start_step()
+        step, w = state["progress"]["step"], state["w"]  # a heal may have set both
+        if mgr.heal_stats is not None and not mgr.healing:
+            event(a.out, ev="healed", group=a.group, step=step, quorum=q.id,
+                  seconds=mgr.heal_stats.seconds, bytes=mgr.heal_stats.bytes)
+            mgr.heal_stats = None
         rank, size = q.rank(a.group), q.size
         mine = [step * BATCH_R + j for j in range(BATCH_R) if j % size == rank]
         total = torch.zeros(DIM, dtype=torch.float64)
@@ -64,15 +79,18 @@ def main() -> None:
         time.sleep(a.step_sleep)  # the forward/backward a real step would take
         mgr.allreduce([total])
         if mgr.should_commit(step):
-            w = w - LR * total * size / BATCH_R
+            w.sub_(LR * total * size / BATCH_R)
+            state["progress"]["step"] = step + 1
             event(a.out, ev="step", group=a.group, step=step, quorum=q.id, size=size,
                   samples=mine, digest=hashlib.sha256(w.numpy().tobytes()).hexdigest(),
                   quorum_s=mgr.stats.quorum_s, commit_s=mgr.stats.commit_s,
                   requests=mgr.quorum_client.requests)
-            step += 1
         else:
             event(a.out, ev="abandoned", group=a.group, step=step, quorum=q.id)
-    event(a.out, ev="done", group=a.group, w=w.tolist())
+        if a.stop_file and os.path.exists(a.stop_file):
+            target = int(open(a.stop_file).read() or target)
+    extra = hashlib.sha256(state["extra"].numpy().tobytes()).hexdigest()
+    event(a.out, ev="done", group=a.group, w=state["w"].tolist(), extra=extra)
     mgr.close()
 
 
