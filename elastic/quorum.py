@@ -213,6 +213,13 @@ class QuorumClient:
         self.client.put(self.root + "groups/" + self.group, json.dumps(self._doc),
                         lease=self._lease)
 
+    def training_elsewhere(self) -> bool:
+        """Whether other groups are training now (a quorum exists and one of its members,
+        not this group, is alive): then this group must heal before it trains."""
+        snap = self.snapshot()
+        return snap.quorum is not None and any(
+            m in snap.groups and m != self.group for m in snap.quorum.members)
+
     def store_of(self, snap: Snapshot, group: str) -> tuple[str, int]:
         host, port = snap.groups[group]["store"]
         return str(host), int(port)
@@ -228,7 +235,8 @@ class QuorumClient:
     def _check_lease(self) -> None:
         if self._keeper is not None and self._keeper.lost.is_set():
             raise QuorumError(f"replica group {self.group} lost its etcd lease "
-                              f"({self._keeper.error}); it must rejoin and heal")
+                              f"({self._keeper.error}); it must heal from a live group "
+                              "and join again")
 
     # -- per step ----------------------------------------------------------------------
 

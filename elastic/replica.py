@@ -93,24 +93,27 @@ class ReplicaManager:
 
     def __init__(self, settings: ReplicaSettings, *,
                  state: Callable[[], Mapping[str, Any]] | None = None,
-                 heal: bool = False) -> None:
+                 heal: bool | None = None) -> None:
         """`state()` returns the group's live state dict (tensors, stateful objects and
         JSON values, as for `ckpt.save`): what this group sends to a healing group, or,
-        with `heal=True` (a replacement that holds no current state), where what it
-        receives lands before its first step."""
-        if heal and state is None:
-            raise ValueError("ReplicaManager(heal=True) needs state=: where the healed "
-                             "state lands")
+        when this group heals (a replacement, a restarted group, a spare), where what it
+        receives lands before its first step. `heal=None` decides at start: heal when
+        other groups are already training (a quorum with a live member exists)."""
         self.settings = settings
         self.group = settings.group
         self._state = state
-        self.healing = heal
-        self.heal_stats: HealStats | None = None
         client = EtcdClient(settings.etcd)
         self.quorum_client = QuorumClient(client, settings.job, settings.group,
                                           lease_ttl=settings.lease_ttl,
                                           timeout=settings.quorum_timeout_s,
                                           failover_grace_s=settings.failover_grace_s)
+        if heal is None:
+            heal = self.quorum_client.training_elsewhere()
+        if heal and state is None:
+            raise ValueError("ReplicaManager: joining a job that is training needs state=: "
+                             "where the state healed from a live group lands")
+        self.healing = heal
+        self.heal_stats: HealStats | None = None
         timeout = timedelta(seconds=settings.collective_timeout_s)
         self._store = dist.TCPStore(settings.host, 0, is_master=True,
                                     wait_for_workers=False, timeout=timeout)

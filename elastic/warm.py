@@ -84,6 +84,7 @@ def serve(socket_path: str, preload: Sequence[str]) -> None:
     os.chmod(socket_path, 0o600)  # only this user may start workers through it
     listener.listen(64)
     signal.signal(signal.SIGTERM, lambda *_: sys.exit(0))
+    _exit_with_parent()
     print(f"relight warm server ready on {socket_path} ({len(preload)} modules)",
           file=sys.stderr, flush=True)
     try:
@@ -109,6 +110,21 @@ def serve(socket_path: str, preload: Sequence[str]) -> None:
         listener.close()
         with contextlib.suppress(FileNotFoundError):
             os.unlink(socket_path)
+
+
+def _exit_with_parent(interval_s: float = 0.5) -> None:
+    """Stop the server (SIGTERM to itself) once the agent that started it is gone: an
+    agent killed with SIGKILL (a lost node, a chaos kill) cannot stop it, and an orphaned
+    server would hold its socket and memory forever. The watcher thread does not exist
+    in forked workers (only the forking thread survives a fork)."""
+    parent = os.getppid()
+
+    def watch() -> None:
+        while os.getppid() == parent:
+            time.sleep(interval_s)
+        os.kill(os.getpid(), signal.SIGTERM)
+
+    threading.Thread(target=watch, daemon=True, name="warm-parent-watch").start()
 
 
 def _receive(conn: socket.socket) -> tuple[dict, list[int]]:

@@ -91,7 +91,8 @@ def _steps(out: Path, group: str) -> list[dict]:
 
 @pytest.mark.etcd
 @pytest.mark.multirank
-@pytest.mark.timeout(300)
+# ~60-90 s on a quiet 2-core machine (four process starts); the bound is for a loaded one.
+@pytest.mark.timeout(600)
 def test_survivors_keep_training_through_a_lost_group(etcd_cluster, tmp_path) -> None:
     groups = ["g0", "g1", "g2"]
     stop = tmp_path / "STOP"  # the job's length, decided once the replacement trains
@@ -120,10 +121,13 @@ def test_survivors_keep_training_through_a_lost_group(etcd_cluster, tmp_path) ->
 
         wait_for(lambda: all(len(_steps(tmp_path, g)) >= 8 for g in groups), 120,
                  "three groups training together\n" + logs_text())
-        # An etcd member (the leader) dies mid-run: it costs nothing.
-        etcd_cluster.kill(etcd_cluster.leader())
+        # An etcd member (the leader) dies mid-run: it costs nothing. It is back (as an
+        # operator would restart it) before the next fault.
+        leader = etcd_cluster.leader()
+        etcd_cluster.kill(leader)
         wait_for(lambda: all(len(_steps(tmp_path, g)) >= 14 for g in groups), 60,
                  "training on after the etcd leader's death\n" + logs_text())
+        etcd_cluster.start_member(leader)
         # A whole group dies.
         t_kill = time.time()
         os.killpg(procs["g2"].pid, signal.SIGKILL)
@@ -137,9 +141,19 @@ def test_survivors_keep_training_through_a_lost_group(etcd_cluster, tmp_path) ->
                  "the replacement healed\n" + logs_text())
         wait_for(lambda: len([e for e in _steps(tmp_path, "g2") if e["t"] > t_join]) >= 5,
                  60, "the replacement training\n" + logs_text())
+        # A group frozen for longer than the collective timeout: left out, and told to
+        # heal when it wakes (its restart would heal as g2's replacement did).
+        os.killpg(procs["g1"].pid, signal.SIGSTOP)
+        t_freeze = time.time()
+        wait_for(lambda: [e for e in _steps(tmp_path, "g0") if e["t"] > t_freeze
+                          and e["size"] == 2], 60, "g0 and g2 on without g1\n" + logs_text())
+        os.killpg(procs["g1"].pid, signal.SIGCONT)
+        procs["g1"].wait(60)
+        assert procs["g1"].returncode != 0  # QuorumError: it must heal before training
+        assert "must heal" in (tmp_path / "g1.log").read_text()
         steps = max(e["step"] for e in _steps(tmp_path, "g0")) + 10
         stop.write_text(str(steps))
-        for g in ("g0", "g1", "g2-new"):
+        for g in ("g0", "g2-new"):
             procs[g].wait(240)
             assert procs[g].returncode == 0, logs_text()
     finally:
@@ -154,32 +168,35 @@ def test_survivors_keep_training_through_a_lost_group(etcd_cluster, tmp_path) ->
     # Survivors never restarted: one start each; g2 twice (the lost one, its replacement).
     starts = [(e["group"], e["heal"]) for e in evs if e["ev"] == "start"]
     assert sorted(starts) == [("g0", False), ("g1", False), ("g2", False), ("g2", True)]
-    by_group = {g: {e["step"]: e for e in _steps(tmp_path, g)} for g in ("g0", "g1")}
+    by_group = {g: {e["step"]: e for e in _steps(tmp_path, g)} for g in ("g0",)}
     for g, got in by_group.items():
         assert sorted(got) == list(range(steps)), (g, sorted(got))
         assert len(_steps(tmp_path, g)) == steps  # each step applied once
-    # g2's steps: the lost group's up to its death, then the replacement's from the
-    # step it healed at, each step once.
+    # g1's and g2's steps: the first process's, then its replacement's from the step it
+    # healed at, each step at most once.
     healed = [e for e in evs if e["ev"] == "healed"]
-    assert len(healed) == 1, healed
-    g2_steps = [e["step"] for e in _steps(tmp_path, "g2")]
-    assert g2_steps == sorted(set(g2_steps)), g2_steps
-    assert g2_steps[-1] == steps - 1 and healed[0]["step"] in g2_steps
+    assert [e["group"] for e in healed] == ["g2"], healed
+    for g in ("g1", "g2"):
+        got = [e["step"] for e in _steps(tmp_path, g)]
+        assert got == sorted(set(got)), (g, got)
+    assert _steps(tmp_path, "g2")[-1]["step"] == steps - 1
+    assert healed[0]["step"] in [e["step"] for e in _steps(tmp_path, "g2")]
     # The healed group received all of the state, not only what the steps change.
     done = [e for e in evs if e["ev"] == "done"]
-    assert len(done) == 3 and len({e["extra"] for e in done}) == 1, done
+    assert len(done) == 2 and len({e["extra"] for e in done}) == 1, done
+    assert sorted(e["group"] for e in done) == ["g0", "g2"]
     assert len({json.dumps(e["w"]) for e in done}) == 1
     # Bitwise identical replicas after every step, the lost and the healed group too.
     for s in range(steps):
-        digests = {by_group[g][s]["digest"] for g in by_group}
-        digests |= {e["digest"] for e in _steps(tmp_path, "g2") if e["step"] == s}
+        digests = {e["digest"] for g in groups for e in _steps(tmp_path, g)
+                   if e["step"] == s}
         assert len(digests) == 1, (s, digests)
-    # Every sample of every step consumed exactly once, whatever the number of groups.
+    # Every sample of every step consumed exactly once, whatever the number of groups
+    # (by the groups of the quorum that committed it).
     for s in range(steps):
-        used = sorted(i for g in by_group for i in by_group[g][s]["samples"])
-        if by_group["g0"][s]["size"] == 3:
-            used = sorted(used + next(e["samples"] for e in _steps(tmp_path, "g2")
-                                      if e["step"] == s))
+        committed = [e for g in groups for e in _steps(tmp_path, g) if e["step"] == s]
+        assert len({e["quorum"] for e in committed}) == 1, (s, committed)
+        used = sorted(i for e in committed for i in e["samples"])
         assert used == list(range(s * 12, s * 12 + 12)), (s, used)
 
     def pause(t0: float, t1: float) -> float:
@@ -200,6 +217,6 @@ def test_survivors_keep_training_through_a_lost_group(etcd_cluster, tmp_path) ->
           f"{[(e['group'], e['step']) for e in abandoned]}")
     # The failover grace (1 s) + rebuilding the process group; slack for a loaded box.
     assert loss_pause < 1.0 + 6.0, loss_pause
-    # Work lost per fault: at most the step in flight, on each survivor.
-    for g in ("g0", "g1"):
-        assert len([e for e in abandoned if e["group"] == g]) <= 1
+    # Work lost per fault: at most the step in flight, on the group that never failed
+    # (one for the loss of g2, one for the freeze of g1).
+    assert len([e for e in abandoned if e["group"] == "g0"]) <= 2

@@ -97,3 +97,27 @@ def test_no_server_is_a_clear_error(tmp_path) -> None:
         env={**os.environ, "PYTHONPATH": str(ROOT)}, capture_output=True, text=True,
         timeout=60)
     assert res.returncode != 0 and "no warm server" in res.stderr
+
+
+def test_server_exits_when_its_agent_is_killed(tmp_path) -> None:
+    """An agent killed with SIGKILL cannot stop its server; the server must not outlive
+    it (an orphan would keep its socket, its memory and its imports forever)."""
+    code = ("import sys, time; from elastic.warm import WarmServer; "
+            "s = WarmServer(sys.argv[1], ['json']).start(); print(s._proc.pid, flush=True); "
+            "time.sleep(600)")
+    agent = subprocess.Popen([sys.executable, "-c", code, str(tmp_path / "s.sock")],
+                             env={**os.environ, "PYTHONPATH": str(ROOT)},
+                             stdout=subprocess.PIPE, text=True)
+    try:
+        server_pid = int(agent.stdout.readline())
+        assert _alive(server_pid)
+        agent.kill()
+        agent.wait(10)
+        deadline = time.monotonic() + 30  # the server polls its parent every 0.5 s
+        while _alive(server_pid) and time.monotonic() < deadline:
+            time.sleep(0.1)
+        assert not _alive(server_pid), "the warm server outlived its agent"
+        assert not (tmp_path / "s.sock").exists()
+    finally:
+        if agent.poll() is None:
+            agent.kill()

@@ -48,21 +48,22 @@ def main() -> None:
     p.add_argument("--step-sleep", type=float, default=0.05)
     p.add_argument("--state-mb", type=float, default=0.0,
                    help="extra state (float32, the same on every group) a heal must carry")
-    p.add_argument("--heal", action="store_true",
-                   help="join without state and heal from a live group")
+    p.add_argument("--heal", action=argparse.BooleanOptionalAction, default=None,
+                   help="join without state and heal from a live group (default: heal "
+                        "when other groups are training)")
     a = p.parse_args()
     settings = ReplicaSettings(
-        job=a.job, group=a.group, lease_ttl=2.0, collective_timeout_s=10.0,
+        job=a.job, group=a.group, lease_ttl=5.0, collective_timeout_s=5.0,
         min_groups=a.min_groups,
         etcd=EtcdSettings(endpoints=tuple(a.endpoints.split(",")), prefix="/relight-test",
-                          timeout=30.0, attempt_timeout=0.7))
+                          timeout=30.0, attempt_timeout=1.0))
     # The live state: what a healing group receives from a healthy one's memory.
     state = {"w": torch.zeros(DIM, dtype=torch.float64), "progress": {"step": 0},
              "extra": torch.zeros(int(a.state_mb * 2**20) // 4)}
-    if not a.heal:
+    if a.heal is not True:  # a joiner's copy arrives by the heal
         state["extra"].copy_(torch.arange(state["extra"].numel(), dtype=torch.float32))
     mgr = ReplicaManager(settings, state=lambda: state, heal=a.heal)
-    event(a.out, ev="start", group=a.group, heal=a.heal)
+    event(a.out, ev="start", group=a.group, heal=mgr.healing)
     target = a.steps
     while state["progress"]["step"] < target:
         q = mgr.start_step()
