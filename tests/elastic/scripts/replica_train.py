@@ -87,7 +87,8 @@ def main() -> None:
                   quorum_s=mgr.stats.quorum_s, commit_s=mgr.stats.commit_s,
                   requests=mgr.quorum_client.requests)
         else:
-            event(a.out, ev="abandoned", group=a.group, step=step, quorum=q.id)
+            event(a.out, ev="abandoned", group=a.group, step=step, quorum=q.id,
+                  samples=mine)
         if a.stop_file and os.path.exists(a.stop_file):
             target = int(open(a.stop_file).read() or target)
     extra = hashlib.sha256(state["extra"].numpy().tobytes()).hexdigest()
