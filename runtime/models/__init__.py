@@ -114,4 +114,5 @@ def create_model(cfg: Config, pmesh: ParallelMesh, device: torch.device) -> nn.M
 
 def model_vocab_size(model: nn.Module, cfg: Config) -> int:
     """Token ids the model can embed: a factory model's own, else ``model.vocab_size``."""
-    return int(getattr(model, "vocab_size", cfg.model.vocab_size))
+    own = getattr(model, "vocab_size", None)
+    return cfg.model.vocab_size if own is None else int(own)

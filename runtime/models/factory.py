@@ -50,14 +50,13 @@ class FactoryModel(nn.Module):
 
     @property
     def vocab_size(self) -> int | None:
-        """The vocabulary the module embeds, when it says (Hugging Face ``config``, or the
-        output embedding's width)."""
+        """The vocabulary the module embeds, when it can be told: a Hugging Face
+        ``config.vocab_size``, else its first ``nn.Embedding``'s size."""
         config = getattr(self.module, "config", None)
         if config is not None and isinstance(getattr(config, "vocab_size", None), int):
             return int(config.vocab_size)
-        get_out = getattr(self.module, "get_output_embeddings", None)
-        out = get_out() if callable(get_out) else None
-        return int(out.out_features) if isinstance(out, nn.Linear) else None
+        emb = next((m for m in self.module.modules() if isinstance(m, nn.Embedding)), None)
+        return None if emb is None else int(emb.num_embeddings)
 
     def forward(self, tokens: torch.Tensor) -> torch.Tensor:
         out = self.module(tokens)
