@@ -2,6 +2,7 @@
 
     relight data prepare INPUT... --tokenizer byte|train:VOCAB|PATH/tokenizer.json --out DIR
     relight data info DIR [--verify]
+    relight data pydoc-topics OUT.jsonl     (a real corpus that needs no network)
 
 Inputs are files or directories (searched recursively for ``.txt .md .rst .py .jsonl .json
 .parquet .arrow``). A text file is one document; a JSONL line is one document (its
@@ -52,7 +53,7 @@ from runtime.tokens import (
     shard_crc32c,
 )
 
-__all__ = ["PrepareError", "PrepareStats", "main", "prepare"]
+__all__ = ["PrepareError", "PrepareStats", "main", "prepare", "write_pydoc_topics"]
 
 log = logging.getLogger(__name__)
 
@@ -426,6 +427,21 @@ class _progress:
             self._bar.stop()
 
 
+def write_pydoc_topics(out: str | Path) -> tuple[int, int]:
+    """Write ``pydoc_data.topics`` (the English text of the documentation topics every
+    CPython ships for ``help()``) to ``out`` as JSONL, sorted by topic: (documents, bytes)."""
+    from pydoc_data.topics import topics
+
+    out = Path(out)
+    out.parent.mkdir(parents=True, exist_ok=True)
+    tmp = out.with_name(out.name + ".tmp")
+    with open(tmp, "w", encoding="utf-8") as fh:
+        for name in sorted(topics):
+            fh.write(json.dumps({"topic": name, "text": topics[name]}) + "\n")
+    os.replace(tmp, out)
+    return len(topics), sum(len(t.encode("utf-8")) for t in topics.values())
+
+
 def _info(root: str, verify: bool) -> int:
     index = TokenIndex.read(root)
     if verify:
@@ -458,6 +474,10 @@ def main(argv: list[str] | None = None) -> int:
                    help="input MB a train:VOCAB tokenizer learns from")
     p.add_argument("--force", action="store_true", help="replace a dataset made otherwise")
     p.add_argument("--no-progress", action="store_true", help="no progress bar")
+    t = sub.add_parser("pydoc-topics", help="write the text of Python's documentation topics "
+                       "(pydoc_data.topics, in every CPython) as JSONL: a corpus needing no "
+                       "network")
+    t.add_argument("out", help="JSONL file to write (one topic per line, field 'text')")
     i = sub.add_parser("info", help="summarise a token dataset")
     i.add_argument("dir")
     i.add_argument("--verify", action="store_true", help="check every shard's crc32c")
@@ -467,6 +487,10 @@ def main(argv: list[str] | None = None) -> int:
     try:
         if args.cmd == "info":
             return _info(args.dir, args.verify)
+        if args.cmd == "pydoc-topics":
+            n, size = write_pydoc_topics(args.out)
+            print(f"{args.out}: {n} documents, {size / 1e3:.0f} KB of text")
+            return 0
         stats = prepare(args.inputs, tokenizer=args.tokenizer, out=args.out,
                         text_field=args.text_field, workers=args.workers,
                         shard_mb=args.shard_mb, force=args.force,
