@@ -8,7 +8,8 @@ Inputs are files or directories (searched recursively for ``.txt .md .rst .py .j
 .parquet .arrow``). A text file is one document; a JSONL line is one document (its
 ``--text-field``); a Parquet or Arrow file (read through the ``datasets`` package, if
 installed) gives one document per row. Large text and JSONL files are cut at line ends into
-parts of about ``--shard-mb`` MB; every part becomes one shard, encoded by a pool of worker
+segments of about ``--shard-mb`` MB, and consecutive small files are packed together: each
+shard holds about ``--shard-mb`` MB of input, and the shards are encoded by a pool of worker
 processes (``--workers``). The format is in `runtime.tokens`.
 
 Resumable: the plan (inputs with sizes and modification times, tokenizer, dtype) is written
@@ -70,7 +71,9 @@ class PrepareError(DatasetError):
 
 
 @dataclass(frozen=True, slots=True)
-class Part:
+class Segment:
+    """A file, or a run of its lines; shards are made of consecutive segments."""
+
     path: str
     kind: str
     """``text``, ``jsonl``, ``parquet`` or ``arrow``."""
@@ -78,7 +81,11 @@ class Part:
     end: int
     """Byte range of the file (the whole file for Parquet/Arrow)."""
     last: bool
-    """The part ends its file (a text file's end-of-document id goes after it)."""
+    """The segment ends its file (a text file's end-of-document id goes after it)."""
+
+    @property
+    def size(self) -> int:
+        return self.end - self.start
 
     @property
     def source(self) -> str:
@@ -128,13 +135,13 @@ def expand_inputs(inputs: list[str]) -> list[Path]:
     return out
 
 
-def plan_parts(files: list[Path], part_bytes: int) -> list[Part]:
-    """Cut each file into parts of about ``part_bytes`` at line ends."""
-    parts: list[Part] = []
+def plan_segments(files: list[Path], part_bytes: int) -> list[Segment]:
+    """Cut each file into segments of about ``part_bytes`` at line ends."""
+    parts: list[Segment] = []
     for f in files:
         kind, size = _kind(f), f.stat().st_size
         if kind in ("parquet", "arrow") or size <= part_bytes:
-            parts.append(Part(str(f), kind, 0, size, True))
+            parts.append(Segment(str(f), kind, 0, size, True))
             continue
         cuts = [0]
         with open(f, "rb") as fh:
@@ -145,12 +152,35 @@ def plan_parts(files: list[Path], part_bytes: int) -> list[Part]:
                     break
                 cuts.append(fh.tell())
         cuts.append(size)
-        parts += [Part(str(f), kind, a, b, b == size) for a, b in zip(cuts, cuts[1:],
-                                                                        strict=False)]
+        parts += [Segment(str(f), kind, a, b, b == size) for a, b in zip(cuts, cuts[1:],
+                                                                           strict=False)]
     return parts
 
 
-def _lines_in(part: Part) -> Iterator[bytes]:
+def plan_shards(files: list[Path], shard_bytes: int) -> list[tuple[Segment, ...]]:
+    """Segments of at most about ``shard_bytes``, packed in order into shards of about
+    ``shard_bytes`` each (a shard closes once it holds that much)."""
+    shards: list[tuple[Segment, ...]] = []
+    cur: list[Segment] = []
+    size = 0
+    for seg in plan_segments(files, shard_bytes):
+        if cur and size + seg.size > shard_bytes:
+            shards.append(tuple(cur))
+            cur, size = [], 0
+        cur.append(seg)
+        size += seg.size
+    if cur:
+        shards.append(tuple(cur))
+    return shards
+
+
+def _source(segments: tuple[Segment, ...]) -> str:
+    if len(segments) == 1:
+        return segments[0].source
+    return f"{segments[0].source} .. {segments[-1].source} ({len(segments)} inputs)"
+
+
+def _lines_in(part: Segment) -> Iterator[bytes]:
     with open(part.path, "rb") as fh:
         fh.seek(part.start)
         pos = part.start
@@ -162,7 +192,7 @@ def _lines_in(part: Part) -> Iterator[bytes]:
             yield line
 
 
-def iter_pieces(part: Part, text_field: str) -> Iterator[tuple[str, bool]]:
+def iter_pieces(part: Segment, text_field: str) -> Iterator[tuple[str, bool]]:
     """``(text, ends_document)`` pieces of a part, in order."""
     if part.kind == "text":
         buf: list[bytes] = []
@@ -194,7 +224,7 @@ def iter_pieces(part: Part, text_field: str) -> Iterator[tuple[str, bool]]:
         yield from ((t, True) for t in _table_texts(part, text_field))
 
 
-def _table_texts(part: Part, text_field: str) -> Iterator[str]:
+def _table_texts(part: Segment, text_field: str) -> Iterator[str]:
     try:
         import datasets
     except ImportError:
@@ -213,14 +243,21 @@ def _table_texts(part: Part, text_field: str) -> Iterator[str]:
                 yield str(value)
 
 
+_TOKENIZERS: dict[str, ByteTokenizer | HFTokenizer] = {}
+"""A worker process's tokenizers by spec (loaded once, used for each shard it encodes)."""
+
+
 def _tokenizer_from(spec: str) -> ByteTokenizer | HFTokenizer:
-    return ByteTokenizer() if spec == "byte" else HFTokenizer(spec)
+    tok = _TOKENIZERS.get(spec)
+    if tok is None:
+        tok = _TOKENIZERS[spec] = ByteTokenizer() if spec == "byte" else HFTokenizer(spec)
+    return tok
 
 
-def encode_part(part: Part, tokenizer: str, dtype: str, out_dir: str, file: str,
-                text_field: str) -> ShardInfo:
-    """Encode one part into ``out_dir/file`` (a temporary file, then a rename) and record it
-    in ``out_dir/<file stem>.json``. Runs in a worker process."""
+def encode_shard(segments: tuple[Segment, ...], tokenizer: str, dtype: str, out_dir: str,
+                 file: str, text_field: str) -> ShardInfo:
+    """Encode one shard's segments into ``out_dir/file`` (a temporary file, then a rename)
+    and record it in ``out_dir/<file stem>.json``. Runs in a worker process."""
     tok = _tokenizer_from(tokenizer)
     eos = tok.info.eos_id
     out = Path(out_dir)
@@ -247,19 +284,20 @@ def encode_part(part: Part, tokenizer: str, dtype: str, out_dir: str, file: str,
         batch.clear()
 
     with open(tmp, "wb") as fh:
-        for text, ends in iter_pieces(part, text_field):
-            batch.append((text, ends))
-            n = len(text.encode("utf-8", "replace")) if not text.isascii() else len(text)
-            text_bytes += n
-            batch_bytes += n
-            if batch_bytes >= _CHUNK or len(batch) >= 4096:
-                flush(fh)
-                batch_bytes = 0
+        for seg in segments:
+            for text, ends in iter_pieces(seg, text_field):
+                batch.append((text, ends))
+                n = len(text.encode("utf-8", "replace")) if not text.isascii() else len(text)
+                text_bytes += n
+                batch_bytes += n
+                if batch_bytes >= _CHUNK or len(batch) >= 4096:
+                    flush(fh)
+                    batch_bytes = 0
         flush(fh)
         fh.flush()
         os.fsync(fh.fileno())
     os.replace(tmp, out / file)
-    info = ShardInfo(file=file, tokens=tokens, documents=docs, crc32c=crc, source=part.source,
+    info = ShardInfo(file=file, tokens=tokens, documents=docs, crc32c=crc, source=_source(segments),
                      text_bytes=text_bytes)
     marker = out / (Path(file).stem + ".json")
     marker.with_suffix(".json.tmp").write_text(json.dumps(info.to_json()) + "\n")
@@ -278,13 +316,14 @@ def _done_shard(out: Path, file: str, itemsize: int) -> ShardInfo | None:
     return info if ok else None
 
 
-def _plan_record(parts: list[Part], tokenizer: str, text_field: str) -> dict[str, Any]:
-    files = sorted({p.path for p in parts})
+def _plan_record(shards: list[tuple[Segment, ...]], tokenizer: str,
+                 text_field: str) -> dict[str, Any]:
+    files = sorted({seg.path for segs in shards for seg in segs})
     return {
         "tokenizer": tokenizer, "text_field": text_field,
         "files": [{"path": f, "size": os.stat(f).st_size,
                    "mtime_ns": os.stat(f).st_mtime_ns} for f in files],
-        "parts": [asdict(p) for p in parts],
+        "shards": [[asdict(seg) for seg in segs] for segs in shards],
     }
 
 
@@ -313,7 +352,7 @@ def _check_plan(out: Path, plan: dict[str, Any], force: bool) -> None:
     os.replace(tmp, path)
 
 
-def _resolve_tokenizer(spec: str, parts: list[Part], out: Path, text_field: str,
+def _resolve_tokenizer(spec: str, parts: list[Segment], out: Path, text_field: str,
                        sample_bytes: int, stats: PrepareStats) -> str:
     """The tokenizer spec the workers load: ``byte``, or ``out/tokenizer.json`` (copied
     from the given file, or trained on the inputs)."""
@@ -343,7 +382,7 @@ def _resolve_tokenizer(spec: str, parts: list[Part], out: Path, text_field: str,
     train_bpe(sample(), vocab, dest)
     stats.train_tokenizer_s = time.perf_counter() - t0
     log.info("trained a %d-id BPE on %.1f MB of the input in %.1f s", vocab,
-             min(sample_bytes, sum(p.end - p.start for p in parts)) / 1e6,
+             min(sample_bytes, sum(p.size for p in parts)) / 1e6,
              stats.train_tokenizer_s)
     return str(dest)
 
@@ -354,47 +393,50 @@ def prepare(inputs: list[str], *, tokenizer: str, out: str | Path, text_field: s
     """Prepare (or finish preparing) the token dataset ``out`` from ``inputs``."""
     out = Path(out)
     stats = PrepareStats()
-    parts = plan_parts(expand_inputs(inputs), max(1, int(shard_mb * 1e6)))
-    _check_plan(out, _plan_record(parts, tokenizer, text_field), force)
-    tok_spec = _resolve_tokenizer(tokenizer, parts, out, text_field,
+    shards = plan_shards(expand_inputs(inputs), max(1, int(shard_mb * 1e6)))
+    _check_plan(out, _plan_record(shards, tokenizer, text_field), force)
+    tok_spec = _resolve_tokenizer(tokenizer, [seg for segs in shards for seg in segs], out,
+                                  text_field,
                                   int(bpe_sample_mb * 1e6), stats)
     info = _tokenizer_from(tok_spec).info
     dtype = dtype_for(info.vocab_size)
     itemsize = np.dtype(dtype).itemsize
-    files = [f"shard-{k:05d}.bin" for k in range(len(parts))]
+    files = [f"shard-{k:05d}.bin" for k in range(len(shards))]
     done: dict[int, ShardInfo] = {}
     for k, f in enumerate(files):
         shard = _done_shard(out, f, itemsize)
         if shard is not None:
             done[k] = shard
     stats.reused_shards = len(done)
-    todo = [k for k in range(len(parts)) if k not in done]
+    todo = [k for k in range(len(shards)) if k not in done]
     workers = workers or min(os.cpu_count() or 1, max(1, len(todo)))
-    total_bytes = sum(parts[k].end - parts[k].start for k in todo)
+    size = [sum(seg.size for seg in segs) for segs in shards]
+    total_bytes = sum(size[k] for k in todo)
     t0 = time.perf_counter()
     with _progress(progress, total_bytes) as advance:
         if workers <= 1 or len(todo) <= 1:
             for k in todo:
-                done[k] = encode_part(parts[k], tok_spec, dtype, str(out), files[k], text_field)
-                advance(parts[k].end - parts[k].start)
+                done[k] = encode_shard(shards[k], tok_spec, dtype, str(out), files[k],
+                                       text_field)
+                advance(size[k])
         else:
             import multiprocessing as mp
 
             os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
             with ProcessPoolExecutor(workers, mp_context=mp.get_context("spawn")) as pool:
-                futs = {pool.submit(encode_part, parts[k], tok_spec, dtype, str(out), files[k],
-                                    text_field): k for k in todo}
+                futs = {pool.submit(encode_shard, shards[k], tok_spec, dtype, str(out),
+                                    files[k], text_field): k for k in todo}
                 for fut in as_completed(futs):
                     k = futs[fut]
                     done[k] = fut.result()
-                    advance(parts[k].end - parts[k].start)
+                    advance(size[k])
     stats.seconds = time.perf_counter() - t0
     stats.text_bytes = sum(done[k].text_bytes for k in todo)
     stats.encoded_tokens = sum(done[k].tokens for k in todo)
     index = TokenIndex(dtype=dtype, tokenizer=info,
-                       shards=tuple(done[k] for k in range(len(parts))))
+                       shards=tuple(done[k] for k in range(len(shards))))
     index.write(out)
-    stats.shards, stats.tokens = len(parts), index.total_tokens
+    stats.shards, stats.tokens = len(shards), index.total_tokens
     return stats
 
 

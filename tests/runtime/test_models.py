@@ -125,3 +125,42 @@ def test_hf_causal_lm_fsdp_checkpoint_resume_and_reshard(rank_pool: RankPool,
     for name, want in ref[0]["state"].items():
         if name.startswith("model/"):
             torch.testing.assert_close(other[0]["state"][name], want, rtol=1e-4, atol=1e-5)
+
+
+def eval_case(overrides: list[str]) -> dict:
+    """Rank-pool case: the held-out loss of the initial model, and 3 training losses."""
+    from runtime.train import Trainer
+
+    trainer = Trainer(_cfg(*overrides))
+    try:
+        before = trainer.evaluate()
+        losses = [trainer.train_step()["loss"] for _ in range(3)]
+        return {"eval": before, "losses": losses, "layout": trainer.layout.describe()}
+    finally:
+        trainer.close()
+
+
+@pytest.mark.multirank
+def test_eval_loss_and_factory_tp_agree_across_layouts(rank_pool: RankPool,
+                                                       pydoc_tokens: Path) -> None:
+    data = [f"--data.source=tokens:{pydoc_tokens}", "--data.eval_samples=10",
+            "--data.eval_fraction=0.05"]
+    case = "tests.runtime.test_models:eval_case"
+    # The runtime's transformer: one process, FSDP over 2 and 4 (10 samples do not split
+    # evenly over 4 data ranks), HSDP 2 x 2.
+    llama = [*data, "--model.vocab_size=257"]
+    ref = rank_pool.run(case, 1, overrides=llama)[0]
+    for world, extra in ((2, []), (4, []), (4, ["--parallel.dp_replicate=2"])):
+        got = rank_pool.run(case, world, overrides=[*llama, *extra])[0]
+        assert got["eval"] == pytest.approx(ref["eval"], rel=1e-5), got["layout"]
+        assert got["losses"] == pytest.approx(ref["losses"], rel=1e-4), got["layout"]
+    # A factory model with its own TP plan: tp2 matches one process.
+    tp = [*data, "--model.vocab_size=257", f"--model.factory={FACTORY}:mixer_tp"]
+    ref = rank_pool.run(case, 1, overrides=tp)[0]
+    got = rank_pool.run(case, 2, overrides=[*tp, "--parallel.tp=2"])[0]
+    assert got["layout"] != ref["layout"]
+    assert got["eval"] == pytest.approx(ref["eval"], rel=1e-5)
+    assert got["losses"] == pytest.approx(ref["losses"], rel=1e-4)
+    with pytest.raises(Exception, match="relight_tp_plan"):
+        rank_pool.run(case, 2, overrides=[*tp[:-1], f"--model.factory={FACTORY}:mixer",
+                                          "--parallel.tp=2"])

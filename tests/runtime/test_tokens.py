@@ -15,7 +15,7 @@ from hypothesis import strategies as st
 
 from runtime.config import ConfigError, DataConfig, ModelConfig
 from runtime.data import BatchPlan, DataLoader, build_corpus
-from runtime.prepare import PrepareError, main, plan_parts, prepare
+from runtime.prepare import PrepareError, main, plan_segments, plan_shards, prepare
 from runtime.tokenizer import BYTE_EOS, load_tokenizer
 from runtime.tokens import (
     ChecksumError,
@@ -71,50 +71,65 @@ def test_byte_prepare_packs_documents_with_eos(byte_ds: Path,
     index = TokenIndex.read(byte_ds)
     assert index.dtype == "uint16" and index.tokenizer.kind == "byte"
     assert index.vocab_size == 257 and index.tokenizer.eos_id == BYTE_EOS
-    assert [s.documents for s in index.shards] == [80, 1, 1, 1, 1]
-    first = np.fromfile(byte_ds / index.shards[0].file, dtype=np.uint16)
-    docs = bytes(first.astype(np.uint8)[first != BYTE_EOS]).decode()
+    # Small inputs are packed into one shard: 80 JSONL lines, then 4 text files.
+    assert [s.documents for s in index.shards] == [84]
+    assert index.shards[0].source.endswith("(5 inputs)")
+    stream = np.fromfile(byte_ds / index.shards[0].file, dtype=np.uint16)
+    assert (stream == BYTE_EOS).sum() == 84 and stream[-1] == BYTE_EOS
     want = [json.loads(line)["text"] for line in corpus_files["jsonl"].read_text().splitlines()]
-    assert docs == "".join(want)
-    assert (first == BYTE_EOS).sum() == 80 and first[-1] == BYTE_EOS
-    assert index.shards[1].source.endswith("f0.txt")
-    assert index.total_tokens == sum(s.tokens for s in index.shards)
+    want += [(corpus_files["txt"] / f"f{k}.txt").read_text() for k in range(4)]
+    eos = np.flatnonzero(stream == BYTE_EOS)
+    starts = np.concatenate([[0], eos[:-1] + 1])
+    got = [bytes(stream[a:b].astype(np.uint8)).decode() for a, b in zip(starts, eos,
+                                                                                strict=True)]
+    assert got == want
+    assert index.total_tokens == len(stream) == index.shards[0].text_bytes + 84
 
 
 def test_parallel_and_split_preparation_write_the_same_tokens(
         corpus_files: dict[str, Path], byte_ds: Path, tmp_path: Path) -> None:
-    out = tmp_path / "par"
-    prepare([str(corpus_files["jsonl"]), str(corpus_files["txt"])], tokenizer="byte", out=out,
-            workers=2)
-    assert TokenIndex.read(out) == TokenIndex.read(byte_ds)
-    # Files cut into ~2 kB parts at line ends: more shards, the same token stream.
-    split = tmp_path / "split"
-    parts = plan_parts([corpus_files["jsonl"]], 2000)
-    assert len(parts) > 3 and all(p.start < p.end for p in parts)
-    assert [p.end for p in parts[:-1]] == [p.start for p in parts[1:]]
-    prepare([str(corpus_files["jsonl"]), str(corpus_files["txt"])], tokenizer="byte",
-            out=split, workers=1, shard_mb=0.002)
-    assert len(TokenIndex.read(split).shards) > len(TokenIndex.read(byte_ds).shards)
-    assert np.array_equal(_stream(split), _stream(byte_ds))
+    inputs = [str(corpus_files["jsonl"]), str(corpus_files["txt"])]
+    # Files cut into ~2 kB segments at line ends, and shards of ~2 kB: many shards, the same
+    # token stream; 2 worker processes write exactly what 1 does.
+    segs = plan_segments([corpus_files["jsonl"]], 2000)
+    assert len(segs) > 3 and all(p.start < p.end for p in segs)
+    assert [p.end for p in segs[:-1]] == [p.start for p in segs[1:]] and segs[-1].last
+    shards = plan_shards([corpus_files["jsonl"], *sorted(corpus_files["txt"].iterdir())], 4000)
+    assert all(sum(s.size for s in shard) <= 4000 + 2000 for shard in shards)
+    one, two = tmp_path / "one", tmp_path / "two"
+    prepare(inputs, tokenizer="byte", out=one, workers=1, shard_mb=0.002)
+    prepare(inputs, tokenizer="byte", out=two, workers=2, shard_mb=0.002)
+    assert len(TokenIndex.read(one).shards) > 5
+    assert TokenIndex.read(one) == TokenIndex.read(two)
+    assert np.array_equal(_stream(one), _stream(byte_ds))
 
 
 def test_prepare_resumes_only_the_missing_shards(corpus_files: dict[str, Path],
                                                  byte_ds: Path, tmp_path: Path) -> None:
-    out = tmp_path / "ds"
+    out, whole = tmp_path / "ds", tmp_path / "whole"
     inputs = [str(corpus_files["jsonl"]), str(corpus_files["txt"])]
-    prepare(inputs, tokenizer="byte", out=out, workers=1)
-    # An interruption: no index yet, one shard never recorded, one half-written temp file.
+    prepare(inputs, tokenizer="byte", out=out, workers=1, shard_mb=0.004)
+    prepare(inputs, tokenizer="byte", out=whole, workers=1, shard_mb=0.004)
+    n = len(TokenIndex.read(whole).shards)
+    assert n >= 5
+    # An interruption: no index yet, one shard unrecorded, one whose size disagrees with its
+    # record, one half-written (a temporary file, never renamed).
     (out / "index.json").unlink()
     (out / "shard-00002.json").unlink()
     (out / "shard-00003.bin").write_bytes(b"\x00\x01")
-    (out / "shard-00004.bin.tmp").write_bytes(b"partial")
-    stats = prepare(inputs, tokenizer="byte", out=out, workers=1)
-    assert stats.reused_shards == 3 and stats.shards == 5
-    assert TokenIndex.read(out) == TokenIndex.read(byte_ds)
+    (out / "shard-00004.json").unlink()
+    (out / "shard-00004.bin").rename(out / "shard-00004.bin.tmp")
+    with open(out / "shard-00004.bin.tmp", "r+b") as fh:
+        fh.truncate(5)
+    stats = prepare(inputs, tokenizer="byte", out=out, workers=1, shard_mb=0.004)
+    assert stats.reused_shards == n - 3 and stats.shards == n
+    assert TokenIndex.read(out) == TokenIndex.read(whole)
+    assert np.array_equal(_stream(out), _stream(byte_ds))
     # The same command on a finished dataset encodes nothing.
-    assert prepare(inputs, tokenizer="byte", out=out, workers=1).reused_shards == 5
+    assert prepare(inputs, tokenizer="byte", out=out, workers=1,
+                   shard_mb=0.004).reused_shards == n
     with pytest.raises(PrepareError, match="other inputs or another tokenizer"):
-        prepare(inputs, tokenizer="train:300", out=out)
+        prepare(inputs, tokenizer="train:300", out=out, shard_mb=0.004)
 
 
 def test_trained_bpe_and_its_tokenizer_json(corpus_files: dict[str, Path],
@@ -233,11 +248,11 @@ def test_checksums_and_sizes_are_verified(byte_ds: Path, tmp_path: Path) -> None
 
     copy = tmp_path / "ds"
     shutil.copytree(byte_ds, copy)
-    shard = copy / "shard-00001.bin"
+    shard = copy / "shard-00000.bin"
     data = bytearray(shard.read_bytes())
     data[10] ^= 0x01
     shard.write_bytes(bytes(data))
-    with pytest.raises(ChecksumError, match=r"shard-00001\.bin: crc32c"):
+    with pytest.raises(ChecksumError, match=r"shard-00000\.bin: crc32c"):
         TokenDataset(copy, seq_len=16, seed=0)
     TokenDataset(copy, seq_len=16, seed=0, verify=False)  # an operator may skip the check
     shard.write_bytes(bytes(data[:-2]))
@@ -284,3 +299,25 @@ def test_synthetic_corpus_has_a_held_out_split() -> None:
     held = ds.eval_samples(0, 64)
     assert held.shape == train.shape and not torch.equal(held, train)
     assert torch.equal(ds.eval_samples(3, 2), held[3:5])
+
+
+def test_parquet_and_arrow_inputs_through_datasets(tmp_path: Path) -> None:
+    datasets = pytest.importorskip("datasets")
+    texts = _texts(12, seed=4)
+    ds = datasets.Dataset.from_dict({"body": texts, "n": list(range(12))})
+    ds.to_parquet(str(tmp_path / "t.parquet"))
+    jsonl = tmp_path / "t.jsonl"
+    jsonl.write_text("".join(json.dumps({"body": t}) + "\n" for t in texts))
+    prepare([str(tmp_path / "t.parquet")], tokenizer="byte", out=tmp_path / "pq",
+            text_field="body", workers=1)
+    prepare([str(jsonl)], tokenizer="byte", out=tmp_path / "js", text_field="body", workers=1)
+    assert np.array_equal(_stream(tmp_path / "pq"), _stream(tmp_path / "js"))
+    assert TokenIndex.read(tmp_path / "pq").shards[0].documents == 12
+    ds.save_to_disk(str(tmp_path / "saved"))
+    arrow = sorted((tmp_path / "saved").glob("*.arrow"))
+    prepare([str(a) for a in arrow], tokenizer="byte", out=tmp_path / "ar", text_field="body",
+            workers=1)
+    assert np.array_equal(_stream(tmp_path / "ar"), _stream(tmp_path / "js"))
+    with pytest.raises(PrepareError, match="no column 'text'"):
+        prepare([str(tmp_path / "t.parquet")], tokenizer="byte", out=tmp_path / "bad",
+                workers=1)

@@ -56,3 +56,20 @@ def mixer(cfg: ModelConfig) -> nn.Module:
 
 def not_a_module(cfg: ModelConfig) -> object:
     return object()
+
+
+class TPCausalMixer(CausalMixer):
+    """The mixer with a tensor-parallel plan: each block's MLP column- then row-parallel."""
+
+    def relight_tp_plan(self) -> dict:
+        from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel
+
+        plan: dict = {}
+        for i in range(len(self.blocks)):
+            plan[f"blocks.{i}.mlp.0"] = ColwiseParallel()
+            plan[f"blocks.{i}.mlp.2"] = RowwiseParallel()
+        return plan
+
+
+def mixer_tp(cfg: ModelConfig) -> nn.Module:
+    return TPCausalMixer(cfg)
