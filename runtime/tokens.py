@@ -333,10 +333,11 @@ class TokenDataset:
 
         out = np.empty((len(windows), self.seq_len + 1), dtype=np.int64)
         shard = np.searchsorted(self._ends, windows, side="right")
-        for row, (w, s) in enumerate(zip(windows.tolist(), shard.tolist(), strict=True)):
-            first = w - (int(self._ends[s - 1]) if s else 0)
-            off = first * self.seq_len
-            out[row] = self._arrays[s][off: off + self.seq_len + 1]
+        first = windows - np.concatenate([[0], self._ends])[shard]
+        span = np.arange(self.seq_len + 1)
+        for s in np.unique(shard).tolist():
+            rows = shard == s
+            out[rows] = self._arrays[s][first[rows, None] * self.seq_len + span]
         return torch.from_numpy(out)
 
     def samples(self, start: int, count: int) -> torch.Tensor:
