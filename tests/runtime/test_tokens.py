@@ -4,6 +4,7 @@ function of (seed, i), the same global batches under every DP size, checksums, v
 
 from __future__ import annotations
 
+import dataclasses
 import json
 from pathlib import Path
 
@@ -321,3 +322,20 @@ def test_parquet_and_arrow_inputs_through_datasets(tmp_path: Path) -> None:
     with pytest.raises(PrepareError, match="no column 'text'"):
         prepare([str(tmp_path / "t.parquet")], tokenizer="byte", out=tmp_path / "bad",
                 workers=1)
+
+
+def test_the_main_jobs_corpus_and_config(tmp_path: Path) -> None:
+    from runtime.config import load_config
+    from runtime.prepare import write_pydoc_topics
+
+    root = Path(__file__).resolve().parents[2]
+    cfg = load_config(root / "configs" / "text.toml")
+    assert cfg.data.tokens_dir == "runs/data/pydoc-topics-byte" and cfg.model.vocab_size == 257
+    docs, size = write_pydoc_topics(tmp_path / "t.jsonl")
+    assert docs > 50 and size > 300_000  # every CPython ships the topics
+    stats = prepare([str(tmp_path / "t.jsonl")], tokenizer="byte", out=tmp_path / "ds",
+                    workers=1)
+    assert stats.tokens == size + docs
+    ds = build_corpus(dataclasses.replace(cfg.data, source=f"tokens:{tmp_path / 'ds'}"),
+                      model_vocab=cfg.model.vocab_size)
+    assert 2.5 < ds.unigram_entropy() < 4.0  # English text as bytes
