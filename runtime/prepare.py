@@ -22,6 +22,7 @@ downloaded: tokenizers are byte-level, local files, or trained here on the input
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import logging
 import os
@@ -398,7 +399,7 @@ def prepare(inputs: list[str], *, tokenizer: str, out: str | Path, text_field: s
     tok_spec = _resolve_tokenizer(tokenizer, [seg for segs in shards for seg in segs], out,
                                   text_field,
                                   int(bpe_sample_mb * 1e6), stats)
-    info = _tokenizer_from(tok_spec).info
+    info = dataclasses.replace(_tokenizer_from(tok_spec).info, name=tokenizer)
     dtype = dtype_for(info.vocab_size)
     itemsize = np.dtype(dtype).itemsize
     files = [f"shard-{k:05d}.bin" for k in range(len(shards))]

@@ -121,7 +121,7 @@ class HFTokenizer:
         try:
             raw = self.path.read_bytes()
             self._tok = tokenizers.Tokenizer.from_str(raw.decode("utf-8"))
-        except (OSError, UnicodeDecodeError, Exception) as e:  # the Rust side raises Exception
+        except Exception as e:  # OSError, UnicodeDecodeError, or the Rust side's Exception
             raise TokenizerError(f"cannot read tokenizer file {self.path}: {e}") from None
         eos = None
         for special in EOS_NAMES:

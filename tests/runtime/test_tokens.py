@@ -139,6 +139,7 @@ def test_trained_bpe_and_its_tokenizer_json(corpus_files: dict[str, Path],
     stats = prepare([str(corpus_files["jsonl"])], tokenizer="train:320", out=out, workers=1)
     index = TokenIndex.read(out)
     assert index.tokenizer.kind == "hf" and index.vocab_size == 320
+    assert index.tokenizer.name == "train:320"
     tok = load_tokenizer(str(out / "tokenizer.json"))
     assert (tok.info.sha256, tok.info.vocab_size, tok.info.eos_id) == (
         index.tokenizer.sha256, 320, index.tokenizer.eos_id)
