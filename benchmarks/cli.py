@@ -20,6 +20,7 @@ BENCHMARKS: dict[str, str] = {
     "ckpt": "checkpoint save/load/reshard vs torch.distributed.checkpoint (DCP)",
     "layouts": "each parallel layout vs plain data parallelism on the same ranks",
     "recovery": "kill -> first step after resume vs torchrun c10d + DCP",
+    "data": "token-dataset preparation throughput and the loader's cost per step",
 }
 
 

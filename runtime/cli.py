@@ -16,6 +16,7 @@ __all__ = ["main", "SUBCOMMANDS"]
 SUBCOMMANDS: dict[str, tuple[str, str]] = {
     "train": ("runtime.train", "train in this process or under torchrun (one rank per process)"),
     "run": ("elastic.launch", "launch an elastic multi-rank job (torchrun agent, etcd rendezvous)"),
+    "data": ("runtime.prepare", "prepare token datasets (text, JSONL, Parquet) and inspect them"),
     "ckpt": ("ckpt.cli", "list, inspect, verify, gc, export, import and diff checkpoints"),
     "chaos": ("chaos.cli", "run a chaos scenario and check the recovery invariants"),
     "bench": ("benchmarks.cli", "run a benchmark against its baseline"),

@@ -47,8 +47,18 @@ def _require(cond: bool, msg: str) -> None:
 
 @dataclass(kw_only=True, slots=True)
 class ModelConfig:
+    name: str = "llama"
+    """Registered model to train (`runtime.models`): ``llama`` (the runtime's dense
+    transformer) or ``moe`` (the same with ``num_experts`` routed experts); ignored when
+    ``factory`` is set."""
+    factory: str = ""
+    """A user's own model, ``package.module:function``: the function takes this
+    ModelConfig and returns a ``torch.nn.Module`` mapping token ids ``[batch, seq]`` to
+    logits ``[batch, seq, vocab]`` (or an output with ``.logits``, as Hugging Face causal
+    LMs return). Trained under DP/FSDP/HSDP; TP when the module defines
+    ``relight_tp_plan()``. Empty: use ``name``."""
     vocab_size: int = 64
-    """Number of token ids; must match the data vocabulary."""
+    """Number of token ids; must be at least the dataset's vocabulary."""
     dim: int = 64
     """Model (residual stream) width."""
     n_layers: int = 4
@@ -74,6 +84,12 @@ class ModelConfig:
     """Std of the normal init for weights (output projections scaled by 1/sqrt(2*n_layers))."""
 
     def __post_init__(self) -> None:
+        _require(bool(self.name.strip()), "model.name must not be empty (e.g. llama, moe)")
+        if self.factory:
+            mod, _, fn = self.factory.partition(":")
+            _require(bool(mod) and bool(fn) and all(p.isidentifier() for p in mod.split("."))
+                     and fn.isidentifier(),
+                     f"model.factory={self.factory!r} must look like package.module:function")
         for name in ("vocab_size", "dim", "n_layers", "n_heads", "mlp_hidden", "max_seq_len"):
             value = getattr(self, name)
             _require(value > 0, f"model.{name} must be > 0, got {value}")
@@ -149,8 +165,11 @@ class OptimConfig:
 
 @dataclass(kw_only=True, slots=True)
 class DataConfig:
+    source: str = "synthetic"
+    """``synthetic`` (the Markov-chain corpus of `runtime.data`) or ``tokens:DIR``, a token
+    dataset written by ``relight data prepare`` (docs/data.md)."""
     seed: int = 1234
-    """Seed of the synthetic corpus (the Markov chain and every sample)."""
+    """Seed of the sample order (and, for ``synthetic``, of the Markov chain)."""
     seq_len: int = 32
     """Tokens per training sample (inputs; targets are shifted by one)."""
     global_batch_size: int = 16
@@ -159,8 +178,28 @@ class DataConfig:
     """Samples per forward/backward (and per pipeline micro-batch)."""
     branching: int = 4
     """Successors each token can have in the Markov chain (lower = more learnable)."""
+    eval_every: int = 0
+    """Compute the loss on held-out samples every N steps (and at the last step); 0: never."""
+    eval_samples: int = 64
+    """Held-out samples per evaluation (the first ones of the held-out split)."""
+    eval_fraction: float = 0.02
+    """Share of a token dataset's windows held out for evaluation (fixed per dataset,
+    whatever ``seed`` is)."""
+    verify_checksums: bool = True
+    """Check every shard's crc32c when a token dataset is opened."""
+
+    @property
+    def tokens_dir(self) -> str:
+        """The dataset directory of a ``tokens:DIR`` source ('' for synthetic)."""
+        return self.source[len("tokens:"):] if self.source.startswith("tokens:") else ""
 
     def __post_init__(self) -> None:
+        _require(self.source == "synthetic" or (self.source.startswith("tokens:")
+                                                and bool(self.source[7:].strip())),
+                 f"data.source must be 'synthetic' or 'tokens:DIR', got {self.source!r}")
+        _require(self.eval_every >= 0, "data.eval_every must be >= 0")
+        _require(self.eval_samples >= 1, "data.eval_samples must be >= 1")
+        _require(0 <= self.eval_fraction < 1, "data.eval_fraction must be in [0, 1)")
         _require(self.seq_len > 1, "data.seq_len must be > 1")
         _require(self.micro_batch_size >= 1, "data.micro_batch_size must be >= 1")
         _require(

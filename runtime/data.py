@@ -10,16 +10,42 @@ sample index) reads exactly the samples an uninterrupted run would, whatever the
 The global batch of step ``t`` is samples ``[P, P + global_batch)``; it is split into
 micro-batches of ``micro_batch`` samples, and data rank ``r`` of ``dp`` takes the ``r``-th
 contiguous run of them, so every micro-batch holds the same samples under every layout.
+
+A corpus is anything with ``samples(start, count)`` (training samples by global index) and
+``eval_samples(start, count)`` (held-out ones): :class:`SyntheticCorpus` here, or a
+`runtime.tokens.TokenDataset` of real text (``data.source = "tokens:DIR"``), which
+:func:`build_corpus` picks from the config.
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import Protocol
 
 import numpy as np
 import torch
 
-__all__ = ["BatchPlan", "DataLoader", "SyntheticCorpus"]
+from runtime.config import DataConfig
+
+__all__ = ["BatchPlan", "Corpus", "DataLoader", "SyntheticCorpus", "build_corpus"]
+
+EVAL_OFFSET = 1 << 62
+"""Held-out synthetic samples are those from this global index on (training never gets
+there)."""
+
+
+class Corpus(Protocol):
+    vocab_size: int
+
+    def samples(self, start: int, count: int) -> torch.Tensor:
+        """Training samples ``start .. start+count-1``, int64 ``[count, seq_len + 1]``."""
+        ...
+
+    def eval_samples(self, start: int, count: int) -> torch.Tensor:
+        """Held-out samples ``start .. start+count-1``, int64 ``[count, seq_len + 1]``."""
+        ...
+
+    def unigram_entropy(self) -> float: ...
 
 
 class SyntheticCorpus:
@@ -45,6 +71,10 @@ class SyntheticCorpus:
         for t in range(self.seq_len):
             toks[:, t + 1] = self.successors[toks[:, t], choices[:, t]]
         return torch.from_numpy(toks)
+
+    def eval_samples(self, start: int, count: int) -> torch.Tensor:
+        """Held-out samples: walks of the same chain that training never reads."""
+        return self.samples(EVAL_OFFSET + start, count)
 
     def conditional_entropy(self) -> float:
         """Entropy (nats) of the next token given the previous one: the best reachable loss."""
@@ -80,7 +110,7 @@ class BatchPlan:
 class DataLoader:
     """Yields this rank's micro-batches; ``position`` is the next global sample index."""
 
-    def __init__(self, corpus: SyntheticCorpus, plan: BatchPlan, position: int = 0) -> None:
+    def __init__(self, corpus: Corpus, plan: BatchPlan, position: int = 0) -> None:
         self.corpus = corpus
         self.plan = plan
         self.position = position
@@ -98,3 +128,17 @@ class DataLoader:
 
     def load_state_dict(self, sd: dict[str, int]) -> None:
         self.position = int(sd["position"])
+
+
+def build_corpus(cfg: DataConfig, *, model_vocab: int, model: str = "") -> Corpus:
+    """The corpus ``cfg.source`` names; a token dataset's vocabulary is checked against the
+    model's (`runtime.tokens.VocabMismatchError`, a config error)."""
+    if not cfg.tokens_dir:
+        return SyntheticCorpus(vocab_size=model_vocab, seq_len=cfg.seq_len, seed=cfg.seed,
+                               branching=cfg.branching)
+    from runtime.tokens import TokenDataset, check_vocab
+
+    ds = TokenDataset(cfg.tokens_dir, seq_len=cfg.seq_len, seed=cfg.seed,
+                      eval_fraction=cfg.eval_fraction, verify=cfg.verify_checksums)
+    check_vocab(model_vocab, ds.vocab_size, source=cfg.source, model=model)
+    return ds

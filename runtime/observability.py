@@ -209,6 +209,7 @@ def rdzv_round_from_env() -> int | None:
 
 TB_SCALARS: dict[str, str] = {
     "loss": "train/loss",
+    "eval_loss": "eval/loss",
     "lr": "train/lr",
     "grad_norm": "train/grad_norm",
     "tokens_per_s": "perf/tokens_per_s",

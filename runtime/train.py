@@ -49,7 +49,8 @@ from torch.distributed.fsdp import FSDPModule
 
 from runtime import state as st
 from runtime.config import Config, ConfigError, config_to_dict, load_config
-from runtime.data import BatchPlan, DataLoader, SyntheticCorpus
+from runtime.data import BatchPlan, DataLoader, build_corpus
+from runtime.evaluate import eval_loss
 from runtime.exit_codes import (
     CONFIG_EXIT_CODE,
     NO_LOADABLE_CHECKPOINT_EXIT_CODE,
@@ -59,6 +60,7 @@ from runtime.exit_codes import (
 from runtime.mesh import LayoutError, ParallelMesh, build_mesh, plan_layout
 from runtime.metrics import MetricsWriter, flops_per_token, memory_mb, peak_flops
 from runtime.model import Transformer
+from runtime.models import create_model, model_vocab_size
 from runtime.observability import (
     PrometheusConfig,
     PrometheusExporter,
@@ -69,7 +71,6 @@ from runtime.observability import (
 )
 from runtime.optim import LRSchedule, build_optimizer, clip_grad_norm_
 from runtime.parallel.pp import build_pipeline
-from runtime.parallelize import parallelize
 from runtime.preemption import NoticeWatcher, decide, estimate_save_s
 from runtime.watchdog import Watchdog
 
@@ -170,13 +171,9 @@ class Trainer:
         self.log = _RankStep(log, {"rank": self.rank, "step": 0})
         self.layout = plan_layout(self.world, cfg)
         self.pmesh: ParallelMesh = build_mesh(self.layout, self.device.type)
-        # Build on the meta device, shard, then materialise: no rank ever holds the full model.
-        with torch.device("meta"):
-            self.model: Transformer = Transformer(cfg.model)
-        parallelize(self.model, self.pmesh, cfg)
-        self.model.to_empty(device=self.device)
-        self.model.init_buffers()
-        self.model.init_weights(cfg.train.seed)
+        # The registered model (built on the meta device, sharded, then materialised) or
+        # the user's factory model (runtime.models).
+        self.model: Transformer = create_model(cfg, self.pmesh, self.device)
         self.params = [p for p in self.model.parameters() if p.requires_grad]
         self.optimizer = build_optimizer(self.params, cfg.optim)
         self.lr = LRSchedule(cfg.optim.lr, cfg.optim.warmup_steps, cfg.train.steps,
@@ -185,8 +182,8 @@ class Trainer:
             global_batch=cfg.data.global_batch_size, micro_batch=cfg.data.micro_batch_size,
             dp=self.layout.dp, dp_rank=self.pmesh.dp_rank,
         )
-        corpus = SyntheticCorpus(vocab_size=cfg.model.vocab_size, seq_len=cfg.data.seq_len,
-                                 seed=cfg.data.seed, branching=cfg.data.branching)
+        corpus = build_corpus(cfg.data, model_vocab=model_vocab_size(self.model, cfg),
+                              model=cfg.model.factory or cfg.model.name)
         self.data = DataLoader(corpus, self.plan)
         self.step = 0
         n_micro = self.plan.local_microbatches
@@ -620,6 +617,19 @@ class Trainer:
                 "_notice_ranks": noticed,
                 "_notice_left_s": float(rows[noticed, 4].min()) if noticed else None}
 
+    def evaluate(self) -> float | None:
+        """Mean loss on the first ``data.eval_samples`` held-out samples (every rank calls
+        it; None under pipeline parallelism, where it is not computed)."""
+        if self.schedule is not None:
+            return None
+        ctx = (torch.autocast(self.device.type, dtype=torch.bfloat16) if self.autocast
+               else contextlib.nullcontext())
+        with ctx:
+            return eval_loss(self.model, self.data.corpus, n=self.cfg.data.eval_samples,
+                             micro_batch=self.plan.micro_batch, dp=self.layout.dp,
+                             dp_rank=self.pmesh.dp_rank, reports=self.reports_loss,
+                             device=self.device)
+
     # ---- the loop ------------------------------------------------------------------------
 
     def run(self) -> TrainResult:
@@ -675,6 +685,12 @@ class Trainer:
                 )
                 if self.rdzv_round is not None:
                     rec["rdzv_round"] = self.rdzv_round
+                every = cfg.data.eval_every
+                if every and (self.step % every == 0 or self.step == end):
+                    rec["eval_loss"] = self.evaluate()
+                    if self.rank == 0 and rec["eval_loss"] is not None:
+                        self.log.info("eval loss %.4f (%d held-out samples)", rec["eval_loss"],
+                                      cfg.data.eval_samples)
                 rec.update(first)
                 first = {}
                 if noticed:
