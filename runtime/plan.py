@@ -31,6 +31,7 @@ __all__ = [
     "RunMetricsError",
     "daly_interval",
     "expected_goodput",
+    "heal_goodput",
     "main",
     "measure_run",
     "plan",
@@ -66,6 +67,15 @@ class PlanInputs:
     tier_shard_gb_per_node: float | None = None
     """Checkpoint data bytes one node holds (its ranks' shards), for the tier's memory
     cost."""
+    replica_groups: int | None = None
+    """Healing in place (docs/healing.md): the job's replica groups; None: the restart
+    path only."""
+    heal_pause_s: float | None = None
+    """Healing in place: the survivors' pause per fault (failover grace + rebuilding the
+    cross-group process group)."""
+    heal_time_s: float | None = None
+    """Healing in place: a lost group's replacement from its start to healed (its GPUs
+    are idle that long)."""
 
     def __post_init__(self) -> None:
         checks = {
@@ -81,6 +91,12 @@ class PlanInputs:
             and (self.local_hit_fraction == 0.0 or self.local_restore_time_s is not None),
             "tier_shard_gb_per_node": self.tier_shard_gb_per_node is None
             or self.tier_shard_gb_per_node >= 0,
+            "replica_groups": self.replica_groups is None
+            or 2 <= self.replica_groups <= self.gpus,
+            "heal_pause_s": (self.heal_pause_s is None) == (self.replica_groups is None)
+            and (self.heal_pause_s is None or self.heal_pause_s >= 0),
+            "heal_time_s": (self.heal_time_s is None) == (self.replica_groups is None)
+            and (self.heal_time_s is None or self.heal_time_s >= 0),
         }
         for name, ok in checks.items():
             if not ok:
@@ -114,6 +130,10 @@ class PlanResult:
     tier_memory_gb_per_node: float | None
     """Node memory the local tier holds between saves: the node's shard bytes (twice that
     while a save is being copied, to keep the committed copy meanwhile)."""
+    heal_goodput: float | None = None
+    """Healing in place at the optimal interval: survivors continue, so a fault costs the
+    fleet's pause and the lost group's share until its replacement healed, not a
+    rollback to the last checkpoint (`heal_goodput`)."""
 
 
 def daly_interval(save_stall_s: float, job_mtbf_s: float) -> float:
@@ -137,6 +157,16 @@ def expected_goodput(interval_s: float, save_stall_s: float, restore_time_s: flo
     return interval_s / wall_per_work
 
 
+def heal_goodput(interval_s: float, save_stall_s: float, job_mtbf_s: float, groups: int,
+                 heal_pause_s: float, heal_time_s: float) -> float:
+    """Useful time / wall time when faults heal in place. Per fault (Poisson, job-wide
+    MTBF `M`) every GPU pauses `heal_pause_s`, and the lost group's GPUs (1/groups of the
+    fleet) stay idle for `heal_time_s`; nothing rolls back. Storage checkpoints still
+    stall every `interval_s` (they cover the loss of the whole job, not modelled here)."""
+    lost_per_fault = heal_pause_s + heal_time_s / groups
+    return interval_s / (interval_s + save_stall_s) * max(0.0, 1.0 - lost_per_fault / job_mtbf_s)
+
+
 def plan(inputs: PlanInputs) -> PlanResult:
     m = inputs.job_mtbf_s
     best = daly_interval(inputs.save_stall_s, m)
@@ -158,6 +188,12 @@ def plan(inputs: PlanInputs) -> PlanResult:
         ),
         effective_restore_time_s=restore,
         tier_memory_gb_per_node=inputs.tier_shard_gb_per_node,
+        heal_goodput=(
+            heal_goodput(best, inputs.save_stall_s, m, inputs.replica_groups,
+                         inputs.heal_pause_s, inputs.heal_time_s)
+            if inputs.replica_groups is not None and inputs.heal_pause_s is not None
+            and inputs.heal_time_s is not None else None
+        ),
     )
 
 
@@ -352,6 +388,13 @@ def _parser() -> argparse.ArgumentParser:
                    "process and GPU faults, not lost hosts); default 0")
     p.add_argument("--tier-shard-gb", type=float,
                    help="checkpoint GB one node holds, for the local tier's memory cost")
+    p.add_argument("--replica-groups", type=int,
+                   help="healing in place: replica groups in the job (with --heal-pause "
+                   "and --heal-time)")
+    p.add_argument("--heal-pause", type=float,
+                   help="healing in place: seconds the survivors pause per fault")
+    p.add_argument("--heal-time", type=float,
+                   help="healing in place: seconds from a replacement's start to healed")
     p.add_argument("--json", action="store_true", help="print JSON")
     p.add_argument("--plot", type=Path, help="write a PNG of goodput vs interval")
     return p
@@ -383,7 +426,9 @@ def _inputs(args: argparse.Namespace, measured: RunMeasurements | None) -> PlanI
                       current_interval_s=current,
                       local_restore_time_s=args.local_restore_time,
                       local_hit_fraction=args.local_hit_fraction,
-                      tier_shard_gb_per_node=args.tier_shard_gb)
+                      tier_shard_gb_per_node=args.tier_shard_gb,
+                      replica_groups=args.replica_groups, heal_pause_s=args.heal_pause,
+                      heal_time_s=args.heal_time)
 
 
 def _print_text(inputs: PlanInputs, result: PlanResult, m: RunMeasurements | None) -> None:
@@ -418,6 +463,11 @@ def _print_text(inputs: PlanInputs, result: PlanResult, m: RunMeasurements | Non
                if inputs.step_time_s else "")
         print(f"current interval: {result.current_interval_s:.0f} s{cur}; "
               f"goodput {result.current_goodput:.1%}")
+    if result.heal_goodput is not None:
+        print(f"heal in place ({inputs.replica_groups} replica groups; survivors pause "
+              f"{inputs.heal_pause_s:.3g} s per fault, a replacement heals in "
+              f"{inputs.heal_time_s:.3g} s): goodput {result.heal_goodput:.1%} at the "
+              "optimal interval")
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -76,3 +76,34 @@ def test_cli_rejects_bad_input(capsys) -> None:
     rc = main(["--gpus", "0", "--mtbf-hours-per-gpu", "1", "--save-stall", "1",
                "--restore-time", "1"])
     assert rc == 2 and "gpus" in capsys.readouterr().err
+
+
+def test_heal_in_place_model() -> None:
+    from runtime.plan import heal_goodput
+
+    m, tau, delta = 3600.0, 300.0, 2.0
+    # Free faults: only the save stalls cost.
+    assert heal_goodput(tau, delta, m, 4, 0.0, 0.0) == pytest.approx(tau / (tau + delta))
+    # Each fault: the fleet pauses 2 s, one of 4 groups idles 60 s: 17 s of fleet time
+    # per fault, one fault an hour.
+    assert heal_goodput(tau, delta, m, 4, 2.0, 60.0) == pytest.approx(
+        tau / (tau + delta) * (1 - 17.0 / m))
+    # More groups: the lost share is smaller.
+    assert heal_goodput(tau, delta, m, 8, 2.0, 60.0) > heal_goodput(tau, delta, m, 4, 2.0, 60.0)
+    # Against the restart path with the same save stall and a 36 s restart + the rollback.
+    inputs = PlanInputs(gpus=64, mtbf_hours_per_gpu=64.0, save_stall_s=delta,
+                        restore_time_s=36.0, replica_groups=4, heal_pause_s=2.0,
+                        heal_time_s=60.0)
+    result = plan(inputs)
+    assert result.heal_goodput > result.optimal_goodput
+    with pytest.raises(PlanInputError, match="heal_pause_s"):
+        PlanInputs(gpus=8, mtbf_hours_per_gpu=1.0, save_stall_s=1.0, restore_time_s=1.0,
+                   replica_groups=2, heal_time_s=3.0)
+
+
+def test_cli_heal_in_place(capsys) -> None:
+    assert main(["--gpus", "64", "--mtbf-hours-per-gpu", "64", "--save-stall", "2",
+                 "--restore-time", "36", "--replica-groups", "4", "--heal-pause", "2",
+                 "--heal-time", "60"]) == 0
+    out = capsys.readouterr().out
+    assert "heal in place (4 replica groups" in out and "goodput" in out
