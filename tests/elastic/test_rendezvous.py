@@ -124,6 +124,16 @@ def test_last_call_admits_a_late_node(etcd_server) -> None:
         shutdown_all([*early, late])
 
 
+def _wait_registered(etcd_server, run: str, node) -> EtcdClient:
+    """Wait until `node`'s key exists (it is in the rendezvous); returns a client."""
+    client = EtcdClient(EtcdSettings(endpoints=(etcd_server.endpoint,)))
+    t0 = time.monotonic()
+    while client.get(f"/relight-test/{run}/nodes/{node.node_id}") is None:
+        assert time.monotonic() - t0 < 30, f"{node.node_id} never registered"
+        time.sleep(0.05)
+    return client
+
+
 class _Counting:
     """Counts the requests a client makes (watches are not requests: they block)."""
 
@@ -148,11 +158,7 @@ def test_hot_spare_waits_past_its_join_timeout_and_steps_in(etcd_server) -> None
         thread, out = in_thread(spare.next_rendezvous)
         # Wait for the spare to be registered, then twice its join timeout: it must
         # still be waiting (it used to fail with RendezvousTimeoutError here).
-        client = EtcdClient(EtcdSettings(endpoints=(etcd_server.endpoint,)))
-        t0 = time.monotonic()
-        while client.get(f"/relight-test/{run}/nodes/{spare.node_id}") is None:
-            assert time.monotonic() - t0 < 30, "the spare never registered"
-            time.sleep(0.05)
+        client = _wait_registered(etcd_server, run, spare)
         calls_before = counter.calls
         thread.join(4.0)
         assert thread.is_alive() and not out, out
@@ -187,11 +193,7 @@ def test_spare_leaves_gracefully_when_the_job_finishes(etcd_server) -> None:
     try:
         _check_group(join_all(hs), 1)
         thread, out = in_thread(spare.next_rendezvous)
-        client = EtcdClient(EtcdSettings(endpoints=(etcd_server.endpoint,)))
-        t0 = time.monotonic()
-        while client.get(f"/relight-test/{run}/nodes/{spare.node_id}") is None:
-            assert time.monotonic() - t0 < 30, "the spare never registered"
-            time.sleep(0.05)
+        _wait_registered(etcd_server, run, spare)
         hs[0].shutdown()  # the job ends: torchrun closes the rendezvous
         thread.join(30)
         assert not thread.is_alive()

@@ -22,7 +22,7 @@ import pytest
 
 from elastic.etcd_client import KeyValue
 from elastic.quorum import Quorum, Snapshot, decide_votes
-from tests.elastic.agents import ROOT, SCRIPTS, wait_for
+from tests.elastic.agents import ROOT, SCRIPTS, events, wait_for
 from tests.elastic.rdzv_util import job_id
 
 ROOT_KEY = "/p/job/replicas/"
@@ -72,21 +72,8 @@ def test_snapshot_refuses_garbage() -> None:
 
 # -- real processes -----------------------------------------------------------------------
 
-def _events(out: Path) -> list[dict]:
-    path = out / "events.jsonl"
-    if not path.exists():
-        return []
-    evs = []
-    for line in path.read_text().splitlines():
-        try:
-            evs.append(json.loads(line))
-        except ValueError:
-            pass
-    return evs
-
-
 def _steps(out: Path, group: str) -> list[dict]:
-    return [e for e in _events(out) if e["ev"] == "step" and e["group"] == group]
+    return [e for e in events(out) if e["ev"] == "step" and e["group"] == group]
 
 
 @pytest.mark.etcd
@@ -137,7 +124,7 @@ def test_survivors_keep_training_through_a_lost_group(etcd_cluster, tmp_path) ->
         # Its replacement joins without state and heals from a live group's memory.
         t_join = time.time()
         procs["g2-new"] = start("g2", "g2-new", "--heal")
-        wait_for(lambda: [e for e in _events(tmp_path) if e["ev"] == "healed"], 120,
+        wait_for(lambda: [e for e in events(tmp_path) if e["ev"] == "healed"], 120,
                  "the replacement healed\n" + logs_text())
         wait_for(lambda: len([e for e in _steps(tmp_path, "g2") if e["t"] > t_join]) >= 5,
                  60, "the replacement training\n" + logs_text())
@@ -164,7 +151,7 @@ def test_survivors_keep_training_through_a_lost_group(etcd_cluster, tmp_path) ->
         for f in logs.values():
             f.close()
 
-    evs = _events(tmp_path)
+    evs = events(tmp_path)
     # Survivors never restarted: one start each; g2 twice (the lost one, its replacement).
     starts = [(e["group"], e["heal"]) for e in evs if e["ev"] == "start"]
     assert sorted(starts) == [("g0", False), ("g1", False), ("g2", False), ("g2", True)]
