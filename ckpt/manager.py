@@ -252,7 +252,10 @@ class CheckpointManager:
         prev = self._handle
         running = prev is not None and not prev.done()
         if policy == "skip":
-            running = any(Comm(self.process_group).allgather_json(running))
+            running = any(Comm(self.process_group, self.options.collective_timeout_s
+                               ).allgather_json(running, f"the busy check of checkpoint "
+                                                f"step {step} under {self.store.url} (every "
+                                                "rank must call CheckpointManager.save)"))
         if running:
             if policy == "skip":
                 self.skipped_saves += 1
@@ -330,7 +333,7 @@ class CheckpointManager:
         """Load `step` (default: the newest committed one that loads cleanly) into
         `state_dict`; falls back to older committed steps when a newer one is damaged,
         logging which one it used and why. Returns the step restored."""
-        comm = Comm(self.process_group)
+        comm = Comm(self.process_group, self.options.collective_timeout_s)
         # Every rank must try the same steps in the same order: the coordinator decides,
         # and only it lists (the others' listings would be thrown away).
         # A listing that fails is shared too, so no rank is left waiting in the gather.
@@ -342,7 +345,8 @@ class CheckpointManager:
                          self.committed_steps()[::-1]}
             except Exception as e:  # noqa: BLE001 - raised below, after telling the others
                 failed, found = e, {"error": f"{type(e).__name__}: {e}"}
-        found = comm.allgather_json(found)[0]  # the coordinator is the first
+        found = comm.allgather_json(found, f"the restore from {self.store.url} (every rank "
+                                    "must call CheckpointManager.restore)")[0]  # coordinator's
         if failed is not None:
             raise failed
         if "error" in found:
