@@ -211,9 +211,11 @@ class TestS3Store(StoreSuite):
         assert "s3://" in str(info.value)
 
     def test_missing_bucket_is_not_found(self, s3_env) -> None:
-        store = storage.open_store("s3://no-such-bucket-relight/x")
-        with pytest.raises(ObjectNotFoundError):
+        store = storage.open_store(f"s3://no-such-bucket-{uuid.uuid4().hex[:12]}/x")
+        with pytest.raises(storage.BucketNotFoundError) as info:
             store.get("k")
+        assert isinstance(info.value, FileNotFoundError)
+        assert not isinstance(info.value, ObjectNotFoundError)
 
     def test_kvstore_spec_carries_no_secret(self, store: Store, s3_env) -> None:
         assert s3_env.secret_key not in repr(store.kvstore_spec())
