@@ -215,7 +215,8 @@ def cmd_export(args: argparse.Namespace) -> int:
     if args.json:
         print(json.dumps(out))
     else:
-        print(f"exported {out['tensors']} tensors ({out['bytes'] / 2**20:.1f} MiB) from "
+        extra = f" and {out['values']} values" if out.get("values") else ""
+        print(f"exported {out['tensors']} tensors ({out['bytes'] / 2**20:.1f} MiB){extra} from "
               f"{store.url} to {out['path']}")
     return EXIT_OK
 
@@ -226,7 +227,8 @@ def cmd_import_dcp(args: argparse.Namespace) -> int:
     if args.json:
         print(json.dumps(out))
     else:
-        print(f"imported {out['tensors']} tensors ({out['bytes'] / 2**20:.1f} MiB) from "
+        print(f"imported {out['tensors']} tensors ({out['bytes'] / 2**20:.1f} MiB) and "
+              f"{out['values']} values from "
               f"{args.dir} to {args.url}" + (f" step {args.step}" if args.step is not None else ""))
         if out["skipped"]:
             print(f"  skipped {len(out['skipped'])} non-tensor entries: {out['skipped'][:10]}")
@@ -286,7 +288,9 @@ def build_parser() -> argparse.ArgumentParser:
         description="Write the model/... tensors (all tensors with --all) of one committed "
         "checkpoint, full (unsharded), streamed: one tensor in memory at a time. "
         "safetensors keys drop the 'model.' prefix (model.load_state_dict-ready); with --all "
-        "keys are the state-dict paths joined with '.'. DCP keys follow the same rule.")
+        "keys are the state-dict paths joined with '.'. DCP keys follow the same rule; with "
+        "--all --to-dcp the JSON values (optimizer param_groups, step) are written too, so "
+        "dcp.load of a full model + optimizer state dict finds every key.")
     ex.add_argument("url", help="a checkpoint, or a run root (newest committed, or --step)")
     ex.add_argument("--step", type=int)
     dst = ex.add_mutually_exclusive_group(required=True)
@@ -298,10 +302,13 @@ def build_parser() -> argparse.ArgumentParser:
     ex.set_defaults(fn=cmd_export)
     im = sub.add_parser(
         "import-dcp", help="save a torch.distributed.checkpoint directory as a Relight checkpoint",
-        description="Read a local DCP checkpoint (tensors only) and save it with ckpt.save. "
-        "Key 'a.b.c' becomes state-dict path ['a', 'b.c']. SECURITY: DCP's .metadata file is "
-        "a pickle, unpickled by torch.distributed.checkpoint; import only directories you "
-        "trust. Relight's own load paths never unpickle.")
+        description="Read a local DCP checkpoint (tensors and plain non-tensor entries such "
+        "as an optimizer's param_groups) and save it with ckpt.save. Every entry lands at the "
+        "path DCP's metadata records for it (optim.state.<fqn>.exp_avg -> "
+        "optim/state/<fqn>/exp_avg). SECURITY: DCP's .metadata file is a pickle, unpickled by "
+        "torch.distributed.checkpoint; import only directories you trust. Non-tensor entries "
+        "are read with torch.load(weights_only=True); Relight's own load paths never "
+        "unpickle.")
     im.add_argument("dir", help="local DCP checkpoint directory (with .metadata)")
     im.add_argument("url", help="where to save: a checkpoint URL, or a run root with --step")
     im.add_argument("--step", type=int, help="save as this step of the run root URL")

@@ -1080,7 +1080,8 @@ def load(
     unexpected = sorted((set(m.tensors) | set(m.values)) - all_wanted)
     if strict and unexpected:
         raise UnexpectedKeyError(
-            f"checkpoint {store.url} holds {_few(unexpected, 'entry')} no rank asked for: "
+            f"checkpoint {store.url} holds {_few(unexpected, 'entry', verb=False)} no rank "
+            "asked for: "
             f"{_first([repr(n) for n in unexpected])}; load with strict=False to ignore them",
             url=store.url, tensor=unexpected[0])
     all_needs = {
@@ -1162,11 +1163,11 @@ FEW = 5
 """How many offenders an error about several entries names."""
 
 
-def _few(items: list[Any], noun: str) -> str:
-    """'1 tensor is' / '3 entries are' for error messages."""
+def _few(items: list[Any], noun: str, verb: bool = True) -> str:
+    """'1 tensor is' / '3 entries are' (without `verb`: '3 entries') for error messages."""
     plural = noun[:-1] + "ies" if noun.endswith("y") else noun + "s"
-    return f"{len(items)} {noun if len(items) == 1 else plural} " \
-        f"{'is' if len(items) == 1 else 'are'}"
+    out = f"{len(items)} {noun if len(items) == 1 else plural}"
+    return f"{out} {'is' if len(items) == 1 else 'are'}" if verb else out
 
 
 def _first(items: list[str]) -> str:
