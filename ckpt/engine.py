@@ -19,6 +19,7 @@ A failure anywhere leaves no `COMMIT`; the handle raises it from `wait()`.
 
 from __future__ import annotations
 
+import atexit
 import itertools
 import json
 import logging
@@ -28,7 +29,7 @@ import time
 import uuid
 from collections import deque
 from collections.abc import Callable, Mapping
-from concurrent.futures import ThreadPoolExecutor
+from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -139,10 +140,17 @@ def _log_prefix(comm: Comm, step: int | None) -> str:
 # ------------------------------------------------------------------------ handle
 
 
-class SaveHandle:
-    """A save in progress. `wait()` blocks until committed and raises its error."""
+class SaveHandle(Future):
+    """A save in progress: a `concurrent.futures.Future` (as DCP's `async_save` returns)
+    whose result is None once the checkpoint is committed, and whose exception is the
+    save's failure: `result()`, `exception()`, `done()`, `add_done_callback()` work as
+    on any future (callbacks run in the save's thread). `wait()` blocks until committed
+    and raises the failure; `wait_staged()` until the state may change. A save cannot be
+    cancelled once started."""
 
     def __init__(self, url: str, step: int | None) -> None:
+        super().__init__()
+        self.set_running_or_notify_cancel()  # started: cancel() returns False
         self.url = url
         self.step = step
         self._done = threading.Event()
@@ -161,9 +169,8 @@ class SaveHandle:
         self.total_s = 0.0
         self.bytes_written = 0
         self._thread: threading.Thread | None = None
-
-    def done(self) -> bool:
-        return self._done.is_set()
+        self._exit_wait_s = 600.0
+        """How long interpreter exit waits for this save if it is still running."""
 
     def staged(self) -> bool:
         """Whether the save no longer reads the state (it may be changed)."""
@@ -198,6 +205,11 @@ class SaveHandle:
         self._error = error
         self._mark_staged()
         self._done.set()
+        # After `_done`: a done-callback that calls `wait()` must not block on itself.
+        if error is None:
+            self.set_result(None)
+        else:
+            self.set_exception(error)
 
 
 # ------------------------------------------------------------------------ engine state
@@ -225,6 +237,36 @@ def wait_staged() -> float:
     staging); returns seconds waited. Returns at once when nothing is staging."""
     h = _STATE.inflight
     return 0.0 if h is None else h.wait_staged()
+
+
+def _finish_at_exit() -> None:
+    """At interpreter exit, let this process's async save in flight commit instead of
+    dying with its (daemon) thread, and say so: the script forgot `wait()`."""
+    h = _STATE.inflight
+    if h is None or h._done.is_set():
+        return
+    limit = h._exit_wait_s
+    logger.warning("the async save of step %s to %s is still running at interpreter exit; "
+                   "waiting up to %.0f s for it to commit (call CheckpointManager.wait() or "
+                   "handle.wait() before the script ends)", h.step, h.url, limit)
+    if not h._done.wait(limit):
+        logger.error("the save of step %s to %s did not finish within %.0f s: the process "
+                     "exits and leaves it uncommitted", h.step, h.url, limit)
+    elif h._error is not None:
+        logger.error("the save of step %s to %s failed: %s", h.step, h.url, h._error)
+    else:
+        logger.warning("the save of step %s to %s committed before exit", h.step, h.url)
+
+
+# Before `concurrent.futures` refuses new work at shutdown (the save's thread pools would
+# fail with "cannot schedule new futures after interpreter shutdown"): threading's exit
+# hooks run newest first, ahead of `atexit`, and the executors registered theirs when
+# this module imported them.
+_register = getattr(threading, "_register_atexit", None)
+if _register is not None:
+    _register(_finish_at_exit)
+else:  # pragma: no cover - CPython < 3.9
+    atexit.register(_finish_at_exit)
 
 
 def wait_inflight() -> float:
@@ -361,6 +403,7 @@ def save(
 
     handle = SaveHandle(store.url, step)
     handle._t0 = t0
+    handle._exit_wait_s = opts.commit_timeout_s + 60.0
     job = _SaveJob(store, plan, attempt, comm.rank, staged, packed_buf, values, opts,
                    dict(step=step, config=config, layout=layout), handle, on_commit, pre)
     job.on_start = on_start if comm.is_coordinator else None
