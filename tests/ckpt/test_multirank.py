@@ -201,3 +201,14 @@ def test_no_collective_from_the_background_thread(pool, tmp_path) -> None:
     for r in res:
         assert r["latest"] == 2
         assert r["calls"] > 0 and r["threads"] == ["MainThread"], r
+
+
+def test_save_on_one_rank_only_says_every_rank_must_call(pool, tmp_path) -> None:
+    out = pool.run("tests.ckpt.cases:save_on_one_rank_only", url=str(tmp_path / "ck"),
+                   timeout_s=3.0, timeout=90)
+    r = out[0]
+    assert r["error"] is not None, r
+    assert "the start of the save to" in r["error"] and "step None" in r["error"], r
+    assert "Every rank of the process group must make the same ckpt call" in r["error"], r
+    assert "ranks [0, 1]" in r["error"] and r["runtime_error"], r
+    assert r["waited"] < 60, r
