@@ -176,18 +176,38 @@ def cmd_inspect(args: argparse.Namespace) -> int:
     return EXIT_OK
 
 
+def _committed_stores(url: str) -> list[Store]:
+    """Every committed step under a run root, oldest first (or the checkpoint itself)."""
+    store = open_store(url)
+    if _is_checkpoint(store):
+        return [store]
+    steps = sorted(s for s, r in list_records(store).items() if r.committed)
+    if not steps:
+        raise CheckpointNotFoundError(f"no committed checkpoint under {store.url}",
+                                      url=store.url)
+    return [store.child(step_dir(s)) for s in steps]
+
+
 def cmd_verify(args: argparse.Namespace) -> int:
-    store = _resolve(args.url, args.step)
-    with ProgressBar("verify", enabled=not args.json, unit="items") as bar:
-        report = verify(store, read_data=not args.quick, progress=bar)
+    if args.all_steps and args.step is not None:
+        print("error: --all-steps and --step exclude each other", file=sys.stderr)
+        return EXIT_USAGE
+    stores = _committed_stores(args.url) if args.all_steps else [_resolve(args.url, args.step)]
+    reports = []
+    for store in stores:
+        with ProgressBar(f"verify {store.url}", enabled=not args.json, unit="items") as bar:
+            reports.append(verify(store, read_data=not args.quick, progress=bar))
     if args.json:
-        print(json.dumps(report.to_json(), indent=1))
+        out = [r.to_json() for r in reports]
+        print(json.dumps(out if args.all_steps else out[0], indent=1))
     else:
-        print(f"{'OK' if report.ok else 'FAILED'} {store.url}: step {report.step}, "
-              f"{report.tensors} tensors, {report.objects} objects, {report.bytes} bytes read")
-        for p in report.problems:
-            print(f"  - {p}")
-    return EXIT_OK if report.ok else EXIT_BAD
+        for report in reports:
+            print(f"{'OK' if report.ok else 'FAILED'} {report.url}: step {report.step}, "
+                  f"{report.tensors} tensors, {report.objects} objects, {report.bytes} bytes "
+                  "read")
+            for p in report.problems:
+                print(f"  - {p}")
+    return EXIT_OK if all(r.ok for r in reports) else EXIT_BAD
 
 
 def cmd_gc(args: argparse.Namespace) -> int:
@@ -271,9 +291,14 @@ def build_parser() -> argparse.ArgumentParser:
     ins.add_argument("url")
     ins.add_argument("--step", type=int)
     ins.set_defaults(fn=cmd_inspect)
-    ver = sub.add_parser("verify", help="every chunk present and its checksum right")
+    ver = sub.add_parser(
+        "verify", help="every chunk present and its checksum right",
+        description="Verify one checkpoint. Given a run root, only the newest committed step "
+        "is checked (or --step N); --all-steps checks every committed step.")
     ver.add_argument("url")
     ver.add_argument("--step", type=int)
+    ver.add_argument("--all-steps", action="store_true",
+                     help="every committed step under a run root, oldest first (--json: a list)")
     ver.add_argument("--quick", action="store_true", help="check objects exist, skip reading")
     ver.set_defaults(fn=cmd_verify)
     gc = sub.add_parser("gc", help="delete old and stale checkpoints")
