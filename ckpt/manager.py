@@ -23,7 +23,7 @@ from dataclasses import dataclass
 from typing import Any, Protocol
 
 from ckpt.comm import Comm
-from ckpt.engine import SaveHandle, SaveOptions, load, save
+from ckpt.engine import LoadInfo, SaveHandle, SaveOptions, load, save
 from ckpt.errors import (
     CheckpointNotFoundError,
     CorruptCheckpointError,
@@ -257,6 +257,9 @@ class CheckpointManager:
         """Saves dropped by busy="skip" because the previous one was still persisting."""
         self.last_error: BaseException | None = None
         self.last_wait_s = 0.0
+        self.last_load: LoadInfo | None = None
+        """What the last successful `restore()` loaded (`missing`, `unexpected` with
+        strict=False)."""
 
     # -- saving -------------------------------------------------------------------------
 
@@ -389,7 +392,8 @@ class CheckpointManager:
                 strict: bool = True) -> int:
         """Load `step` (default: the newest committed one that loads cleanly) into
         `state_dict`; falls back to older committed steps when a newer one is damaged,
-        logging which one it used and why. Returns the step restored."""
+        logging which one it used and why. Returns the step restored; `last_load` says
+        what was loaded (with strict=False: what was missing or ignored)."""
         comm = Comm(self.process_group, self.options.collective_timeout_s)
         # Every rank must try the same steps in the same order: the coordinator decides,
         # and only it lists (the others' listings would be thrown away).
@@ -418,8 +422,9 @@ class CheckpointManager:
         storage_failed = False
         for s in candidates:
             try:
-                load(state_dict, self.store.child(step_dir(s)), strict=strict,
-                     process_group=self.process_group)
+                self.last_load = load(state_dict, self.store.child(step_dir(s)),
+                                      strict=strict, process_group=self.process_group,
+                                      collective_timeout_s=self.options.collective_timeout_s)
             except (CorruptCheckpointError, CheckpointNotFoundError,
                     UnsupportedVersionError, StorageError) as e:
                 if step is not None:

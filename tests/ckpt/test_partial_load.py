@@ -135,3 +135,13 @@ def test_fresh_optimizer_from_get_state_dict_restores(tmp_path) -> None:
         for k in ("exp_avg", "exp_avg_sq", "step"):
             assert torch.equal(fresh_opt.state[a][k], opt.state[b][k]), k
     assert fresh_opt.param_groups[0]["lr"] == 0.1
+
+
+def test_manager_restore_strict_false_reports_what_was_missing(tmp_path) -> None:
+    mgr = ckpt.CheckpointManager(tmp_path / "run")
+    mgr.save(4, {"model": _mlp(2, 0).state_dict()}, async_save=False)
+    big = _mlp(3, 1)
+    assert mgr.restore({"model": big.state_dict()}, strict=False) == 4
+    assert mgr.last_load is not None and mgr.last_load.step == 4
+    assert mgr.last_load.missing == ["model/2.bias", "model/2.weight"]
+    assert torch.equal(big[1].weight, _mlp(2, 0)[1].weight)
