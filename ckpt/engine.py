@@ -24,6 +24,7 @@ import itertools
 import json
 import logging
 import os
+import sys
 import threading
 import time
 import uuid
@@ -227,6 +228,24 @@ class _EngineState:
         self.lock = threading.Lock()
         self.inflight: SaveHandle | None = None
         self.cached: _Cached | None = None
+        self.crashed = False
+        """The main thread died of an uncaught exception (see `_note_crash`)."""
+        self.hooked = False
+
+
+def _note_crash_hook() -> None:
+    """Chain `sys.excepthook` once (at the first async save) to note an uncaught
+    exception, so that exit does not wait for a save that may never commit."""
+    if _STATE.hooked:
+        return
+    _STATE.hooked = True
+    previous = sys.excepthook
+
+    def hook(tp: type[BaseException], value: BaseException, tb: Any) -> None:
+        _STATE.crashed = True
+        previous(tp, value, tb)
+
+    sys.excepthook = hook
 
 
 _STATE = _EngineState()
@@ -241,9 +260,16 @@ def wait_staged() -> float:
 
 def _finish_at_exit() -> None:
     """At interpreter exit, let this process's async save in flight commit instead of
-    dying with its (daemon) thread, and say so: the script forgot `wait()`."""
+    dying with its (daemon) thread, and say so: the script forgot `wait()`. Not when the
+    process dies of an uncaught exception (a fault: its peers may be gone, the commit may
+    never come, and a supervisor waits for this process to exit before restarting)."""
     h = _STATE.inflight
     if h is None or h._done.is_set():
+        return
+    if _STATE.crashed:
+        logger.warning("exiting on an uncaught exception while the async save of step %s to "
+                       "%s is still running: not waiting for it (it stays uncommitted)",
+                       h.step, h.url)
         return
     limit = h._exit_wait_s
     logger.warning("the async save of step %s to %s is still running at interpreter exit; "
@@ -420,6 +446,7 @@ def save(
                  ", pipelined" if background else "")
     _STATE.inflight = handle
     if async_save:
+        _note_crash_hook()
         th = threading.Thread(target=job.run, name=f"ckpt-save-{step}", daemon=True)
         handle._thread = th
         th.start()

@@ -63,6 +63,8 @@ SCRIPT = textwrap.dedent("""
     mgr = ckpt.CheckpointManager(slow)
     mgr.save(1, {"w": torch.arange(16.0)}, async_save=True)
     print("returned", flush=True)  # no mgr.wait(): the common mistake
+    if len(sys.argv) > 2:
+        raise RuntimeError("a fault")  # dies of it: exit must not wait for the save
 """)
 
 
@@ -80,3 +82,13 @@ def test_async_save_in_flight_at_exit_commits_and_warns(tmp_path) -> None:
     sd = {"w": torch.zeros(16)}
     mgr.restore(sd)
     assert torch.equal(sd["w"], torch.arange(16.0))
+
+
+def test_exit_on_an_uncaught_exception_does_not_wait(tmp_path) -> None:
+    root = tmp_path / "run"
+    env = {**os.environ, "PYTHONPATH": os.getcwd()}
+    out = subprocess.run([sys.executable, "-c", SCRIPT, str(root), "crash"],
+                         capture_output=True, text=True, timeout=120, env=env, cwd=os.getcwd())
+    assert out.returncode == 1 and "RuntimeError: a fault" in out.stderr, out.stderr
+    assert "not waiting for it" in out.stderr, out.stderr
+    assert ckpt.CheckpointManager(root).latest_step() is None
