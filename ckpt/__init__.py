@@ -18,11 +18,13 @@ from ckpt.errors import (
     CheckpointNotFoundError,
     CheckpointSaveError,
     ChecksumMismatchError,
+    CollectiveError,
     CorruptCheckpointError,
     DtypeMismatchError,
     MissingChunkError,
     MissingKeyError,
     NoLoadableCheckpointError,
+    SavesFailingError,
     ShapeMismatchError,
     StateDictMismatchError,
     UnexpectedKeyError,
@@ -31,7 +33,13 @@ from ckpt.errors import (
     UnsupportedVersionError,
 )
 from ckpt.guard import guard_optimizer
-from ckpt.manager import CheckpointManager, KeepEvery, KeepLast, RetentionPolicy
+from ckpt.manager import (
+    CheckpointManager,
+    KeepEvery,
+    KeepLast,
+    RetentionPolicy,
+    SaveFailurePolicy,
+)
 from ckpt.verify import VerifyReport, verify
 
 __all__ = [
@@ -42,6 +50,7 @@ __all__ = [
     "CheckpointNotFoundError",
     "CheckpointSaveError",
     "ChecksumMismatchError",
+    "CollectiveError",
     "CorruptCheckpointError",
     "DtypeMismatchError",
     "KeepEvery",
@@ -51,8 +60,10 @@ __all__ = [
     "MissingKeyError",
     "NoLoadableCheckpointError",
     "RetentionPolicy",
+    "SaveFailurePolicy",
     "SaveHandle",
     "SaveOptions",
+    "SavesFailingError",
     "ShapeMismatchError",
     "StateDictMismatchError",
     "UnexpectedKeyError",

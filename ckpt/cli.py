@@ -176,18 +176,38 @@ def cmd_inspect(args: argparse.Namespace) -> int:
     return EXIT_OK
 
 
+def _committed_stores(url: str) -> list[Store]:
+    """Every committed step under a run root, oldest first (or the checkpoint itself)."""
+    store = open_store(url)
+    if _is_checkpoint(store):
+        return [store]
+    steps = sorted(s for s, r in list_records(store).items() if r.committed)
+    if not steps:
+        raise CheckpointNotFoundError(f"no committed checkpoint under {store.url}",
+                                      url=store.url)
+    return [store.child(step_dir(s)) for s in steps]
+
+
 def cmd_verify(args: argparse.Namespace) -> int:
-    store = _resolve(args.url, args.step)
-    with ProgressBar("verify", enabled=not args.json, unit="items") as bar:
-        report = verify(store, read_data=not args.quick, progress=bar)
+    if args.all_steps and args.step is not None:
+        print("error: --all-steps and --step exclude each other", file=sys.stderr)
+        return EXIT_USAGE
+    stores = _committed_stores(args.url) if args.all_steps else [_resolve(args.url, args.step)]
+    reports = []
+    for store in stores:
+        with ProgressBar(f"verify {store.url}", enabled=not args.json, unit="items") as bar:
+            reports.append(verify(store, read_data=not args.quick, progress=bar))
     if args.json:
-        print(json.dumps(report.to_json(), indent=1))
+        out = [r.to_json() for r in reports]
+        print(json.dumps(out if args.all_steps else out[0], indent=1))
     else:
-        print(f"{'OK' if report.ok else 'FAILED'} {store.url}: step {report.step}, "
-              f"{report.tensors} tensors, {report.objects} objects, {report.bytes} bytes read")
-        for p in report.problems:
-            print(f"  - {p}")
-    return EXIT_OK if report.ok else EXIT_BAD
+        for report in reports:
+            print(f"{'OK' if report.ok else 'FAILED'} {report.url}: step {report.step}, "
+                  f"{report.tensors} tensors, {report.objects} objects, {report.bytes} bytes "
+                  "read")
+            for p in report.problems:
+                print(f"  - {p}")
+    return EXIT_OK if all(r.ok for r in reports) else EXIT_BAD
 
 
 def cmd_gc(args: argparse.Namespace) -> int:
@@ -215,7 +235,8 @@ def cmd_export(args: argparse.Namespace) -> int:
     if args.json:
         print(json.dumps(out))
     else:
-        print(f"exported {out['tensors']} tensors ({out['bytes'] / 2**20:.1f} MiB) from "
+        extra = f" and {out['values']} values" if out.get("values") else ""
+        print(f"exported {out['tensors']} tensors ({out['bytes'] / 2**20:.1f} MiB){extra} from "
               f"{store.url} to {out['path']}")
     return EXIT_OK
 
@@ -226,7 +247,8 @@ def cmd_import_dcp(args: argparse.Namespace) -> int:
     if args.json:
         print(json.dumps(out))
     else:
-        print(f"imported {out['tensors']} tensors ({out['bytes'] / 2**20:.1f} MiB) from "
+        print(f"imported {out['tensors']} tensors ({out['bytes'] / 2**20:.1f} MiB) and "
+              f"{out['values']} values from "
               f"{args.dir} to {args.url}" + (f" step {args.step}" if args.step is not None else ""))
         if out["skipped"]:
             print(f"  skipped {len(out['skipped'])} non-tensor entries: {out['skipped'][:10]}")
@@ -269,9 +291,14 @@ def build_parser() -> argparse.ArgumentParser:
     ins.add_argument("url")
     ins.add_argument("--step", type=int)
     ins.set_defaults(fn=cmd_inspect)
-    ver = sub.add_parser("verify", help="every chunk present and its checksum right")
+    ver = sub.add_parser(
+        "verify", help="every chunk present and its checksum right",
+        description="Verify one checkpoint. Given a run root, only the newest committed step "
+        "is checked (or --step N); --all-steps checks every committed step.")
     ver.add_argument("url")
     ver.add_argument("--step", type=int)
+    ver.add_argument("--all-steps", action="store_true",
+                     help="every committed step under a run root, oldest first (--json: a list)")
     ver.add_argument("--quick", action="store_true", help="check objects exist, skip reading")
     ver.set_defaults(fn=cmd_verify)
     gc = sub.add_parser("gc", help="delete old and stale checkpoints")
@@ -286,7 +313,9 @@ def build_parser() -> argparse.ArgumentParser:
         description="Write the model/... tensors (all tensors with --all) of one committed "
         "checkpoint, full (unsharded), streamed: one tensor in memory at a time. "
         "safetensors keys drop the 'model.' prefix (model.load_state_dict-ready); with --all "
-        "keys are the state-dict paths joined with '.'. DCP keys follow the same rule.")
+        "keys are the state-dict paths joined with '.'. DCP keys follow the same rule; with "
+        "--all --to-dcp the JSON values (optimizer param_groups, step) are written too, so "
+        "dcp.load of a full model + optimizer state dict finds every key.")
     ex.add_argument("url", help="a checkpoint, or a run root (newest committed, or --step)")
     ex.add_argument("--step", type=int)
     dst = ex.add_mutually_exclusive_group(required=True)
@@ -298,10 +327,13 @@ def build_parser() -> argparse.ArgumentParser:
     ex.set_defaults(fn=cmd_export)
     im = sub.add_parser(
         "import-dcp", help="save a torch.distributed.checkpoint directory as a Relight checkpoint",
-        description="Read a local DCP checkpoint (tensors only) and save it with ckpt.save. "
-        "Key 'a.b.c' becomes state-dict path ['a', 'b.c']. SECURITY: DCP's .metadata file is "
-        "a pickle, unpickled by torch.distributed.checkpoint; import only directories you "
-        "trust. Relight's own load paths never unpickle.")
+        description="Read a local DCP checkpoint (tensors and plain non-tensor entries such "
+        "as an optimizer's param_groups) and save it with ckpt.save. Every entry lands at the "
+        "path DCP's metadata records for it (optim.state.<fqn>.exp_avg -> "
+        "optim/state/<fqn>/exp_avg). SECURITY: DCP's .metadata file is a pickle, unpickled by "
+        "torch.distributed.checkpoint; import only directories you trust. Non-tensor entries "
+        "are read with torch.load(weights_only=True); Relight's own load paths never "
+        "unpickle.")
     im.add_argument("dir", help="local DCP checkpoint directory (with .metadata)")
     im.add_argument("url", help="where to save: a checkpoint URL, or a run root with --step")
     im.add_argument("--step", type=int, help="save as this step of the run root URL")

@@ -1,7 +1,9 @@
 """The few collectives the engine needs, over JSON (never pickle), with timeouts.
 
 All of them run on the calling (foreground) thread: background persist threads never
-touch a process group.
+touch a process group. Each says what it waits for: a collective that fails or times out
+raises `CollectiveError` naming the operation, the rank and the group, and that every
+rank of the group must make the same call.
 """
 
 from __future__ import annotations
@@ -13,7 +15,11 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
+from ckpt.errors import CollectiveError
+
 __all__ = ["Comm"]
+
+GENERIC = "a checkpoint collective"
 
 
 class Comm:
@@ -42,30 +48,39 @@ class Comm:
     def is_coordinator(self) -> bool:
         return self.rank == self.coordinator
 
-    def _wait(self, work: Any) -> None:
+    def _wait(self, work: Any, what: str) -> None:
         if work is None:
             return
         try:
-            work.wait(self.timeout)
-        except TypeError:  # backends whose wait takes no timeout
-            work.wait()
+            try:
+                work.wait(self.timeout)
+            except TypeError:  # backends whose wait takes no timeout
+                work.wait()
+        except RuntimeError as e:  # gloo: "Operation timed out!"; NCCL: DistBackendError
+            raise CollectiveError(
+                f"rank {self.rank}: {what} did not complete (waited up to "
+                f"{self.timeout.total_seconds():.0f} s for ranks {list(self.ranks)}): "
+                f"{type(e).__name__}: {e}. Every rank of the process group must make the "
+                "same ckpt call (ckpt.save, ckpt.load, CheckpointManager.save and .restore "
+                "are collective: calling them on rank 0 only hangs here); a rank that "
+                "skipped it, died or is stuck leaves the others waiting") from e
 
-    def allgather_bytes(self, payload: bytes) -> list[bytes]:
+    def allgather_bytes(self, payload: bytes, what: str = GENERIC) -> list[bytes]:
         if not self.active or self.size == 1:
             return [payload]
         n = torch.tensor([len(payload)], dtype=torch.int64, device=self.device)
         sizes = [torch.zeros(1, dtype=torch.int64, device=self.device) for _ in range(self.size)]
-        self._wait(dist.all_gather(sizes, n, group=self.group, async_op=True))
+        self._wait(dist.all_gather(sizes, n, group=self.group, async_op=True), what)
         lens = [int(s.item()) for s in sizes]
         width = max(lens)
         buf = torch.zeros(width, dtype=torch.uint8, device=self.device)
         if payload:
             buf[: len(payload)] = torch.frombuffer(bytearray(payload), dtype=torch.uint8)
         out = [torch.zeros(width, dtype=torch.uint8, device=self.device) for _ in range(self.size)]
-        self._wait(dist.all_gather(out, buf, group=self.group, async_op=True))
+        self._wait(dist.all_gather(out, buf, group=self.group, async_op=True), what)
         return [bytes(o[:n].cpu().numpy().tobytes()) for o, n in zip(out, lens, strict=True)]
 
-    def allgather_fixed(self, payload: bytes, width: int) -> list[bytes]:
+    def allgather_fixed(self, payload: bytes, width: int, what: str = GENERIC) -> list[bytes]:
         """One all-gather of a fixed-width payload (the cheap per-save handshake)."""
         if len(payload) > width:
             raise ValueError(f"payload of {len(payload)} bytes exceeds width {width}")
@@ -75,15 +90,15 @@ class Comm:
         if payload:
             buf[: len(payload)] = torch.frombuffer(bytearray(payload), dtype=torch.uint8)
         out = [torch.zeros(width, dtype=torch.uint8, device=self.device) for _ in range(self.size)]
-        self._wait(dist.all_gather(out, buf, group=self.group, async_op=True))
+        self._wait(dist.all_gather(out, buf, group=self.group, async_op=True), what)
         return [bytes(o.cpu().numpy().tobytes()) for o in out]
 
-    def allgather_json(self, obj: Any) -> list[Any]:
-        blobs = self.allgather_bytes(json.dumps(obj, separators=(",", ":")).encode())
+    def allgather_json(self, obj: Any, what: str = GENERIC) -> list[Any]:
+        blobs = self.allgather_bytes(json.dumps(obj, separators=(",", ":")).encode(), what)
         return [json.loads(b) for b in blobs]
 
     def exchange(self, sends: list[tuple[torch.Tensor, int, int]],
-                 recvs: list[tuple[torch.Tensor, int, int]]) -> None:
+                 recvs: list[tuple[torch.Tensor, int, int]], what: str = GENERIC) -> None:
         """Point-to-point: (tensor, global peer rank, tag); a send and its receive share a tag."""
         if not self.active:
             return
@@ -96,11 +111,11 @@ class Comm:
             bufs.append((t, b))
             works.append(dist.irecv(b, src=peer, group=self.group, tag=tag))
         for w in works:
-            self._wait(w)
+            self._wait(w, what)
         for t, b in bufs:
             if b is not t:
                 t.copy_(b)
 
-    def barrier(self) -> None:
+    def barrier(self, what: str = GENERIC) -> None:
         if self.active and self.size > 1:
-            self.allgather_bytes(b"")
+            self.allgather_bytes(b"", what)

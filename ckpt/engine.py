@@ -19,16 +19,18 @@ A failure anywhere leaves no `COMMIT`; the handle raises it from `wait()`.
 
 from __future__ import annotations
 
+import atexit
 import itertools
 import json
 import logging
 import os
+import sys
 import threading
 import time
 import uuid
 from collections import deque
 from collections.abc import Callable, Mapping
-from concurrent.futures import ThreadPoolExecutor
+from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -47,7 +49,7 @@ from ckpt.errors import (
     ShapeMismatchError,
     UnexpectedKeyError,
 )
-from ckpt.flatten import FlatState, flatten_state, set_value
+from ckpt.flatten import FlatState, flatten_state, name_of, set_value
 from ckpt.format import (
     ABORT_PREFIX,
     CHUNK_CRCS,
@@ -139,10 +141,17 @@ def _log_prefix(comm: Comm, step: int | None) -> str:
 # ------------------------------------------------------------------------ handle
 
 
-class SaveHandle:
-    """A save in progress. `wait()` blocks until committed and raises its error."""
+class SaveHandle(Future):
+    """A save in progress: a `concurrent.futures.Future` (as DCP's `async_save` returns)
+    whose result is None once the checkpoint is committed, and whose exception is the
+    save's failure: `result()`, `exception()`, `done()`, `add_done_callback()` work as
+    on any future (callbacks run in the save's thread). `wait()` blocks until committed
+    and raises the failure; `wait_staged()` until the state may change. A save cannot be
+    cancelled once started."""
 
     def __init__(self, url: str, step: int | None) -> None:
+        super().__init__()
+        self.set_running_or_notify_cancel()  # started: cancel() returns False
         self.url = url
         self.step = step
         self._done = threading.Event()
@@ -161,9 +170,8 @@ class SaveHandle:
         self.total_s = 0.0
         self.bytes_written = 0
         self._thread: threading.Thread | None = None
-
-    def done(self) -> bool:
-        return self._done.is_set()
+        self._exit_wait_s = 600.0
+        """How long interpreter exit waits for this save if it is still running."""
 
     def staged(self) -> bool:
         """Whether the save no longer reads the state (it may be changed)."""
@@ -198,6 +206,11 @@ class SaveHandle:
         self._error = error
         self._mark_staged()
         self._done.set()
+        # After `_done`: a done-callback that calls `wait()` must not block on itself.
+        if error is None:
+            self.set_result(None)
+        else:
+            self.set_exception(error)
 
 
 # ------------------------------------------------------------------------ engine state
@@ -215,6 +228,24 @@ class _EngineState:
         self.lock = threading.Lock()
         self.inflight: SaveHandle | None = None
         self.cached: _Cached | None = None
+        self.crashed = False
+        """The main thread died of an uncaught exception (see `_note_crash`)."""
+        self.hooked = False
+
+
+def _note_crash_hook() -> None:
+    """Chain `sys.excepthook` once (at the first async save) to note an uncaught
+    exception, so that exit does not wait for a save that may never commit."""
+    if _STATE.hooked:
+        return
+    _STATE.hooked = True
+    previous = sys.excepthook
+
+    def hook(tp: type[BaseException], value: BaseException, tb: Any) -> None:
+        _STATE.crashed = True
+        previous(tp, value, tb)
+
+    sys.excepthook = hook
 
 
 _STATE = _EngineState()
@@ -225,6 +256,43 @@ def wait_staged() -> float:
     staging); returns seconds waited. Returns at once when nothing is staging."""
     h = _STATE.inflight
     return 0.0 if h is None else h.wait_staged()
+
+
+def _finish_at_exit() -> None:
+    """At interpreter exit, let this process's async save in flight commit instead of
+    dying with its (daemon) thread, and say so: the script forgot `wait()`. Not when the
+    process dies of an uncaught exception (a fault: its peers may be gone, the commit may
+    never come, and a supervisor waits for this process to exit before restarting)."""
+    h = _STATE.inflight
+    if h is None or h._done.is_set():
+        return
+    if _STATE.crashed:
+        logger.warning("exiting on an uncaught exception while the async save of step %s to "
+                       "%s is still running: not waiting for it (it stays uncommitted)",
+                       h.step, h.url)
+        return
+    limit = h._exit_wait_s
+    logger.warning("the async save of step %s to %s is still running at interpreter exit; "
+                   "waiting up to %.0f s for it to commit (call CheckpointManager.wait() or "
+                   "handle.wait() before the script ends)", h.step, h.url, limit)
+    if not h._done.wait(limit):
+        logger.error("the save of step %s to %s did not finish within %.0f s: the process "
+                     "exits and leaves it uncommitted", h.step, h.url, limit)
+    elif h._error is not None:
+        logger.error("the save of step %s to %s failed: %s", h.step, h.url, h._error)
+    else:
+        logger.warning("the save of step %s to %s committed before exit", h.step, h.url)
+
+
+# Before `concurrent.futures` refuses new work at shutdown (the save's thread pools would
+# fail with "cannot schedule new futures after interpreter shutdown"): threading's exit
+# hooks run newest first, ahead of `atexit`, and the executors registered theirs when
+# this module imported them.
+_register = getattr(threading, "_register_atexit", None)
+if _register is not None:
+    _register(_finish_at_exit)
+else:  # pragma: no cover - CPython < 3.9
+    atexit.register(_finish_at_exit)
 
 
 def wait_inflight() -> float:
@@ -315,10 +383,13 @@ def save(
         error = e
     attempt = uuid.uuid4().hex[:16]
     # One fixed-size all-gather per save: layout digest, attempt id, "I failed" flag.
-    hand = comm.allgather_fixed(f"{digest:32}{attempt}{'E' if error else '-'}".encode(), 49)
+    what = (f"the start of the save to {store.url} (step {step}; every rank of the group "
+            "must call ckpt.save / CheckpointManager.save)")
+    hand = comm.allgather_fixed(f"{digest:32}{attempt}{'E' if error else '-'}".encode(), 49,
+                                what)
     got = [(h[:32].decode(), h[32:48].decode(), h[48:49] == b"E") for h in hand]
     if any(g[2] for g in got):
-        errors = comm.allgather_json(_err_json(error) if error else None)
+        errors = comm.allgather_json(_err_json(error) if error else None, what)
         if error is not None:
             raise error
         _raise_first(errors, comm.ranks, store.url)
@@ -327,7 +398,7 @@ def save(
     key = (tuple(g[0] for g in got), comm.ranks)
     cached = _STATE.cached
     if cached is None or cached.key != key:
-        layouts = [RankLayout.from_json(j) for j in comm.allgather_json(lay.to_json())]
+        layouts = [RankLayout.from_json(j) for j in comm.allgather_json(lay.to_json(), what)]
         plan = plan_save(layouts, comm.ranks, pack_bytes=opts.pack_bytes,
                          inner_bytes=opts.inner_bytes, packed_inner=opts.packed_inner)
         cached = _Cached(key, plan)
@@ -358,6 +429,7 @@ def save(
 
     handle = SaveHandle(store.url, step)
     handle._t0 = t0
+    handle._exit_wait_s = opts.commit_timeout_s + 60.0
     job = _SaveJob(store, plan, attempt, comm.rank, staged, packed_buf, values, opts,
                    dict(step=step, config=config, layout=layout), handle, on_commit, pre)
     job.on_start = on_start if comm.is_coordinator else None
@@ -374,6 +446,7 @@ def save(
                  ", pipelined" if background else "")
     _STATE.inflight = handle
     if async_save:
+        _note_crash_hook()
         th = threading.Thread(target=job.run, name=f"ckpt-save-{step}", daemon=True)
         handle._thread = th
         th.start()
@@ -689,10 +762,11 @@ class _SaveJob:
     def _run_sync(self, comm: Comm) -> None:
         """Synchronous save: the foreground thread may use collectives instead of polling."""
         local = self._persist_and_index()
+        what = f"the synchronous save to {self.store.url} (every rank's write)"
         status = comm.allgather_json(
             {"err": f"{type(local).__name__}: {local}" if local else None,
              "values": self.values if not local else {},
-             CHUNK_CRCS: self.chunk_crcs if not local else {}})
+             CHUNK_CRCS: self.chunk_crcs if not local else {}}, what)
         if local is not None:
             raise local
         failures = {r: s["err"] for r, s in zip(comm.ranks, status, strict=True) if s["err"]}
@@ -707,7 +781,8 @@ class _SaveJob:
                               for r, s in zip(comm.ranks, status, strict=True)})
             except BaseException as e:  # noqa: BLE001 - shared below, then raised
                 err = e
-        outcome = comm.allgather_json(str(err) if err else None)
+        outcome = comm.allgather_json(str(err) if err else None,
+                                      f"the commit of the synchronous save to {self.store.url}")
         if err is not None:
             raise err
         if outcome[0]:
@@ -757,6 +832,11 @@ class LoadInfo:
     config: dict[str, Any] | None
     bytes_read: int
     bytes_needed: int
+    missing: list[str] = field(default_factory=list)
+    """Entries of this rank's state dict the checkpoint lacks (`strict=False` leaves them
+    as they were), JSON dict keys included as `name/key`."""
+    unexpected: list[str] = field(default_factory=list)
+    """Entries of the checkpoint no rank asked for (`strict=False` ignores them)."""
 
 
 def _box_slices(inter_off, inter_shape, base_off) -> tuple[slice, ...]:
@@ -996,8 +1076,13 @@ def load(
     whatever layout its tensors have now. Every rank of the group calls.
 
     `strict`: every checkpoint entry must be wanted by some rank and every wanted entry
-    must exist. `broadcast`: a region needed by several ranks is read by one of them and
-    sent to the others (else every rank reads its own). Raises typed errors from
+    must exist (JSON dicts: every key of the target's dict); with `strict=False` missing
+    entries keep their current values and extra ones are ignored, both listed in the
+    returned `LoadInfo` (`missing`, `unexpected`). A JSON dict is merged into the target's
+    dict (the checkpoint's keys win); other JSON values are replaced.
+
+    `broadcast`: a region needed by several ranks is read by one of them and sent to the
+    others (else every rank reads its own). Raises typed errors from
     `ckpt.errors` on every rank when any rank finds a problem.
     """
     comm = Comm(process_group, collective_timeout_s)
@@ -1007,52 +1092,68 @@ def load(
     m: Manifest | None = None
     needs: list[tuple[str, Any, int]] = []
     local: dict[str, list[Piece]] = {}
+    missing: list[str] = []
     try:
         m = read_manifest(store)
-        for name, ref in flat.tensors.items():
+        shapes_bad: list[tuple[str, str]] = []
+        dtypes_bad: list[tuple[str, str]] = []
+        for name, ref in sorted(flat.tensors.items()):
             if name not in m.tensors:
-                raise MissingKeyError(
-                    f"tensor {name!r} is not in checkpoint {store.url}; load with strict=False "
-                    "to skip it, or check the state dict keys", url=store.url, tensor=name)
+                missing.append(name)
+                continue
             e = m.tensors[name]
             shape, pieces = local_pieces(ref.tensor, name)
             if list(shape) != e["shape"]:
-                raise ShapeMismatchError(
-                    f"tensor {name!r}: checkpoint {store.url} has global shape "
-                    f"{tuple(e['shape'])}, the state dict has {shape}", url=store.url,
-                    tensor=name)
+                shapes_bad.append((name, f"{name!r}: checkpoint {tuple(e['shape'])}, "
+                                         f"state dict {tuple(shape)}"))
+                continue
             if dtype_name(ref.tensor.dtype, name) != e["dtype"]:
-                raise DtypeMismatchError(
-                    f"tensor {name!r}: checkpoint {store.url} has dtype {e['dtype']}, the "
-                    f"state dict has {ref.tensor.dtype}; cast after loading", url=store.url,
-                    tensor=name)
+                dtypes_bad.append((name, f"{name!r}: checkpoint {e['dtype']}, state dict "
+                                         f"{dtype_name(ref.tensor.dtype, name)}"))
+                continue
             local[name] = pieces
             for p in pieces:
                 needs.append((name, [list(p.offset), list(p.shape)], itemsize(e["dtype"])))
-        for name in flat.values:
-            if name not in m.values:
-                raise MissingKeyError(
-                    f"value {name!r} is not in checkpoint {store.url}", url=store.url,
-                    tensor=name)
+        if shapes_bad:
+            raise ShapeMismatchError(
+                f"{_few(shapes_bad, 'tensor')} of the state dict of another global shape "
+                f"than in checkpoint {store.url}: {_first([b for _, b in shapes_bad])}",
+                url=store.url, tensor=shapes_bad[0][0])
+        if dtypes_bad:
+            raise DtypeMismatchError(
+                f"{_few(dtypes_bad, 'tensor')} of the state dict of another dtype than in "
+                f"checkpoint {store.url}: {_first([b for _, b in dtypes_bad])}; load into "
+                "tensors of the checkpoint's dtype and cast after loading", url=store.url,
+                tensor=dtypes_bad[0][0])
+        missing += [n for n in sorted(flat.values) if n not in m.values]
+        missing += _missing_json_keys(flat, m)
+        if missing and strict:
+            raise MissingKeyError(
+                f"{_few(missing, 'entry')} of the state dict not in checkpoint {store.url}: "
+                f"{_first([repr(n) for n in missing])}{_fresh_state_hint(flat, m, missing)}; "
+                "load with strict=False to leave them as they are (LoadInfo.missing lists "
+                "them), or check the state dict keys", url=store.url, tensor=missing[0])
     except CheckpointError as e:
         error = e
     except Exception as e:  # noqa: BLE001 - storage errors etc. are reported on every rank
         error = e
-    wanted = sorted(set(flat.tensors) | set(flat.values)) if strict else []
+    wanted = sorted(set(flat.tensors) | set(flat.values))
     gathered = comm.allgather_json({"err": _err_json(error) if error else None,
-                                    "needs": needs, "wanted": wanted})
+                                    "needs": needs, "wanted": wanted},
+                                   what=f"the load of {store.url} (every rank of the group "
+                                   "must call ckpt.load / CheckpointManager.restore)")
     if error is not None:
         raise error
     _raise_first([g["err"] for g in gathered], comm.ranks, store.url)
     assert m is not None
-    if strict:
-        all_wanted = set().union(*(set(g["wanted"]) for g in gathered))
-        extra = sorted((set(m.tensors) | set(m.values)) - all_wanted)
-        if extra:
-            raise UnexpectedKeyError(
-                f"checkpoint {store.url} holds {len(extra)} entries no rank asked for, e.g. "
-                f"{extra[:5]}; load with strict=False to ignore them", url=store.url,
-                tensor=extra[0])
+    all_wanted = set().union(*(set(g["wanted"]) for g in gathered))
+    unexpected = sorted((set(m.tensors) | set(m.values)) - all_wanted)
+    if strict and unexpected:
+        raise UnexpectedKeyError(
+            f"checkpoint {store.url} holds {_few(unexpected, 'entry', verb=False)} no rank "
+            "asked for: "
+            f"{_first([repr(n) for n in unexpected])}; load with strict=False to ignore them",
+            url=store.url, tensor=unexpected[0])
     all_needs = {
         r: [(n, (tuple(b[0]), tuple(b[1])), i) for n, b, i in g["needs"]]
         for r, g in zip(comm.ranks, gathered, strict=True)
@@ -1087,7 +1188,8 @@ def load(
         # before raising, or they land after a retry (restore's fallback to an older step).
         for _, r in readers:
             r.drain()
-    errs = comm.allgather_json(_err_json(error) if error else None)
+    errs = comm.allgather_json(_err_json(error) if error else None,
+                               f"the reads of the load of {store.url}")
     if error is not None:
         raise error
     _raise_first(errs, comm.ranks, store.url)
@@ -1107,7 +1209,7 @@ def load(
                 buf = torch.empty(task.box[1], dtype=t.dtype, device=view.device)
                 copies.append((view, buf))
             recvs.append((buf, task.reader, tag))
-    comm.exchange(sends, recvs)
+    comm.exchange(sends, recvs, f"the exchange of regions read for the load of {store.url}")
     with torch.no_grad():
         for view, buf in copies:
             view.copy_(buf)
@@ -1119,8 +1221,65 @@ def load(
     needed = sum(numel(p.shape) * flat.tensors[n].tensor.element_size()
                  for n, ps in local.items() for p in ps)
     for name, ref in flat.values.items():
-        set_value(ref, m.values[name])
+        if name in m.values:
+            set_value(ref, m.values[name])
     for obj, sub, _name in reversed(flat.statefuls):
         obj.load_state_dict(sub)
-    return LoadInfo(store.url, m.step, m.raw.get("config"), nbytes, needed)
+    return LoadInfo(store.url, m.step, m.raw.get("config"), nbytes, needed, missing=missing,
+                    unexpected=unexpected)
+
+
+FEW = 5
+"""How many offenders an error about several entries names."""
+
+
+def _few(items: list[Any], noun: str, verb: bool = True) -> str:
+    """'1 tensor is' / '3 entries are' (without `verb`: '3 entries') for error messages."""
+    plural = noun[:-1] + "ies" if noun.endswith("y") else noun + "s"
+    out = f"{len(items)} {noun if len(items) == 1 else plural}"
+    return f"{out} {'is' if len(items) == 1 else 'are'}" if verb else out
+
+
+def _first(items: list[str]) -> str:
+    shown = ", ".join(items[:FEW])
+    return shown + (f", and {len(items) - FEW} more" if len(items) > FEW else "")
+
+
+def _missing_json_keys(flat: FlatState, m: Manifest) -> list[str]:
+    """Keys of the state dict's JSON dicts that the checkpoint's dicts lack, as
+    `name/key/...`: a dict value is merged into the target's dict on load (see
+    `set_value`), so these keep the target's values."""
+    out: list[str] = []
+
+    def walk(target: Any, stored: Any, name: str) -> None:
+        if not (isinstance(target, dict) and isinstance(stored, dict)):
+            return
+        for k, v in target.items():
+            sub = f"{name}/{name_of((k,))}"
+            if k not in stored:
+                out.append(sub)
+            else:
+                walk(v, stored[k], sub)
+
+    for name, ref in sorted(flat.values.items()):
+        if name in m.values:
+            walk(ref.value, m.values[name], name)
+    return out
+
+
+def _fresh_state_hint(flat: FlatState, m: Manifest, missing: list[str]) -> str:
+    """What to do when an empty container of the target (an optimizer without state yet:
+    `optimizer.state_dict()["state"] == {}`) stands where the checkpoint holds entries."""
+    for name in missing:
+        ref = flat.values.get(name)
+        if ref is None or ref.value not in ({}, [], None):
+            continue
+        under = [n for n in (*m.tensors, *m.values) if n.startswith(name + "/")]
+        if under:
+            return (f". {name!r} is empty in the state dict but the checkpoint holds "
+                    f"{len(under)} entries under it (e.g. {under[0]!r}): an optimizer "
+                    "without state yet; build the state dict with "
+                    "torch.distributed.checkpoint.state_dict.get_state_dict(model, optimizer),"
+                    " which creates the optimizer's state (or take one step first)")
+    return ""
 

@@ -24,6 +24,8 @@ __all__ = [
     "ShapeMismatchError",
     "DtypeMismatchError",
     "CheckpointSaveError",
+    "CollectiveError",
+    "SavesFailingError",
     "UnsupportedStateError",
 ]
 
@@ -113,3 +115,13 @@ class CheckpointSaveError(CheckpointError, RuntimeError):
                  failures: dict[int, str] | None = None) -> None:
         super().__init__(message, url=url)
         self.failures = dict(failures or {})
+
+
+class SavesFailingError(CheckpointSaveError):
+    """`CheckpointManager`: the last N saves in a row failed (its `SaveFailurePolicy`);
+    the run has no new checkpoint since. `__cause__` is the last failure."""
+
+
+class CollectiveError(CheckpointError, RuntimeError):
+    """A collective of the engine failed or timed out: some rank of the group did not
+    make the same call (called on one rank only, died, or is stuck)."""

@@ -202,6 +202,7 @@ def export_safetensors(url: str | Store, out: str | os.PathLike[str], *,
 def _lazy_planner(store: Store, m: Manifest, key_to_name: dict[str, str],
                   progress: Progress | None = None) -> Any:
     from torch.distributed.checkpoint.default_planner import DefaultSavePlanner
+    from torch.distributed.checkpoint.planner import WriteItemType
 
     total = sum(_nbytes(m.tensors[n]) for n in key_to_name.values())
     done = 0
@@ -209,10 +210,13 @@ def _lazy_planner(store: Store, m: Manifest, key_to_name: dict[str, str],
     class _LazyPlanner(DefaultSavePlanner):
         """Plans from meta-tensor placeholders; `resolve_data` reads each tensor from the
         Relight checkpoint only when DCP's writer asks for it (one at a time with the
-        serial loader a single-threaded FileSystemWriter uses on CPU)."""
+        serial loader a single-threaded FileSystemWriter uses on CPU). JSON values are
+        DCP's own bytes entries."""
 
         def resolve_data(self, write_item: Any) -> Any:
             nonlocal done
+            if write_item.type == WriteItemType.BYTE_IO:
+                return super().resolve_data(write_item)
             name = key_to_name[write_item.index.fqn]
             tensor = read_tensor(store, m, name)
             done += _nbytes(m.tensors[name])
@@ -220,36 +224,92 @@ def _lazy_planner(store: Store, m: Manifest, key_to_name: dict[str, str],
                 progress(done, total, name)
             return tensor
 
-    return _LazyPlanner(flatten_state_dict=False, flatten_sharded_tensors=False)
+    # DCP flattens the nested state dict itself, as `dcp.load` will flatten the target's,
+    # and records each key's path (planner_data): the keys match on both sides.
+    return _LazyPlanner(flatten_state_dict=True, flatten_sharded_tensors=False)
+
+
+def _name_path(name: str) -> list[str]:
+    """The path segments of a manifest name (`ckpt.flatten.name_of`, reversed)."""
+    return [seg.replace("%2F", "/").replace("%25", "%") for seg in name.split("/")]
+
+
+def _set_path(root: dict[str, Any], path: list[Any] | tuple[Any, ...], value: Any,
+              where: str) -> None:
+    """Put `value` at `path` in nested dicts (str segments) and lists (int segments),
+    creating the containers on the way."""
+    cur: Any = root
+    for i, seg in enumerate(path):
+        last = i == len(path) - 1
+        fresh: Any = value if last else ([] if isinstance(path[i + 1], int) else {})
+        if isinstance(cur, list):
+            if not isinstance(seg, int):
+                if not str(seg).isdigit():
+                    raise UnsupportedStateError(f"{where}: segment {seg!r} of {list(path)} "
+                                                "indexes a list", tensor=where)
+                seg = int(seg)
+            cur.extend([None] * (seg + 1 - len(cur)))
+            if last or cur[seg] is None:
+                cur[seg] = fresh
+            cur = cur[seg]
+        elif isinstance(cur, dict):
+            if last:
+                if seg in cur:
+                    raise UnsupportedStateError(f"{where}: two entries at {list(path)}",
+                                                tensor=where)
+                cur[seg] = value
+            cur = cur.setdefault(seg, fresh)
+        else:
+            raise UnsupportedStateError(f"{where}: {list(path[:i])} holds a value, not a "
+                                        "container", tensor=where)
 
 
 def export_dcp(url: str | Store, out_dir: str | os.PathLike[str], *,
                all_tensors: bool = False, progress: Progress | None = None) -> dict[str, Any]:
-    """Write the checkpoint's tensors as a torch.distributed.checkpoint directory that
+    """Write the checkpoint as a torch.distributed.checkpoint directory that
     `torch.distributed.checkpoint.load` reads, without a process group. Keys are the
     state-dict paths joined with `.` (`model.layers.0.weight`; without `all_tensors` the
-    `model.` prefix is dropped, as in the safetensors export). Tensors are read lazily,
-    one at a time, while DCP writes them."""
+    `model.` prefix is dropped, as in the safetensors export). With `all_tensors` the
+    JSON values are written too (DCP's bytes entries: `optim.param_groups.0.lr`, the
+    step), so a full model + optimizer state dict loads with `dcp.load`. Tensors are read
+    lazily, one at a time, while DCP writes them."""
     import torch.distributed.checkpoint as dcp
     from torch.distributed.checkpoint import FileSystemWriter
 
-    store, m, names, keys = _export_selection(url, all_tensors)
-    placeholders = {keys[n]: torch.empty(m.tensors[n]["shape"], dtype=DTYPES[m.tensors[n]["dtype"]],
-                                         device="meta") for n in names}
+    store, m, names, _ = _export_selection(url, all_tensors)
+    nested: dict[str, Any] = {}
+    key_to_name: dict[str, str] = {}
+    for n in names:
+        path: list[Any] = list(m.tensors[n].get("path") or _name_path(n))
+        if not all_tensors and path[0] == "model" and len(path) > 1:
+            path = [".".join(str(p) for p in path[1:])]
+        placeholder = torch.empty(m.tensors[n]["shape"], dtype=DTYPES[m.tensors[n]["dtype"]],
+                                  device="meta")
+        _set_path(nested, path, placeholder, n)
+        key_to_name[".".join(str(p) for p in path)] = n  # DCP's flattened key of the path
+    values = sorted(m.values) if all_tensors else []
+    for v in values:  # after the tensors: their paths say which containers are lists
+        _set_path(nested, _name_path(v), m.values[v], v)
     writer = FileSystemWriter(str(out_dir), single_file_per_rank=True, sync_files=True,
                               thread_count=1)
     with warnings.catch_warnings():  # "no process group: single process" is the intent here
         warnings.filterwarnings("ignore", message="torch.distributed is disabled")
-        dcp.save(placeholders, storage_writer=writer, planner=_lazy_planner(
-            store, m, {k: n for n, k in keys.items()}, progress), no_dist=True)
+        dcp.save(nested, storage_writer=writer, planner=_lazy_planner(
+            store, m, key_to_name, progress), no_dist=True)
     nbytes = sum(_nbytes(m.tensors[n]) for n in names)
-    return {"tensors": len(names), "bytes": nbytes, "path": str(out_dir)}
+    return {"tensors": len(names), "values": len(values), "bytes": nbytes,
+            "path": str(out_dir)}
 
 
-def _dcp_path(key: str) -> dict[str, Any]:
-    """`model.layers.0.weight` -> nested `{"model": {"layers.0.weight": ...}}` keys."""
+def _dcp_path(key: str, planner_data: Any) -> tuple[Any, ...]:
+    """A DCP key's path in the state dict that was saved: DCP's metadata records it
+    (`planner_data`, e.g. `('optim', 'state', 'model.embed.weight', 'exp_avg')`); keys of
+    checkpoints without it are split at the first `.` (`model.layers.0.weight` ->
+    `('model', 'layers.0.weight')`)."""
+    if isinstance(planner_data, dict) and isinstance(planner_data.get(key), (tuple, list)):
+        return tuple(planner_data[key])
     head, _, rest = key.partition(".")
-    return {"head": head, "rest": rest}
+    return (head, rest) if rest else (head,)
 
 
 def import_dcp(dcp_dir: str | os.PathLike[str], url: str | Store, *,
@@ -257,55 +317,69 @@ def import_dcp(dcp_dir: str | os.PathLike[str], url: str | Store, *,
     """Save a DCP checkpoint directory as a Relight checkpoint: at `url` itself (with
     `ckpt.save`), or with `step` as step `step` of the run root `url` (`CheckpointManager`).
 
-    A key `a.b.c` becomes state-dict path `["a", "b.c"]` (Relight name `a/b.c`), so
-    `model.layers.0.weight` lands where `{"model": model.state_dict()}` puts it; a key
-    without `.` stays top-level. Non-tensor (bytes) entries are not imported; their keys
-    are returned under `"skipped"`. Holds the whole state in memory (one `ckpt.save`).
+    Every entry lands at the path DCP recorded for it (its metadata's `planner_data`), so
+    `{"model": ..., "optim": ...}` saved with `dcp.save` restores into the same nested
+    state dict: `optim.state.<fqn>.exp_avg` becomes `optim/state/<fqn>/exp_avg`. Non-tensor
+    entries (`param_groups`, counters) are imported as JSON values; one that is not JSON
+    (a pickled object) is skipped and returned under `"skipped"`. Holds the whole state in
+    memory (one `ckpt.save`).
 
     Security: DCP's `.metadata` is a pickle that `torch.distributed.checkpoint` unpickles;
-    import only directories you trust. Relight's own load paths never unpickle.
+    import only directories you trust. Non-tensor entries are read with
+    `torch.load(weights_only=True)`. Relight's own load paths never unpickle.
     """
     import torch.distributed.checkpoint as dcp
     from torch.distributed.checkpoint import FileSystemReader
+    from torch.distributed.checkpoint.default_planner import DefaultLoadPlanner
     from torch.distributed.checkpoint.metadata import TensorStorageMetadata
+
+    from ckpt.flatten import _check_json
 
     if not (Path(dcp_dir) / ".metadata").is_file():
         raise CheckpointNotFoundError(
             f"{dcp_dir} is not a DCP checkpoint (no .metadata file)", url=str(dcp_dir))
     reader = FileSystemReader(str(dcp_dir))
     meta = reader.read_metadata()
-    flat: dict[str, torch.Tensor] = {}
-    skipped: list[str] = []
+    flat: dict[str, Any] = {}
     for key, md in sorted(meta.state_dict_metadata.items()):
         if isinstance(md, TensorStorageMetadata):
             dtype = md.properties.dtype
             dtype_name(dtype, key)  # refuse dtypes the Relight format does not hold
             flat[key] = torch.empty(tuple(md.size), dtype=dtype)
         else:
-            skipped.append(key)
-    if not flat:
+            flat[key] = None  # a bytes entry: DCP's planner replaces it with the value
+    if not any(isinstance(v, torch.Tensor) for v in flat.values()):
         raise MissingKeyError(f"DCP checkpoint {dcp_dir} holds no tensors", url=str(dcp_dir))
-    total = sum(t.numel() * t.element_size() for t in flat.values())
+    total = sum(t.numel() * t.element_size() for t in flat.values()
+                if isinstance(t, torch.Tensor))
+
+    class _Planner(DefaultLoadPlanner):
+        def load_bytes(self, read_item: Any, value: Any) -> None:
+            # Plain values only (numbers, strings, lists, dicts): no arbitrary objects.
+            self.state_dict[read_item.dest_index.fqn] = torch.load(value, weights_only=True)
+
     # DCP reads everything in one call and ckpt.save writes in one: two phases, no finer.
     if progress is not None:
         progress(0, total, f"reading {dcp_dir}")
     with warnings.catch_warnings():
         warnings.filterwarnings("ignore", message="torch.distributed is disabled")
-        dcp.load(flat, storage_reader=FileSystemReader(str(dcp_dir)), no_dist=True)
+        dcp.load(flat, storage_reader=FileSystemReader(str(dcp_dir)),
+                 planner=_Planner(flatten_state_dict=False, flatten_sharded_tensors=False),
+                 no_dist=True)
     state: dict[str, Any] = {}
-    for key, t in flat.items():
-        p = _dcp_path(key)
-        if not p["rest"]:
-            if p["head"] in state:
-                raise UnsupportedStateError(f"DCP key {key!r} clashes with a nested key",
-                                            url=str(dcp_dir), tensor=key)
-            state[p["head"]] = t
-            continue
-        group = state.setdefault(p["head"], {})
-        if not isinstance(group, dict):
-            raise UnsupportedStateError(f"DCP key {key!r} clashes with tensor {p['head']!r}",
-                                        url=str(dcp_dir), tensor=key)
-        group[p["rest"]] = t
+    skipped: list[str] = []
+    tensors = values = 0
+    for key, v in flat.items():
+        if not isinstance(v, torch.Tensor):
+            try:
+                v = _check_json(v, key)
+            except UnsupportedStateError:
+                skipped.append(key)
+                continue
+            values += 1
+        else:
+            tensors += 1
+        _set_path(state, _dcp_path(key, meta.planner_data), v, key)
     config = {"imported_from": str(dcp_dir)}
     if progress is not None:
         progress(total // 2, total, f"saving to {url if isinstance(url, str) else url.url}")
@@ -318,7 +392,7 @@ def import_dcp(dcp_dir: str | os.PathLike[str], url: str | Store, *,
                                                                    async_save=False).wait()
     if progress is not None:
         progress(total, total, "saved")
-    return {"tensors": len(flat), "skipped": skipped, "bytes": total}
+    return {"tensors": tensors, "values": values, "skipped": skipped, "bytes": total}
 
 
 # ------------------------------------------------------------------------ diff

@@ -146,9 +146,23 @@ def flatten_state(state_dict: Mapping[str, Any]) -> FlatState:
 
 
 def set_value(ref: ValueRef, value: Any) -> None:
-    """Replace a JSON value in its parent container (load path)."""
+    """Load a JSON value into its parent container: a dict stored over a dict of the
+    target is merged into the target's dict in place (the stored keys win, keys only the
+    target has keep their values; nested dicts alike), anything else is replaced."""
     parent = ref.parent
     if isinstance(parent, tuple):
         raise UnsupportedStateError(
             f"cannot load JSON value {ref.name!r}: it sits in a tuple; use a list", tensor=ref.name)
-    parent[ref.key] = value
+    current = parent[ref.key]
+    if isinstance(current, dict) and isinstance(value, dict):
+        _merge(current, value)
+    else:
+        parent[ref.key] = value
+
+
+def _merge(target: dict[str, Any], stored: dict[str, Any]) -> None:
+    for k, v in stored.items():
+        if isinstance(target.get(k), dict) and isinstance(v, dict):
+            _merge(target[k], v)
+        else:
+            target[k] = v

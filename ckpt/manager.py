@@ -23,11 +23,12 @@ from dataclasses import dataclass
 from typing import Any, Protocol
 
 from ckpt.comm import Comm
-from ckpt.engine import SaveHandle, SaveOptions, load, save
+from ckpt.engine import LoadInfo, SaveHandle, SaveOptions, load, save
 from ckpt.errors import (
     CheckpointNotFoundError,
     CorruptCheckpointError,
     NoLoadableCheckpointError,
+    SavesFailingError,
     UnsupportedVersionError,
 )
 from ckpt.format import COMMIT_KEY
@@ -35,7 +36,8 @@ from storage import StorageError, Store, open_store
 
 logger = logging.getLogger(__name__)
 
-__all__ = ["CheckpointManager", "RetentionPolicy", "KeepLast", "KeepEvery", "step_dir"]
+__all__ = ["CheckpointManager", "RetentionPolicy", "KeepLast", "KeepEvery", "SaveFailurePolicy",
+           "step_dir"]
 
 RECORDS = "steps/"
 
@@ -84,6 +86,23 @@ class KeepEvery:
 
     def keep(self, committed: list[int]) -> set[int]:
         return {s for s in committed if s % self.every == 0}
+
+
+@dataclass(frozen=True, slots=True)
+class SaveFailurePolicy:
+    """When failed asynchronous saves stop the run. An async save's failure surfaces at
+    the next `save()` (or `wait()`), is logged as an error and counted; a run whose saves
+    keep failing (a wrong bucket, storage down for hours) must not train on without
+    checkpoints unnoticed."""
+
+    max_consecutive: int | None = 3
+    """Raise `SavesFailingError` from `save()`/`wait()` once this many saves in a row
+    have failed; None: never (log and count only)."""
+
+    def __post_init__(self) -> None:
+        if self.max_consecutive is not None and self.max_consecutive < 1:
+            raise ValueError(f"SaveFailurePolicy.max_consecutive must be >= 1 or None, got "
+                             f"{self.max_consecutive}")
 
 
 @dataclass
@@ -206,6 +225,7 @@ class CheckpointManager:
         gc_grace_s: float = 3600.0,
         policies: list[RetentionPolicy] | None = None,
         busy: str = "wait",
+        on_failures: SaveFailurePolicy | None = None,
     ) -> None:
         _check_busy(busy)
         self.store = open_store(root_url)
@@ -224,7 +244,12 @@ class CheckpointManager:
         (training stalls, every checkpoint is taken) or "skip" this one (training goes
         on; the next save point tries again). Either way at most one save is in flight
         and its staging buffers are reused, so memory stays bounded."""
+        self.on_failures = on_failures or SaveFailurePolicy()
+        """When failed saves stop the run (default: 3 in a row)."""
         self._handle: SaveHandle | None = None
+        self._accounted: SaveHandle | None = None
+        self.consecutive_failed_saves = 0
+        """Failed saves since the last one that committed."""
         self.failed_saves = 0
         self.waited_saves = 0
         """Saves that had to wait for the previous one to finish persisting."""
@@ -232,6 +257,9 @@ class CheckpointManager:
         """Saves dropped by busy="skip" because the previous one was still persisting."""
         self.last_error: BaseException | None = None
         self.last_wait_s = 0.0
+        self.last_load: LoadInfo | None = None
+        """What the last successful `restore()` loaded (`missing`, `unexpected` with
+        strict=False)."""
 
     # -- saving -------------------------------------------------------------------------
 
@@ -252,7 +280,10 @@ class CheckpointManager:
         prev = self._handle
         running = prev is not None and not prev.done()
         if policy == "skip":
-            running = any(Comm(self.process_group).allgather_json(running))
+            running = any(Comm(self.process_group, self.options.collective_timeout_s
+                               ).allgather_json(running, f"the busy check of checkpoint "
+                                                f"step {step} under {self.store.url} (every "
+                                                "rank must call CheckpointManager.save)"))
         if running:
             if policy == "skip":
                 self.skipped_saves += 1
@@ -269,8 +300,9 @@ class CheckpointManager:
                 prev.wait()
             except Exception as e:  # noqa: BLE001 - reported, training continues
                 self.failed_saves += 1
-                self.last_error = e
-                logger.error("checkpoint step %s failed: %s", prev.step, e)
+                self._failed(prev, e)
+            else:
+                self._account(prev, None)
             self.last_wait_s = time.perf_counter() - t0
             if self.last_wait_s > 0.001:
                 logger.info("save of step %d waited %.3f s for step %s", step,
@@ -302,13 +334,44 @@ class CheckpointManager:
         return self._handle
 
     def wait(self) -> None:
-        """Block until the save in flight is committed; raise its error."""
+        """Block until the save in flight is committed; raise its error (as
+        `SavesFailingError` when it makes `on_failures.max_consecutive` in a row)."""
         if self._handle is not None:
             try:
                 self._handle.wait()
             except Exception as e:
-                self.last_error = e
+                self._failed(self._handle, e)
                 raise
+            self._account(self._handle, None)
+
+    def _account(self, handle: SaveHandle, error: BaseException | None) -> bool:
+        """Count a finished save's outcome once; False if it was counted already."""
+        if handle is self._accounted:
+            return False
+        self._accounted = handle
+        if error is None:
+            self.consecutive_failed_saves = 0
+        else:
+            self.consecutive_failed_saves += 1
+            self.last_error = error
+        return True
+
+    def _failed(self, handle: SaveHandle, error: BaseException) -> None:
+        """Log a failed save (every time) and raise `SavesFailingError` once the policy's
+        limit of failures in a row is reached."""
+        if self._account(handle, error):
+            limit = self.on_failures.max_consecutive
+            logger.error("checkpoint step %s failed under %s (%d in a row%s): %s",
+                         handle.step, self.store.url, self.consecutive_failed_saves,
+                         f"; the run stops at {limit}" if limit else "", error)
+        limit = self.on_failures.max_consecutive
+        if limit is not None and self.consecutive_failed_saves >= limit:
+            raise SavesFailingError(
+                f"the last {self.consecutive_failed_saves} checkpoint saves under "
+                f"{self.store.url} failed (SaveFailurePolicy.max_consecutive={limit}); "
+                f"the newest committed step is unchanged since. Last failure (step "
+                f"{handle.step}): {type(error).__name__}: {error}", url=self.store.url,
+                failures=getattr(error, "failures", None)) from error
 
     # -- finding ------------------------------------------------------------------------
 
@@ -329,8 +392,9 @@ class CheckpointManager:
                 strict: bool = True) -> int:
         """Load `step` (default: the newest committed one that loads cleanly) into
         `state_dict`; falls back to older committed steps when a newer one is damaged,
-        logging which one it used and why. Returns the step restored."""
-        comm = Comm(self.process_group)
+        logging which one it used and why. Returns the step restored; `last_load` says
+        what was loaded (with strict=False: what was missing or ignored)."""
+        comm = Comm(self.process_group, self.options.collective_timeout_s)
         # Every rank must try the same steps in the same order: the coordinator decides,
         # and only it lists (the others' listings would be thrown away).
         # A listing that fails is shared too, so no rank is left waiting in the gather.
@@ -342,7 +406,8 @@ class CheckpointManager:
                          self.committed_steps()[::-1]}
             except Exception as e:  # noqa: BLE001 - raised below, after telling the others
                 failed, found = e, {"error": f"{type(e).__name__}: {e}"}
-        found = comm.allgather_json(found)[0]  # the coordinator is the first
+        found = comm.allgather_json(found, f"the restore from {self.store.url} (every rank "
+                                    "must call CheckpointManager.restore)")[0]  # coordinator's
         if failed is not None:
             raise failed
         if "error" in found:
@@ -357,8 +422,9 @@ class CheckpointManager:
         storage_failed = False
         for s in candidates:
             try:
-                load(state_dict, self.store.child(step_dir(s)), strict=strict,
-                     process_group=self.process_group)
+                self.last_load = load(state_dict, self.store.child(step_dir(s)),
+                                      strict=strict, process_group=self.process_group,
+                                      collective_timeout_s=self.options.collective_timeout_s)
             except (CorruptCheckpointError, CheckpointNotFoundError,
                     UnsupportedVersionError, StorageError) as e:
                 if step is not None:

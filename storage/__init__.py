@@ -9,6 +9,7 @@ Nothing else in Relight talks to a filesystem or S3 directly.
 from storage.base import Store, StoreStats
 from storage.deferred import DeferredStore
 from storage.errors import (
+    BucketNotFoundError,
     InjectedFaultError,
     InvalidKeyError,
     InvalidStorageURLError,
@@ -26,6 +27,7 @@ from storage.settings import S3Settings
 from storage.url import StorageLocation, parse_url
 
 __all__ = [
+    "BucketNotFoundError",
     "DeferredStore",
     "FaultLog",
     "FaultPlan",

@@ -92,7 +92,7 @@ class Store(ABC):
         new one, never a part (temp + rename on a filesystem; one PUT on S3)."""
         path = self._path(key)
         payload = bytes(data) if not isinstance(data, bytes) else data
-        self._retry(lambda: self._put(path, payload), key)
+        self._retry(lambda: self._put(path, payload), key, "put")
         self.stats.record_write(len(payload))
 
     def put_if_absent(self, key: str, data: bytes | bytearray | memoryview) -> bool:
@@ -103,7 +103,7 @@ class Store(ABC):
         tell "I won" from "another won" put an id in `data` and read the object back."""
         path = self._path(key)
         payload = bytes(data) if not isinstance(data, bytes) else data
-        created = self._retry(lambda: self._put_if_absent(path, payload), key)
+        created = self._retry(lambda: self._put_if_absent(path, payload), key, "put_if_absent")
         if created:
             self.stats.record_write(len(payload))
         return created
@@ -112,7 +112,7 @@ class Store(ABC):
         """The object's bytes, or the range [start, end). A range past the end of the
         object raises `ObjectTruncatedError` (a truncated chunk must never look whole)."""
         path = self._path(key)
-        data = self._retry(lambda: self._get(path, start, end), key)
+        data = self._retry(lambda: self._get(path, start, end), key, "get")
         if end is not None and len(data) != end - (start or 0):
             raise ObjectTruncatedError(
                 f"{self.url_of(key)}: asked for bytes [{start or 0}, {end}), got {len(data)}",
@@ -123,16 +123,16 @@ class Store(ABC):
 
     def size(self, key: str) -> int:
         path = self._path(key)
-        return self._retry(lambda: self._size(path), key)
+        return self._retry(lambda: self._size(path), key, "size")
 
     def exists(self, key: str) -> bool:
         path = self._path(key)
-        return self._retry(lambda: self._exists(path), key)
+        return self._retry(lambda: self._exists(path), key, "exists")
 
     def list(self, prefix: str = "") -> list[str]:
         """Every key under `prefix` (recursively), relative to the root, sorted."""
         base = self._path(prefix) if prefix else self._root_path()
-        found = self._retry(lambda: self._list(base), prefix or ".")
+        found = self._retry(lambda: self._list(base), prefix or ".", "list")
         self.stats.record("lists")
         root = self._root_prefix()
         keys = [p[len(root):] for p in found if p.startswith(root)]
@@ -141,7 +141,7 @@ class Store(ABC):
     def delete(self, key: str) -> None:
         """Remove one object; a missing object is not an error."""
         path = self._path(key)
-        self._retry(lambda: self._delete(path), key)
+        self._retry(lambda: self._delete(path), key, "delete")
         self.stats.record("deletes")
 
     def delete_prefix(self, prefix: str) -> int:
@@ -193,11 +193,12 @@ class Store(ABC):
         root = self._root_path().rstrip("/")
         return f"{root}/" if root or self.location.scheme == "file" else ""
 
-    def _retry(self, fn: Callable[[], T], key: str) -> T:
+    def _retry(self, fn: Callable[[], T], key: str, op: str = "") -> T:
         def count_retry() -> None:
             self.stats.record("retries")
 
-        return call_with_retry(fn, self.url_of(key), self.retry, self._rng, on_retry=count_retry)
+        return call_with_retry(fn, self.url_of(key), self.retry, self._rng,
+                               on_retry=count_retry, op=op)
 
     # -- primitives ---------------------------------------------------------------------
 

@@ -7,6 +7,7 @@ from __future__ import annotations
 __all__ = [
     "StorageError",
     "ObjectNotFoundError",
+    "BucketNotFoundError",
     "StoragePermissionError",
     "TransientStorageError",
     "InjectedFaultError",
@@ -29,6 +30,16 @@ class StorageError(OSError):
 
 class ObjectNotFoundError(StorageError, FileNotFoundError):
     """The object (or bucket) does not exist. Permanent: never retried."""
+
+
+class BucketNotFoundError(StorageError, FileNotFoundError):
+    """The S3 bucket of the URL does not exist (a typo in the URL, or not created yet).
+    Permanent: never retried. Not an `ObjectNotFoundError`: a missing bucket must never
+    read as an empty checkpoint root. `bucket` names it."""
+
+    def __init__(self, message: str, url: str | None = None, bucket: str = "") -> None:
+        super().__init__(message, url=url)
+        self.bucket = bucket
 
 
 class StoragePermissionError(StorageError, PermissionError):

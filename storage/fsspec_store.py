@@ -10,7 +10,7 @@ from typing import Any
 import fsspec
 
 from storage.base import TEMP_MARKER, Store, StoreStats
-from storage.retry import RetryPolicy
+from storage.retry import RetryPolicy, is_missing_bucket
 from storage.settings import S3Settings
 from storage.url import StorageLocation
 
@@ -37,7 +37,9 @@ class _FsspecStore(Store):
     def _list(self, path: str) -> list[str]:
         try:
             found = self.fs.find(path, detail=True)
-        except FileNotFoundError:
+        except FileNotFoundError as e:
+            if is_missing_bucket(e):  # classified by the retry layer: never an empty root
+                raise
             return []
         # Servers with a real directory tree (SeaweedFS's filer) report emptied prefixes
         # as directory entries; only objects are keys.
@@ -187,16 +189,32 @@ class S3Store(_FsspecStore):
         retry: RetryPolicy | None = None,
         stats: StoreStats | None = None,
         fs: Any = None,
+        known_buckets: set[str] | None = None,
     ) -> None:
         super().__init__(location, retry, stats)
         self.settings = settings
         self.fs = fs if fs is not None else settings.filesystem()
+        self._known_buckets = known_buckets if known_buckets is not None else set()
+        """Buckets seen to exist, shared with this store's children."""
 
     def _root_path(self) -> str:
         return f"{self.location.bucket}/{self.location.root}".rstrip("/")
 
     def _with_location(self, location: StorageLocation) -> Store:
-        return S3Store(location, self.settings, self.retry, self.stats, self.fs)
+        return S3Store(location, self.settings, self.retry, self.stats, self.fs,
+                       self._known_buckets)
+
+    def _exists(self, path: str) -> bool:
+        if self.fs.exists(path):
+            return True
+        # s3fs answers False for any key of a missing bucket: ask about the bucket once
+        # per store family (an absent object is normal; a missing bucket is a wrong URL).
+        bucket = self.location.bucket
+        if bucket not in self._known_buckets:
+            if not self.fs.exists(bucket):
+                raise FileNotFoundError(f"NoSuchBucket: {bucket}")
+            self._known_buckets.add(bucket)
+        return False
 
     def _put(self, path: str, data: bytes) -> None:
         # One PUT is atomic on S3: readers see the old object or the new one.

@@ -12,6 +12,7 @@ from dataclasses import dataclass
 from typing import TypeVar
 
 from storage.errors import (
+    BucketNotFoundError,
     ObjectNotFoundError,
     StorageError,
     StoragePermissionError,
@@ -22,7 +23,7 @@ logger = logging.getLogger(__name__)
 
 T = TypeVar("T")
 
-__all__ = ["RetryPolicy", "classify", "call_with_retry"]
+__all__ = ["RetryPolicy", "classify", "call_with_retry", "is_missing_bucket", "missing_bucket"]
 
 _TRANSIENT_ERRNOS = {
     errno.ECONNRESET,
@@ -73,12 +74,40 @@ class RetryPolicy:
         return rng.uniform(0.0, min(self.max_delay_s, self.base_delay_s * (2**attempt)))
 
 
-def classify(exc: BaseException, url: str) -> StorageError:
-    """Map any exception from a backend to a typed `StorageError` naming `url`."""
+def is_missing_bucket(exc: BaseException) -> bool:
+    """Whether `exc` (or an exception it was raised from) is S3's NoSuchBucket: s3fs
+    turns it into a plain `FileNotFoundError` whose cause is botocore's error."""
+    seen: set[int] = set()
+    e: BaseException | None = exc
+    while e is not None and id(e) not in seen:
+        seen.add(id(e))
+        if isinstance(e, BucketNotFoundError) or "NoSuchBucket" in type(e).__name__ \
+                or "NoSuchBucket" in str(e) or "specified bucket does not exist" in str(e):
+            return True
+        e = e.__cause__ or e.__context__
+    return False
+
+
+def missing_bucket(url: str) -> BucketNotFoundError:
+    """The error for a URL whose S3 bucket does not exist."""
+    bucket = url.split("://", 1)[-1].split("/", 1)[0]
+    return BucketNotFoundError(
+        f"S3 bucket {bucket!r} does not exist ({url}): check the bucket name in the URL "
+        f"and the endpoint (AWS_ENDPOINT_URL), or create the bucket", url=url, bucket=bucket)
+
+
+def classify(exc: BaseException, url: str, op: str = "") -> StorageError:
+    """Map any exception from a backend to a typed `StorageError` naming `url`; `op`
+    ("put", "get", "list", ...) is the operation that raised it."""
     if isinstance(exc, StorageError):
         return exc
     text = f"{type(exc).__name__}: {exc}"
+    if url.startswith("s3://") and is_missing_bucket(exc):
+        return missing_bucket(url)
     if isinstance(exc, FileNotFoundError):
+        if op in ("put", "put_if_absent"):  # a write found no parent: not a missing object
+            return StorageError(f"{op} to {url} failed: its location does not exist ({text})",
+                                url=url)
         return ObjectNotFoundError(f"no such object: {url}", url=url)
     if isinstance(exc, PermissionError):
         return StoragePermissionError(
@@ -101,8 +130,8 @@ def classify(exc: BaseException, url: str) -> StorageError:
     if module.startswith(("botocore", "aiohttp", "urllib3")) or any(
         marker in text for marker in _TRANSIENT_MARKERS
     ):
-        if "NoSuchBucket" in text or "NoSuchKey" in text:
-            return ObjectNotFoundError(f"no such object or bucket: {url}", url=url)
+        if "NoSuchKey" in text:
+            return ObjectNotFoundError(f"no such object: {url}", url=url)
         denied = ("AccessDenied", "InvalidAccessKeyId", "SignatureDoesNotMatch")
         if any(code in text for code in denied):
             return StoragePermissionError(f"access denied to {url}: {type(exc).__name__}", url=url)
@@ -116,15 +145,17 @@ def call_with_retry(
     policy: RetryPolicy,
     rng: random.Random | None = None,
     on_retry: Callable[[], None] | None = None,
+    op: str = "",
 ) -> T:
-    """Run `fn`; retry transient failures per `policy`; raise a typed error otherwise."""
+    """Run `fn` (operation `op`); retry transient failures per `policy`; raise a typed
+    error otherwise."""
     rng = rng or random.Random()
     attempt = 0
     while True:
         try:
             return fn()
         except Exception as exc:  # noqa: BLE001 - classified below, re-raised typed
-            err = classify(exc, url)
+            err = classify(exc, url, op)
             attempt += 1
             if not isinstance(err, TransientStorageError) or attempt >= policy.max_attempts:
                 if isinstance(err, TransientStorageError) and attempt > 1:

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import os
 from collections.abc import Iterator
+from typing import Any
 
 import pytest
 
@@ -50,8 +51,15 @@ def etcd_cluster(tmp_path) -> Iterator[EtcdCluster]:
 
 @pytest.fixture(scope="session")
 def s3_server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[S3Server]:
-    """One real S3 server (SeaweedFS) for the session, with a bucket ready."""
-    server = S3Server(tmp_path_factory.mktemp("s3") / "data")
+    """One real S3 server for the session, with a bucket ready: SeaweedFS, or moto's
+    server when RELIGHT_MOTO_SERVER names its executable (tests/storage/moto_server.py)."""
+    server: Any
+    if os.environ.get("RELIGHT_MOTO_SERVER"):
+        from tests.storage.moto_server import MotoServer
+
+        server = MotoServer(os.environ["RELIGHT_MOTO_SERVER"], tmp_path_factory.mktemp("moto"))
+    else:
+        server = S3Server(tmp_path_factory.mktemp("s3") / "data")
     server.start()
     try:
         yield server

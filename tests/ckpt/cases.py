@@ -272,3 +272,22 @@ def collectives_stay_in_foreground(root: str) -> dict[str, Any]:
         for n in names:
             setattr(dist, n, real[n])
     return {"threads": sorted(set(seen)), "calls": len(seen), "latest": latest}
+
+
+def save_on_one_rank_only(url: str, timeout_s: float) -> dict[str, Any]:
+    """A DDP habit: `save` on rank 0 only. Its group ({0, 1}, made for this case and
+    dropped after it) never completes the handshake: rank 0 must get an error that says
+    what it waited for and that every rank must call, within `timeout_s`."""
+    from datetime import timedelta
+
+    group = dist.new_group([0, 1], timeout=timedelta(seconds=timeout_s))  # every rank calls
+    if dist.get_rank() != 0:
+        return {}
+    t0 = time.monotonic()
+    try:
+        ckpt.save({"w": torch.zeros(8)}, url, process_group=group,
+                  options=ckpt.SaveOptions(collective_timeout_s=timeout_s))
+    except ckpt.CollectiveError as e:
+        return {"error": str(e), "waited": time.monotonic() - t0,
+                "runtime_error": isinstance(e, RuntimeError)}
+    return {"error": None}

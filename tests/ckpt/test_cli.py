@@ -56,3 +56,15 @@ def test_exit_codes(tmp_path, capsys) -> None:
     assert main(["inspect", root, "--step", "7"]) == 3
     assert main(["bogus"]) == 2
     assert main(["gc", root]) == 2  # --keep-last is required
+
+
+def test_verify_checks_the_newest_step_or_all_steps(tmp_path, capsys) -> None:
+    root = _run(tmp_path)
+    ck = storage.open_store(root).child("step-000000000001")
+    storage.corrupt_object(ck, next(k for k in ck.list("data") if "/c/" in k), "flip", seed=3)
+    assert main(["verify", root]) == 0  # the newest, step 3, is fine
+    assert "step 3" in capsys.readouterr().out
+    assert main(["verify", root, "--all-steps", "--json"]) == 1
+    reports = json.loads(capsys.readouterr().out)
+    assert [(r["step"], r["ok"]) for r in reports] == [(1, False), (2, True), (3, True)]
+    assert main(["verify", root, "--all-steps", "--step", "2"]) == 2

@@ -201,3 +201,33 @@ def test_no_collective_from_the_background_thread(pool, tmp_path) -> None:
     for r in res:
         assert r["latest"] == 2
         assert r["calls"] > 0 and r["threads"] == ["MainThread"], r
+
+
+def test_save_on_one_rank_only_says_every_rank_must_call(pool, tmp_path) -> None:
+    out = pool.run("tests.ckpt.cases:save_on_one_rank_only", url=str(tmp_path / "ck"),
+                   timeout_s=3.0, timeout=90)
+    r = out[0]
+    assert r["error"] is not None, r
+    assert "the start of the save to" in r["error"] and "step None" in r["error"], r
+    assert "Every rank of the process group must make the same ckpt call" in r["error"], r
+    assert "ranks [0, 1]" in r["error"] and r["runtime_error"], r
+    assert r["waited"] < 60, r
+
+
+@pytest.mark.parametrize("tie", [True, False], ids=["tied", "untied"])
+def test_hf_llama_user_script_reshards_bitwise(pool, tmp_path, tie) -> None:
+    """A user's script around a model the project did not write (HF LlamaForCausalLM
+    from a tiny config, tied and untied embeddings), AdamW, state dicts from
+    `get_state_dict`: saved under FSDP2 on 4 ranks, restored under FSDP2 on 2 ranks, as a
+    plain module in one process and under TP x FSDP2 (2 x 2); the full model and
+    optimizer state is bitwise the saved one in every layout."""
+    root = str(tmp_path / "run")
+    saved = pool.run("tests.ckpt.cases_hf:save_fsdp2", root=root, tie=tie, timeout=300)[0]
+    ref = saved["digest"]
+    assert any(k.endswith("/exp_avg") for k in ref) and "model/lm_head.weight" in ref
+    for fn in ("restore_fsdp2", "restore_plain", "restore_tp"):
+        got = pool.run(f"tests.ckpt.cases_hf:{fn}", root=root, tie=tie, timeout=300)[0]
+        assert got["step"] == 2 and got["meta"] == {"step": 2, "epoch": 1}, (fn, got)
+        assert set(got["digest"]) == set(ref), fn
+        differ = sorted(k for k in ref if got["digest"][k] != ref[k])
+        assert differ == [], (fn, differ)
