@@ -256,6 +256,11 @@ class Trainer:
             self._checkpoint_store(), keep_last=c.keep_last, config=config_to_dict(self.cfg),
             layout=self.layout.as_dict(), busy=c.busy,
             options=ckpt.SaveOptions(pipelined_staging=c.pipelined_staging),
+            # The runtime keeps training through failed saves (a storage outage must not
+            # stop the job; the chaos invariant): it logs each one, counts it in the
+            # metrics, and the next committed save recovers. A user's script gets the
+            # default policy instead, which stops after three failures in a row.
+            on_failures=ckpt.SaveFailurePolicy(max_consecutive=None),
         )
         if c.pipelined_staging:  # the snapshot copy may still read the state: guard updates
             ckpt.guard_optimizer(self.optimizer)
