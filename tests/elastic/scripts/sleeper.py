@@ -29,7 +29,10 @@ def main() -> None:
 
     signal.signal(signal.SIGTERM, on_term)
     line = json.dumps({"ev": "start", "t": time.time(), "pid": os.getpid(),
-                       "agent_pid": os.getppid(), "rank": int(os.environ["RANK"]),
+                       # Under warm starts the parent is the fork server.
+                       "agent_pid": int(os.environ.get("RELIGHT_WARM_PARENT_PID",
+                                                       os.getppid())),
+                       "rank": int(os.environ["RANK"]),
                        "world": int(os.environ["WORLD_SIZE"]),
                        "round": os.environ.get("RELIGHT_RDZV_ROUND")})
     fd = os.open(os.path.join(args.out, "events.jsonl"), os.O_WRONLY | os.O_APPEND | os.O_CREAT)
