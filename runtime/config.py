@@ -181,7 +181,8 @@ class TrainConfig:
     seed: int = 0
     """Seed of the model init and of the per-step RNG."""
     device: str = "auto"
-    """``auto`` (cuda if available, else cpu), ``cpu`` or ``cuda``."""
+    """``auto`` (cuda if available, else cpu), ``cpu`` or ``cuda`` (``cuda:$LOCAL_RANK``,
+    NCCL; ``cpu`` uses gloo). See ``runtime.device`` and docs/gpu.md."""
     mixed_precision: str = "fp32"
     """``fp32`` or ``bf16`` (bf16 params/compute, fp32 reductions and master weights)."""
     activation_checkpointing: bool = False

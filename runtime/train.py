@@ -39,7 +39,6 @@ import sys
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
-from datetime import timedelta
 from typing import Any
 
 import torch
@@ -50,6 +49,7 @@ from torch.distributed.fsdp import FSDPModule
 from runtime import state as st
 from runtime.config import Config, ConfigError, config_to_dict, load_config
 from runtime.data import BatchPlan, DataLoader, SyntheticCorpus
+from runtime.device import init_process_group, resolve_device
 from runtime.exit_codes import (
     CONFIG_EXIT_CODE,
     NO_LOADABLE_CHECKPOINT_EXIT_CODE,
@@ -109,29 +109,19 @@ class TrainResult:
     """Why the emergency save was or was not written."""
 
 
-def _device_and_backend(cfg: Config) -> tuple[str, str]:
-    kind = cfg.train.device
-    if kind == "auto":
-        kind = "cuda" if torch.cuda.is_available() else "cpu"
-    return kind, ("nccl" if kind == "cuda" else "gloo")
-
-
 def init_distributed(cfg: Config) -> tuple[torch.device, bool]:
-    """Init the default process group unless one exists; returns (device, whether we own it)."""
-    kind, backend = _device_and_backend(cfg)
-    local_rank = int(os.environ.get("LOCAL_RANK", "0"))
-    device = torch.device(kind, local_rank) if kind == "cuda" else torch.device("cpu")
-    if kind == "cuda":
-        torch.cuda.set_device(device)
+    """Init the default process group unless one exists; returns (device, whether we own it).
+    The device and its backend come from `runtime.device` (gloo on CPU, NCCL on CUDA)."""
+    device = resolve_device(cfg.train.device)
+    device.activate()
     if dist.is_initialized():
-        return device, False
-    timeout = timedelta(seconds=cfg.train.collective_timeout_s)
+        return device.torch, False
     if "WORLD_SIZE" in os.environ and "MASTER_ADDR" in os.environ:
-        dist.init_process_group(backend, timeout=timeout)
+        init_process_group(device, cfg.train.collective_timeout_s)
     else:
-        dist.init_process_group(backend, store=dist.HashStore(), rank=0, world_size=1,
-                                timeout=timeout)
-    return device, True
+        init_process_group(device, cfg.train.collective_timeout_s, store=dist.HashStore(),
+                           rank=0, world_size=1)
+    return device.torch, True
 
 
 def _all_gather(out: torch.Tensor, inp: torch.Tensor) -> None:
