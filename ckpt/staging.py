@@ -12,10 +12,10 @@ of the process (one per device, reused by every save) that first waits for an ev
 recorded on the caller's current stream when `save()` was called, so the copy sees every
 kernel queued before the save and none queued after it; into page-locked host buffers,
 so each piece is one DMA transfer (`non_blocking`); and the side stream is synchronized
-before the pieces are handed on. A background copy also marks its sources as in use by
-the side stream (`Tensor.record_stream`) in the caller's thread, so the caching
-allocator does not hand their memory to new tensors while the copy is still queued.
-CPU sources take the same code with no stream, event or pinning.
+before the pieces are handed on. The stager holds its sources until then, so the caching
+allocator cannot hand their memory to new tensors while a background copy is still
+queued, even when the caller drops every reference of its own. CPU sources take the
+same code with no stream, event or pinning.
 """
 
 from __future__ import annotations
@@ -114,7 +114,6 @@ class Stager:
                  packed_inner: int, background: bool) -> None:
         self.copies, self.bufs, self.need_copy = copies, bufs, need_copy
         self.device = _source_device(copies)
-        self.background = background
         self.stream: Any = None
         self.ready: Any = None
         if self.device is not None:
@@ -122,10 +121,6 @@ class Stager:
             self.stream = _side_stream(self.device)
             self.ready = mod.Event()
             self.ready.record(mod.current_stream(self.device))
-            if background:
-                for _, _, src in copies:
-                    if src.device.type != "cpu":
-                        src.record_stream(self.stream)
         pin = None if self.device is None else self.device.type
         if bufs.pinned_for != pin:  # the state moved between CPU and device: new buffers
             bufs.staging, bufs.packed, bufs.pinned_for = None, None, pin

@@ -86,16 +86,17 @@ from datetime import timedelta
 import torch, torch.distributed as dist
 from runtime.device import abort_process_group, init_process_group, resolve_device
 
-rank, port = int(sys.argv[1]), int(sys.argv[2])
+rank, port, kind = int(sys.argv[1]), int(sys.argv[2]), sys.argv[3]
 store = dist.TCPStore("127.0.0.1", port, 2, rank == 0, timeout=timedelta(seconds=60))
-dev = resolve_device("cpu")
+dev = resolve_device(kind, local_rank=rank)
+dev.activate()
 init_process_group(dev, 60, store=dist.PrefixStore("round0", store), rank=rank, world_size=2)
-t = torch.ones(4)
+t = torch.ones(4, device=dev.torch)
 dist.all_reduce(t)
 assert t.tolist() == [2.0] * 4
 if rank == 0:
     # Rank 1 never joins this collective: the bounded wait must raise, not hang.
-    work = dist.all_reduce(torch.ones(4), async_op=True)
+    work = dist.all_reduce(torch.ones(4, device=dev.torch), async_op=True)
     t0 = time.monotonic()
     try:
         work.wait(timedelta(seconds=2))
@@ -110,7 +111,7 @@ abort_process_group()
 assert not dist.is_initialized()
 # A new group on a fresh store prefix works at once.
 init_process_group(dev, 60, store=dist.PrefixStore("round1", store), rank=rank, world_size=2)
-t = torch.full((4,), float(rank + 1))
+t = torch.full((4,), float(rank + 1), device=dev.torch)
 dist.all_reduce(t)
 assert t.tolist() == [3.0] * 4, t
 print("rebuilt", rank)
@@ -119,8 +120,10 @@ dist.destroy_process_group()
 """
 
 
-@pytest.mark.multirank
-def test_timed_out_collective_then_abort_and_rebuild(tmp_path: Path) -> None:
+def run_abort_rebuild(tmp_path: Path, kind: str, env: dict[str, str] | None = None
+                      ) -> list[tuple[int, str, str]]:
+    """Two ranks on `kind` (cpu: gloo, cuda: NCCL on cuda:0 and cuda:1) through the
+    script above; every rank's (exit status, stdout, stderr)."""
     import socket
 
     with socket.socket() as s:
@@ -128,8 +131,8 @@ def test_timed_out_collective_then_abort_and_rebuild(tmp_path: Path) -> None:
         port = s.getsockname()[1]
     script = tmp_path / "abort_rebuild.py"
     script.write_text(_ABORT_REBUILD)
-    env = dict(os.environ, PYTHONPATH=str(ROOT), OMP_NUM_THREADS="1")
-    procs = [subprocess.Popen([sys.executable, str(script), str(r), str(port)], cwd=ROOT,
+    env = dict(os.environ, PYTHONPATH=str(ROOT), OMP_NUM_THREADS="1", **(env or {}))
+    procs = [subprocess.Popen([sys.executable, str(script), str(r), str(port), kind], cwd=ROOT,
                               env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
                               text=True) for r in range(2)]
     outs = []
@@ -141,9 +144,18 @@ def test_timed_out_collective_then_abort_and_rebuild(tmp_path: Path) -> None:
         for p in procs:
             if p.poll() is None:
                 p.kill()
+    return outs
+
+
+def check_abort_rebuild(outs: list[tuple[int, str, str]]) -> None:
     for r, (rc, out, err) in enumerate(outs):
         assert rc == 0, f"rank {r}: {out}\n{err[-3000:]}"
         assert f"rebuilt {r}" in out
     assert "timed out after" in outs[0][1]
     secs = float(outs[0][1].split("timed out after ")[1].split()[0])
     assert secs < 30, outs[0][1]
+
+
+@pytest.mark.multirank
+def test_timed_out_collective_then_abort_and_rebuild(tmp_path: Path) -> None:
+    check_abort_rebuild(run_abort_rebuild(tmp_path, "cpu"))
