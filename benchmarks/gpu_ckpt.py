@@ -122,7 +122,7 @@ def _free_host_bytes() -> int:
         return 1 << 62
 
 
-def floor_arm(state: dict[str, Any], clock: _Clock, rounds: int) -> dict[str, Any]:
+def floor_arm(state: dict[str, Any], clock: _Clock, rounds: int = 3) -> dict[str, Any]:
     from ckpt.staging import host_buffer
 
     leaves = _leaves(state)
@@ -229,15 +229,16 @@ def dcp_arm(state: dict[str, Any], path: str, clock: _Clock, mode: str,
         return res, (getattr(r, "upload_completion", None) or r), t0
 
     out: dict[str, Any] = {}
+    bound = max(120.0, nb / 0.1e9)  # seconds: a save slower than 0.1 GB/s counts as hung
     if stager is not None:  # the kept stager's first save allocates; the second is timed
         res, fut, t0 = one(path + "-warm")
-        fut.result()
+        fut.result(timeout=bound)
         out["first_stall_s"] = res["stall_s"]
         _rm(path + "-warm")
     before = _digest(state)
     res, fut, t0 = one(path)
     _negate(state)
-    fut.result()
+    fut.result(timeout=bound)
     res["total_s"] = time.perf_counter() - t0
     res["save_gb_s"] = nb / res["total_s"] / 1e9
     out.update(res)
@@ -256,19 +257,31 @@ def dcp_arm(state: dict[str, Any], path: str, clock: _Clock, mode: str,
     return out
 
 
+MANDATORY = ("floor", "relight", "dcp_thread")
+"""The arms every size runs; the others run while the time budget allows."""
+
+
 def run(sizes_mib: list[int], base_dir: str, device: torch.device, budget_s: float,
-        floor_rounds: int = 3) -> dict[str, Any]:
-    """Every size in order, within `budget_s` seconds; returns the figures."""
+        floor_rounds: int = 3, on_row: Callable[[dict[str, Any]], None] | None = None
+        ) -> dict[str, Any]:
+    """Every size in order, within `budget_s` seconds; returns the figures (and passes
+    them to `on_row` after every size, so a kill keeps the sizes done)."""
     from torch.distributed.checkpoint import state_dict_saver as saver
 
     deadline = time.monotonic() + budget_s
     clock = _Clock(device)
     results: dict[str, Any] = {"sizes": {}, "skipped": {}}
-    per_byte = None  # seconds per byte of the previous size, all arms together
+    cost: dict[str, float] = {}
+    """Arm -> seconds per byte of state at the previous size (estimates the next)."""
+
+    def estimate(names: tuple[str, ...] | list[str], nb: int) -> float | None:
+        known = [cost[n] for n in names if n in cost]
+        return None if len(known) < len(names) else sum(known) * nb
+
     for mib in sizes_mib:
         nb = mib << 20
         left = deadline - time.monotonic()
-        est = None if per_byte is None else per_byte * nb
+        est = estimate(MANDATORY + ("state",), nb)
         free_disk = shutil.disk_usage(base_dir).free
         free_host = _free_host_bytes()
         if est is not None and est > left:
@@ -284,12 +297,13 @@ def run(sizes_mib: list[int], base_dir: str, device: torch.device, budget_s: flo
             continue
         t_size = time.monotonic()
         state = _state(nb, device, fill=True)
+        clock.sync()
         nb = _nbytes(state)
+        cost["state"] = (time.monotonic() - t_size) / nb
         row: dict[str, Any] = {"bytes": nb, "tensors": len(_leaves(state))}
-        row["floor"] = floor_arm(state, clock, floor_rounds)
         base = os.path.join(base_dir, f"s{mib}")
-
         arms: list[tuple[str, Callable[..., dict[str, Any]], tuple[Any, ...]]] = [
+            ("floor", floor_arm, (clock, floor_rounds)),
             ("relight", relight_arm, (base + "-relight", clock, mib <= 8192)),
             ("dcp_thread", dcp_arm, (base + "-dcp", clock, "thread", True)),
         ]
@@ -301,34 +315,38 @@ def run(sizes_mib: list[int], base_dir: str, device: torch.device, budget_s: flo
         if hasattr(saver, "AsyncCheckpointerType"):
             arms.append(("dcp_process", dcp_arm, (base + "-dcpproc", clock, "process", False)))
         for name, fn, args in arms:
-            spent = time.monotonic() - t_size
-            # The optional arms run only while the size's estimate still fits the budget.
-            if (name not in ("relight", "dcp_thread") and est is not None
-                    and time.monotonic() + 0.3 * max(est - spent, 0.0) > deadline):
-                row[name] = {"skipped": "time budget"}
-                continue
+            if name not in MANDATORY:
+                need = estimate([name], nb)
+                left = deadline - time.monotonic()
+                if (need is not None and need > left) or (need is None and left < 0.3 * budget_s):
+                    row[name] = {"skipped": f"time budget ({left:.0f} s left)"}
+                    continue
+            t_arm = time.monotonic()
             try:
                 row[name] = fn(state, *args)
             except Exception as e:  # noqa: BLE001 - one arm's failure is a figure too
                 row[name] = {"error": f"{type(e).__name__}: {e}"}
                 gc.collect()
+            cost[name] = (time.monotonic() - t_arm) / nb
         _ratios(row)
         row["seconds"] = time.monotonic() - t_size
         results["sizes"][str(mib)] = row
-        per_byte = row["seconds"] / nb
         del state
         gc.collect()
         if device.type != "cpu":
             torch.get_device_module(device.type).empty_cache()
+        if on_row is not None:
+            on_row(results)
         print(json.dumps({mib: {k: v for k, v in row.items() if k != "floor"}}), flush=True)
     return results
 
 
 def _ratios(row: dict[str, Any]) -> None:
-    fl, rl, dc = row["floor"], row.get("relight", {}), row.get("dcp_thread", {})
+    fl, rl, dc = row.get("floor", {}), row.get("relight", {}), row.get("dcp_thread", {})
     r: dict[str, float] = {}
-    if "stall_s" in rl:
+    if "stall_s" in rl and "copy_s" in fl:
         r["relight_stall_over_floor"] = rl["stall_s"] / fl["copy_s"]
+    if "stall_s" in rl:
         for name in ("dcp_thread", "dcp_thread_pinned", "dcp_process"):
             d = row.get(name, {})
             if "stall_s" in d:
@@ -354,7 +372,7 @@ def init_world1(device: torch.device) -> None:
 
     apply_nccl_env()
     dist.init_process_group("cpu:gloo,cuda:nccl", store=dist.HashStore(), rank=0,
-                            world_size=1, device_id=device)
+                            world_size=1)
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -373,21 +391,28 @@ def main(argv: list[str] | None = None) -> int:
 
     device = resolve_device(a.device).torch
     init_world1(device)
+    meta = {"device": str(device) if device.type == "cpu" else
+            torch.cuda.get_device_name(device), "torch": torch.__version__,
+            "sizes_mib": a.sizes_mib, "budget_s": a.budget_s}
+
+    def write(results: dict[str, Any], done: bool = False) -> None:
+        text = json.dumps({**results, **meta, "complete": done}, indent=1)
+        if a.json_out:
+            tmp_out = a.json_out + ".tmp"
+            with open(tmp_out, "w") as f:
+                f.write(text)
+            os.replace(tmp_out, a.json_out)
+        elif done:
+            print(text)
+
     tmp = tempfile.mkdtemp(prefix="bench-gpu-ckpt-", dir=a.dir)
     try:
         out = run([int(x) for x in a.sizes_mib.split(",") if x], tmp, device, a.budget_s,
-                  a.floor_rounds)
+                  a.floor_rounds, on_row=write)
     finally:
         shutil.rmtree(tmp, ignore_errors=True)
-        dist.destroy_process_group()
-    out["device"] = str(device) if device.type == "cpu" else torch.cuda.get_device_name(device)
-    out["torch"] = torch.__version__
-    text = json.dumps(out, indent=1)
-    if a.json_out:
-        with open(a.json_out, "w") as f:
-            f.write(text)
-    else:
-        print(text)
+    write(out, done=True)
+    dist.destroy_process_group()
     return 0
 
 
