@@ -1,9 +1,9 @@
 """The device a rank computes on, the process-group backend that goes with it, and how
 that process group is brought up and torn down.
 
-One place decides "cpu + gloo" or "cuda:LOCAL_RANK + nccl"; the rest of the runtime asks
-a :class:`Device` (``synchronize()``, ``memory_mb()``, ``autocast()``) instead of
-branching on ``torch.cuda``. On CPU every call is a no-op or the CPU answer, so the same
+One place decides "cpu + gloo" or "cuda:LOCAL_RANK + nccl"; the trainer asks its
+:class:`Device` (``synchronize()``, ``autocast()``) instead of branching on
+``torch.cuda``. On CPU every call is a no-op or the CPU answer, so the same
 training code runs (and is tested) on both.
 
 NCCL failure handling is torch.distributed's own, configured here:
@@ -115,17 +115,6 @@ class Device:
         """Wait for every kernel queued on this device (a no-op on CPU)."""
         if self.is_accelerator:
             torch.get_device_module(self.type).synchronize(self.torch)
-
-    def memory_mb(self) -> float:
-        """Peak memory allocated on the device (CUDA), else this process's RSS, in MiB."""
-        if self.is_accelerator:
-            return torch.get_device_module(self.type).max_memory_allocated(self.torch) / 2**20
-        try:
-            import psutil
-
-            return psutil.Process(os.getpid()).memory_info().rss / 2**20
-        except Exception:  # noqa: BLE001 - a metric, never fatal
-            return 0.0
 
     @contextlib.contextmanager
     def autocast(self, dtype: torch.dtype | None) -> Iterator[None]:

@@ -31,7 +31,6 @@ newest committed checkpoint will be used), and exit with status 76
 from __future__ import annotations
 
 import argparse
-import contextlib
 import logging
 import os
 import secrets
@@ -49,7 +48,7 @@ from torch.distributed.fsdp import FSDPModule
 from runtime import state as st
 from runtime.config import Config, ConfigError, config_to_dict, load_config
 from runtime.data import BatchPlan, DataLoader, SyntheticCorpus
-from runtime.device import init_process_group, resolve_device
+from runtime.device import Device, init_process_group, resolve_device
 from runtime.exit_codes import (
     CONFIG_EXIT_CODE,
     NO_LOADABLE_CHECKPOINT_EXIT_CODE,
@@ -109,19 +108,19 @@ class TrainResult:
     """Why the emergency save was or was not written."""
 
 
-def init_distributed(cfg: Config) -> tuple[torch.device, bool]:
+def init_distributed(cfg: Config) -> tuple[Device, bool]:
     """Init the default process group unless one exists; returns (device, whether we own it).
     The device and its backend come from `runtime.device` (gloo on CPU, NCCL on CUDA)."""
     device = resolve_device(cfg.train.device)
     device.activate()
     if dist.is_initialized():
-        return device.torch, False
+        return device, False
     if "WORLD_SIZE" in os.environ and "MASTER_ADDR" in os.environ:
         init_process_group(device, cfg.train.collective_timeout_s)
     else:
         init_process_group(device, cfg.train.collective_timeout_s, store=dist.HashStore(),
                            rank=0, world_size=1)
-    return device.torch, True
+    return device, True
 
 
 def _all_gather(out: torch.Tensor, inp: torch.Tensor) -> None:
@@ -154,7 +153,8 @@ class Trainer:
 
     def __init__(self, cfg: Config) -> None:
         self.cfg = cfg
-        self.device, self._owns_pg = init_distributed(cfg)
+        self.dev, self._owns_pg = init_distributed(cfg)
+        self.device = self.dev.torch
         self.rank = dist.get_rank()
         self.world = dist.get_world_size()
         self.log = _RankStep(log, {"rank": self.rank, "step": 0})
@@ -568,9 +568,7 @@ class Trainer:
         for i, (x, y) in enumerate(micro):
             if self.fsdp:
                 self.model.set_requires_gradient_sync(i == n - 1)
-            ctx = (torch.autocast(self.device.type, dtype=torch.bfloat16) if self.autocast
-                   else contextlib.nullcontext())
-            with ctx:
+            with self.dev.autocast(torch.bfloat16 if self.autocast else None):
                 logits = self.model(x.to(self.device))
             loss = self._loss(logits, y.to(self.device))
             (loss / n).backward()
@@ -640,8 +638,7 @@ class Trainer:
             while self.step < end:
                 t0 = time.perf_counter()
                 rec = self.train_step()
-                if self.device.type == "cuda":
-                    torch.cuda.synchronize(self.device)
+                self.dev.synchronize()
                 step_time = time.perf_counter() - t0
                 noticed, left = rec.pop("_notice_ranks"), rec.pop("_notice_left_s")
                 preempt = bool(noticed) and self.step < end

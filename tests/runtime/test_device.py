@@ -30,7 +30,6 @@ def test_cpu_device_uses_gloo_and_no_op_calls() -> None:
     assert not d.is_accelerator
     d.activate()
     d.synchronize()
-    assert d.memory_mb() > 0  # the process's RSS on CPU
     with d.autocast(None):
         pass
     with d.autocast(torch.bfloat16):
