@@ -125,12 +125,6 @@ class Device:
         with torch.autocast(self.type, dtype=dtype):
             yield
 
-    def describe(self) -> str:
-        if not self.is_accelerator:
-            return "cpu"
-        mod = torch.get_device_module(self.type)
-        return f"{self.torch} ({mod.get_device_name(self.torch)})"
-
 
 def _cuda_unavailable_reason() -> str:
     built = torch.version.cuda
