@@ -179,7 +179,8 @@ def _pair_mesh(root: DeviceMesh, pair: tuple[str, str],
         if len(big) > 1:
             raise LayoutError(
                 f"torch {torch.__version__} cannot slice the ({pair[0]}, {pair[1]}) mesh of "
-                f"this layout ({name} spans {big}); use torch >= 2.12 or another layout")
+                f"this layout ({name} spans {big}); use a newer torch (2.13 slices it) or "
+                "another layout")
         picked.append(big[0] if big else flat[name][0])
     return root[tuple(picked)]
 
