@@ -47,16 +47,14 @@ ROW = 4096
 """Columns of every weight-sized tensor (fp32: 16 KiB a row)."""
 
 
-def _state(nbytes: int, device: torch.device, fill: bool) -> dict[str, Any]:
-    """Weights + biases and two moments each, ~nbytes in all, on `device`."""
+def _state(nbytes: int, device: torch.device) -> dict[str, Any]:
+    """Weights + biases and two moments each, ~nbytes in all, random, on `device`."""
     layers = max(1, nbytes // (3 * (64 << 20)))
     rows = max(1, (nbytes - 3 * layers * ROW * 4) // (3 * layers * ROW * 4))
-    gen = torch.Generator(device=device).manual_seed(0) if fill else None
+    gen = torch.Generator(device=device).manual_seed(0)
 
     def make(*shape: int) -> torch.Tensor:
-        if fill:
-            return torch.randn(*shape, device=device, generator=gen)
-        return torch.zeros(*shape, device=device)
+        return torch.randn(*shape, device=device, generator=gen)
 
     model: dict[str, torch.Tensor] = {}
     optim: dict[str, dict[str, torch.Tensor]] = {}
@@ -72,6 +70,13 @@ def _leaves(state: dict[str, Any]) -> list[torch.Tensor]:
     for moments in state["optim"]["state"].values():
         out += list(moments.values())
     return out
+
+
+def _zeros_like(state: dict[str, Any]) -> dict[str, Any]:
+    """A load target: the same names, shapes and device, all zeros."""
+    return {"model": {k: torch.zeros_like(v) for k, v in state["model"].items()},
+            "optim": {"state": {k: {n: torch.zeros_like(t) for n, t in m.items()}
+                                for k, m in state["optim"]["state"].items()}}}
 
 
 def _nbytes(state: dict[str, Any]) -> int:
@@ -176,7 +181,7 @@ def relight_arm(state: dict[str, Any], base: str, clock: _Clock,
     h.wait()
     out["total_s"] = time.perf_counter() - t0
     out["save_gb_s"] = nb / out["total_s"] / 1e9
-    target = _state(nb, clock.device, fill=False)
+    target = _zeros_like(state)
     out["load_s"], _ = clock.timed(ckpt.load, target, f"{base}-1")
     out["load_gb_s"] = nb / out["load_s"] / 1e9
     out["bitwise"] = _digest(target) == before
@@ -244,7 +249,7 @@ def dcp_arm(state: dict[str, Any], path: str, clock: _Clock, mode: str,
     res["save_gb_s"] = nb / res["total_s"] / 1e9
     out.update(res)
     if load:
-        target = _state(nb, clock.device, fill=False)
+        target = _zeros_like(state)
         out["load_s"], _ = clock.timed(dcp.load, target,
                                        storage_reader=dcp.FileSystemReader(path))
         out["load_gb_s"] = nb / out["load_s"] / 1e9
@@ -297,7 +302,7 @@ def run(sizes_mib: list[int], base_dir: str, device: torch.device, budget_s: flo
                                             "the state (staging plus page cache)")
             continue
         t_size = time.monotonic()
-        state = _state(nb, device, fill=True)
+        state = _state(nb, device)
         clock.sync()
         nb = _nbytes(state)
         cost["state"] = (time.monotonic() - t_size) / nb
