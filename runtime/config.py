@@ -194,7 +194,9 @@ class TrainConfig:
     watchdog_timeout_s: float = 300.0
     """Exit non-zero when no step completes within this many seconds; 0 disables."""
     collective_timeout_s: float = 120.0
-    """Timeout of every collective (process-group init timeout)."""
+    """Timeout of every collective: the world group's and every mesh group's
+    (``runtime.device.bound_mesh_timeouts``; DeviceMesh alone would give its groups
+    torch's defaults, 10 min on NCCL and 30 on gloo)."""
     peak_tflops: float = 0.0
     """Peak device TFLOP/s for MFU; 0 looks it up for known GPUs (MFU is null otherwise)."""
     prometheus_port: int = 0

@@ -27,7 +27,7 @@ from __future__ import annotations
 import contextlib
 import logging
 import os
-from collections.abc import Iterator, MutableMapping
+from collections.abc import Iterable, Iterator, MutableMapping
 from dataclasses import dataclass
 from datetime import timedelta
 from typing import Any
@@ -43,6 +43,7 @@ __all__ = [
     "DeviceError",
     "abort_process_group",
     "apply_nccl_env",
+    "bound_mesh_timeouts",
     "init_process_group",
     "resolve_device",
 ]
@@ -171,6 +172,24 @@ def init_process_group(device: Device, timeout_s: float, *, store: Any = None,
     if store is not None:
         kwargs.update(store=store, rank=rank, world_size=world_size)
     dist.init_process_group(device.backend, **kwargs)
+
+
+def bound_mesh_timeouts(meshes: Iterable[Any], timeout_s: float) -> int:
+    """Give every process group of `meshes` (DeviceMeshes) the timeout `timeout_s`; returns
+    how many groups were set. DeviceMesh creates the groups of its dimensions with
+    torch's default timeout (10 minutes on NCCL, 30 on gloo), not the world group's, so
+    an FSDP all-gather or a TP reduce waiting on a dead peer would outlast
+    ``train.collective_timeout_s`` by far without this."""
+    timeout = timedelta(seconds=timeout_s)
+    seen: set[int] = set()
+    for mesh in meshes:
+        for dim in range(mesh.ndim):
+            group = mesh.get_group(dim)
+            if id(group) in seen:
+                continue
+            seen.add(id(group))
+            dist.distributed_c10d._set_pg_timeout(timeout, group)
+    return len(seen)
 
 
 def abort_process_group(group: Any = None) -> None:

@@ -48,7 +48,7 @@ from torch.distributed.fsdp import FSDPModule
 from runtime import state as st
 from runtime.config import Config, ConfigError, config_to_dict, load_config
 from runtime.data import BatchPlan, DataLoader, SyntheticCorpus
-from runtime.device import Device, init_process_group, resolve_device
+from runtime.device import Device, bound_mesh_timeouts, init_process_group, resolve_device
 from runtime.exit_codes import (
     CONFIG_EXIT_CODE,
     NO_LOADABLE_CHECKPOINT_EXIT_CODE,
@@ -160,6 +160,7 @@ class Trainer:
         self.log = _RankStep(log, {"rank": self.rank, "step": 0})
         self.layout = plan_layout(self.world, cfg)
         self.pmesh: ParallelMesh = build_mesh(self.layout, self.device.type)
+        bound_mesh_timeouts(self.pmesh.meshes.values(), cfg.train.collective_timeout_s)
         # Build on the meta device, shard, then materialise: no rank ever holds the full model.
         with torch.device("meta"):
             self.model: Transformer = Transformer(cfg.model)

@@ -158,3 +158,68 @@ def check_abort_rebuild(outs: list[tuple[int, str, str]]) -> None:
 @pytest.mark.multirank
 def test_timed_out_collective_then_abort_and_rebuild(tmp_path: Path) -> None:
     check_abort_rebuild(run_abort_rebuild(tmp_path, "cpu"))
+
+
+_MESH_TIMEOUTS = """
+import os, sys, time
+from datetime import timedelta
+rank, port = int(sys.argv[1]), int(sys.argv[2])
+os.environ.update(RANK=str(rank), LOCAL_RANK=str(rank), WORLD_SIZE="4",
+                  MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+import torch, torch.distributed as dist
+from runtime.config import load_config
+from runtime.train import Trainer
+
+cfg = load_config("configs/tiny.toml", ["--parallel.tp=2", "--train.device=cpu",
+                                        "--train.collective_timeout_s=4"])
+trainer = Trainer(cfg)
+seen = set()
+for mesh in trainer.pmesh.meshes.values():
+    for dim in range(mesh.ndim):
+        backend = mesh.get_group(dim)._get_backend(torch.device("cpu"))
+        seen.add(backend.options._timeout.total_seconds())
+print("timeouts", sorted(seen), flush=True)
+store = dist.distributed_c10d._get_default_store()
+if rank == 0:
+    # Its tp peer never joins: the mesh group's own timeout must end the wait.
+    t0 = time.monotonic()
+    try:
+        dist.all_reduce(torch.ones(1), group=trainer.pmesh["tp"].get_group())
+    except Exception as e:
+        print("raised after %.1f s" % (time.monotonic() - t0), flush=True)
+    store.set("done", "1")
+else:
+    store.wait(["done"], timedelta(seconds=100))
+os._exit(0)
+"""
+
+
+@pytest.mark.multirank
+def test_every_mesh_group_is_bounded_by_the_collective_timeout(tmp_path: Path) -> None:
+    # DeviceMesh gives its groups torch's default timeout (30 min on gloo, 10 on NCCL);
+    # the trainer bounds them all by train.collective_timeout_s.
+    import socket
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    script = tmp_path / "mesh_timeouts.py"
+    script.write_text(_MESH_TIMEOUTS)
+    env = dict(os.environ, PYTHONPATH=str(ROOT), OMP_NUM_THREADS="1")
+    procs = [subprocess.Popen([sys.executable, str(script), str(r), str(port)], cwd=ROOT,
+                              env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                              text=True) for r in range(4)]
+    outs = []
+    try:
+        for p in procs:
+            out, err = p.communicate(timeout=150)
+            outs.append((p.returncode, out, err))
+    finally:
+        for p in procs:
+            if p.poll() is None:
+                p.kill()
+    for r, (rc, out, err) in enumerate(outs):
+        assert rc == 0, f"rank {r}: {out}\n{err[-3000:]}"
+        assert "timeouts [4.0]" in out, out
+    secs = float(outs[0][1].split("raised after ")[1].split()[0])
+    assert secs < 60, outs[0][1]
