@@ -137,7 +137,7 @@ def run_abort_rebuild(tmp_path: Path, kind: str, env: dict[str, str] | None = No
     outs = []
     try:
         for p in procs:
-            out, err = p.communicate(timeout=120)
+            out, err = p.communicate(timeout=240)
             outs.append((p.returncode, out, err))
     finally:
         for p in procs:
@@ -171,7 +171,7 @@ from runtime.config import load_config
 from runtime.train import Trainer
 
 cfg = load_config("configs/tiny.toml", ["--parallel.tp=2", "--train.device=cpu",
-                                        "--train.collective_timeout_s=4"])
+                                        "--train.collective_timeout_s=30"])
 trainer = Trainer(cfg)
 seen = set()
 for mesh in trainer.pmesh.meshes.values():
@@ -188,8 +188,11 @@ if rank == 0:
     except Exception as e:
         print("raised after %.1f s" % (time.monotonic() - t0), flush=True)
     store.set("done", "1")
+    # Rank 0 serves the store: it leaves only once every other rank has read "done".
+    store.wait([f"ack{r}" for r in (1, 2, 3)], timedelta(seconds=200))
 else:
-    store.wait(["done"], timedelta(seconds=100))
+    store.wait(["done"], timedelta(seconds=200))
+    store.set(f"ack{rank}", "1")
 os._exit(0)
 """
 
@@ -212,7 +215,7 @@ def test_every_mesh_group_is_bounded_by_the_collective_timeout(tmp_path: Path) -
     outs = []
     try:
         for p in procs:
-            out, err = p.communicate(timeout=150)
+            out, err = p.communicate(timeout=300)
             outs.append((p.returncode, out, err))
     finally:
         for p in procs:
@@ -220,6 +223,6 @@ def test_every_mesh_group_is_bounded_by_the_collective_timeout(tmp_path: Path) -
                 p.kill()
     for r, (rc, out, err) in enumerate(outs):
         assert rc == 0, f"rank {r}: {out}\n{err[-3000:]}"
-        assert "timeouts [4.0]" in out, out
+        assert "timeouts [30.0]" in out, out
     secs = float(outs[0][1].split("raised after ")[1].split()[0])
-    assert secs < 60, outs[0][1]
+    assert 25 < secs < 150, outs[0][1]  # the 30 s bound, not gloo's default 1800 s
