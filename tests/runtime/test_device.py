@@ -119,31 +119,38 @@ dist.destroy_process_group()
 """
 
 
-def run_abort_rebuild(tmp_path: Path, kind: str, env: dict[str, str] | None = None
-                      ) -> list[tuple[int, str, str]]:
-    """Two ranks on `kind` (cpu: gloo, cuda: NCCL on cuda:0 and cuda:1) through the
-    script above; every rank's (exit status, stdout, stderr)."""
+def run_ranks(tmp_path: Path, source: str, n: int, *args: str, timeout: float = 240,
+              env: dict[str, str] | None = None) -> list[tuple[int, str, str]]:
+    """Run `source` as `n` processes (`script RANK PORT *args`, PORT free for rank 0's
+    store); every rank's (exit status, stdout, stderr)."""
     import socket
 
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         port = s.getsockname()[1]
-    script = tmp_path / "abort_rebuild.py"
-    script.write_text(_ABORT_REBUILD)
+    script = tmp_path / "ranks.py"
+    script.write_text(source)
     env = dict(os.environ, PYTHONPATH=str(ROOT), OMP_NUM_THREADS="1", **(env or {}))
-    procs = [subprocess.Popen([sys.executable, str(script), str(r), str(port), kind], cwd=ROOT,
-                              env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
-                              text=True) for r in range(2)]
+    procs = [subprocess.Popen([sys.executable, str(script), str(r), str(port), *args],
+                              cwd=ROOT, env=env, stdout=subprocess.PIPE,
+                              stderr=subprocess.PIPE, text=True) for r in range(n)]
     outs = []
     try:
         for p in procs:
-            out, err = p.communicate(timeout=240)
+            out, err = p.communicate(timeout=timeout)
             outs.append((p.returncode, out, err))
     finally:
         for p in procs:
             if p.poll() is None:
                 p.kill()
     return outs
+
+
+def run_abort_rebuild(tmp_path: Path, kind: str, env: dict[str, str] | None = None
+                      ) -> list[tuple[int, str, str]]:
+    """Two ranks on `kind` (cpu: gloo, cuda: NCCL on cuda:0 and cuda:1) through the
+    script above; every rank's (exit status, stdout, stderr)."""
+    return run_ranks(tmp_path, _ABORT_REBUILD, 2, kind, env=env)
 
 
 def check_abort_rebuild(outs: list[tuple[int, str, str]]) -> None:
@@ -201,26 +208,7 @@ os._exit(0)
 def test_every_mesh_group_is_bounded_by_the_collective_timeout(tmp_path: Path) -> None:
     # DeviceMesh gives its groups torch's default timeout (30 min on gloo, 10 on NCCL);
     # the trainer bounds them all by train.collective_timeout_s.
-    import socket
-
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
-    script = tmp_path / "mesh_timeouts.py"
-    script.write_text(_MESH_TIMEOUTS)
-    env = dict(os.environ, PYTHONPATH=str(ROOT), OMP_NUM_THREADS="1")
-    procs = [subprocess.Popen([sys.executable, str(script), str(r), str(port)], cwd=ROOT,
-                              env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
-                              text=True) for r in range(4)]
-    outs = []
-    try:
-        for p in procs:
-            out, err = p.communicate(timeout=300)
-            outs.append((p.returncode, out, err))
-    finally:
-        for p in procs:
-            if p.poll() is None:
-                p.kill()
+    outs = run_ranks(tmp_path, _MESH_TIMEOUTS, 4, timeout=300)
     for r, (rc, out, err) in enumerate(outs):
         assert rc == 0, f"rank {r}: {out}\n{err[-3000:]}"
         assert "timeouts [30.0]" in out, out
