@@ -220,7 +220,8 @@ class TrainConfig:
     seed: int = 0
     """Seed of the model init and of the per-step RNG."""
     device: str = "auto"
-    """``auto`` (cuda if available, else cpu), ``cpu`` or ``cuda``."""
+    """``auto`` (cuda if available, else cpu), ``cpu`` or ``cuda`` (``cuda:$LOCAL_RANK``,
+    NCCL; ``cpu`` uses gloo). See ``runtime.device`` and docs/gpu.md."""
     mixed_precision: str = "fp32"
     """``fp32`` or ``bf16`` (bf16 params/compute, fp32 reductions and master weights)."""
     activation_checkpointing: bool = False
@@ -232,7 +233,9 @@ class TrainConfig:
     watchdog_timeout_s: float = 300.0
     """Exit non-zero when no step completes within this many seconds; 0 disables."""
     collective_timeout_s: float = 120.0
-    """Timeout of every collective (process-group init timeout)."""
+    """Timeout of every collective: the world group's and every mesh group's
+    (``runtime.device.bound_mesh_timeouts``; DeviceMesh alone would give its groups
+    torch's defaults, 10 min on NCCL and 30 on gloo)."""
     peak_tflops: float = 0.0
     """Peak device TFLOP/s for MFU; 0 looks it up for known GPUs (MFU is null otherwise)."""
     prometheus_port: int = 0

@@ -23,6 +23,7 @@ import logging
 import warnings
 from dataclasses import dataclass
 
+import torch
 import torch.distributed as dist
 from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 
@@ -163,6 +164,27 @@ class ParallelMesh:
 _FINE = ("pp", "rep_out", "rep_ep", "shard_out", "shard_ep", "tp")
 
 
+def _pair_mesh(root: DeviceMesh, pair: tuple[str, str],
+               flat: dict[str, tuple[str, ...]]) -> DeviceMesh:
+    """The 2-D mesh of two flattened dims, sliced from the root's fine dims instead.
+
+    torch 2.11 refuses to slice two flattened dims when the first has size 1 ("Mesh dim
+    indices should be in ascending order"). When each side has at most one fine dim
+    larger than 1, the pair is that fine dim (or, for a side of size 1, its first one):
+    the same rank grid, sliced from the root, so FSDP can still combine it with the tp
+    mesh. Only the dim names differ, and FSDP reads a mesh by position."""
+    picked = []
+    for name in pair:
+        big = [d for d in flat[name] if root.mesh.size(_FINE.index(d)) > 1]
+        if len(big) > 1:
+            raise LayoutError(
+                f"torch {torch.__version__} cannot slice the ({pair[0]}, {pair[1]}) mesh of "
+                f"this layout ({name} spans {big}); use a newer torch (2.13 slices it) or "
+                "another layout")
+        picked.append(big[0] if big else flat[name][0])
+    return root[tuple(picked)]
+
+
 def build_mesh(layout: Layout, device_type: str) -> ParallelMesh:
     """Create the mesh and its flattened dims on every rank (a collective)."""
     if dist.get_world_size() != layout.world:
@@ -191,6 +213,9 @@ def build_mesh(layout: Layout, device_type: str) -> ParallelMesh:
         # flattened dims from the root is the way to get them; slice once, here.
         warnings.filterwarnings("ignore", message="Slicing a flattened dim")
         for pair in (("dp_replicate", "dp_shard"), ("edp_replicate", "edp_shard")):
-            meshes[pair] = root[pair]
+            try:
+                meshes[pair] = root[pair]
+            except KeyError:
+                meshes[pair] = _pair_mesh(root, pair, flat)
     log.debug("mesh %s over %d ranks: %s", layout.describe(), layout.world, root)
     return ParallelMesh(layout=layout, root=root, device_type=device_type, meshes=meshes)

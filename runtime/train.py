@@ -31,7 +31,6 @@ newest committed checkpoint will be used), and exit with status 76
 from __future__ import annotations
 
 import argparse
-import contextlib
 import logging
 import os
 import secrets
@@ -39,7 +38,6 @@ import sys
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
-from datetime import timedelta
 from typing import Any
 
 import torch
@@ -50,6 +48,7 @@ from torch.distributed.fsdp import FSDPModule
 from runtime import state as st
 from runtime.config import Config, ConfigError, config_to_dict, load_config
 from runtime.data import BatchPlan, DataLoader, build_corpus
+from runtime.device import Device, bound_mesh_timeouts, init_process_group, resolve_device
 from runtime.evaluate import eval_loss
 from runtime.exit_codes import (
     CONFIG_EXIT_CODE,
@@ -110,28 +109,18 @@ class TrainResult:
     """Why the emergency save was or was not written."""
 
 
-def _device_and_backend(cfg: Config) -> tuple[str, str]:
-    kind = cfg.train.device
-    if kind == "auto":
-        kind = "cuda" if torch.cuda.is_available() else "cpu"
-    return kind, ("nccl" if kind == "cuda" else "gloo")
-
-
-def init_distributed(cfg: Config) -> tuple[torch.device, bool]:
-    """Init the default process group unless one exists; returns (device, whether we own it)."""
-    kind, backend = _device_and_backend(cfg)
-    local_rank = int(os.environ.get("LOCAL_RANK", "0"))
-    device = torch.device(kind, local_rank) if kind == "cuda" else torch.device("cpu")
-    if kind == "cuda":
-        torch.cuda.set_device(device)
+def init_distributed(cfg: Config) -> tuple[Device, bool]:
+    """Init the default process group unless one exists; returns (device, whether we own it).
+    The device and its backend come from `runtime.device` (gloo on CPU, NCCL on CUDA)."""
+    device = resolve_device(cfg.train.device)
+    device.activate()
     if dist.is_initialized():
         return device, False
-    timeout = timedelta(seconds=cfg.train.collective_timeout_s)
     if "WORLD_SIZE" in os.environ and "MASTER_ADDR" in os.environ:
-        dist.init_process_group(backend, timeout=timeout)
+        init_process_group(device, cfg.train.collective_timeout_s)
     else:
-        dist.init_process_group(backend, store=dist.HashStore(), rank=0, world_size=1,
-                                timeout=timeout)
+        init_process_group(device, cfg.train.collective_timeout_s, store=dist.HashStore(),
+                           rank=0, world_size=1)
     return device, True
 
 
@@ -165,12 +154,14 @@ class Trainer:
 
     def __init__(self, cfg: Config) -> None:
         self.cfg = cfg
-        self.device, self._owns_pg = init_distributed(cfg)
+        self.dev, self._owns_pg = init_distributed(cfg)
+        self.device = self.dev.torch
         self.rank = dist.get_rank()
         self.world = dist.get_world_size()
         self.log = _RankStep(log, {"rank": self.rank, "step": 0})
         self.layout = plan_layout(self.world, cfg)
         self.pmesh: ParallelMesh = build_mesh(self.layout, self.device.type)
+        bound_mesh_timeouts(self.pmesh.meshes.values(), cfg.train.collective_timeout_s)
         # The registered model (built on the meta device, sharded, then materialised) or
         # the user's factory model (runtime.models).
         self.model: Transformer = create_model(cfg, self.pmesh, self.device)
@@ -580,9 +571,7 @@ class Trainer:
         for i, (x, y) in enumerate(micro):
             if self.fsdp:
                 self.model.set_requires_gradient_sync(i == n - 1)
-            ctx = (torch.autocast(self.device.type, dtype=torch.bfloat16) if self.autocast
-                   else contextlib.nullcontext())
-            with ctx:
+            with self.dev.autocast(torch.bfloat16 if self.autocast else None):
                 logits = self.model(x.to(self.device))
             loss = self._loss(logits, y.to(self.device))
             (loss / n).backward()
@@ -627,9 +616,7 @@ class Trainer:
         it; None under pipeline parallelism, where it is not computed)."""
         if self.schedule is not None:
             return None
-        ctx = (torch.autocast(self.device.type, dtype=torch.bfloat16) if self.autocast
-               else contextlib.nullcontext())
-        with ctx:
+        with self.dev.autocast(torch.bfloat16 if self.autocast else None):
             return eval_loss(self.model, self.data.corpus, n=self.cfg.data.eval_samples,
                              micro_batch=self.plan.micro_batch, dp=self.layout.dp,
                              dp_rank=self.pmesh.dp_rank, reports=self.reports_loss,
@@ -665,8 +652,7 @@ class Trainer:
             while self.step < end:
                 t0 = time.perf_counter()
                 rec = self.train_step()
-                if self.device.type == "cuda":
-                    torch.cuda.synchronize(self.device)
+                self.dev.synchronize()
                 step_time = time.perf_counter() - t0
                 noticed, left = rec.pop("_notice_ranks"), rec.pop("_notice_left_s")
                 preempt = bool(noticed) and self.step < end

@@ -17,6 +17,18 @@ from chaos.s3_server import S3Server
 from elastic.etcd_server import EtcdCluster, EtcdServer
 
 
+def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
+    """Tests marked `cuda` are skipped, saying why, where torch sees no GPU."""
+    import torch
+
+    if torch.cuda.is_available():
+        return
+    skip = pytest.mark.skip(reason="needs CUDA: torch.cuda.is_available() is False here")
+    for item in items:
+        if "cuda" in item.keywords:
+            item.add_marker(skip)
+
+
 def _running(server: EtcdServer) -> Iterator[EtcdServer]:
     server.start()
     try:
