@@ -220,7 +220,7 @@ def validate(m: dict[str, Any], url: str) -> None:
     for name, t in m["tensors"].items():
         if not isinstance(t, dict):
             raise _bad(url, f"tensor entry {name!r} is not an object", name)
-        if t.get("dtype") not in DTYPES:
+        if not isinstance(t.get("dtype"), str) or t["dtype"] not in DTYPES:
             raise _bad(url, f"tensor {name!r} has unknown dtype {t.get('dtype')!r}", name)
         shape = check_shape(t.get("shape"), url, name)
         storage = t.get("storage")
