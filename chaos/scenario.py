@@ -101,8 +101,12 @@ class ClusterSpec:
     """How often each agent checks its workers (`--monitor-interval`)."""
     rdzv_timeout_s: float = 60.0
     """Rendezvous join timeout handed to the backend (`--rdzv-conf join_timeout=`)."""
-    last_call_s: float = 2.0
-    """Rendezvous last-call window after min nodes joined."""
+    last_call_s: float = 30.0
+    """Rendezvous last-call window of the first round, after min nodes joined. The runner
+    starts every node at once and a full group starts the moment its last node joins, so
+    this only bounds the wait for a node that never comes up. Generous on purpose: on a
+    loaded machine an agent can take several seconds to reach etcd, and a short window
+    starts the job smaller than the scenario says."""
     lease_ttl_s: float = 0.0
     """relight-etcd: seconds after which a silent (dead) node's lease expires and the
     survivors stop waiting for it (`--rdzv-conf lease_ttl=`); 0 keeps the backend's default."""

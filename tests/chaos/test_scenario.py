@@ -96,12 +96,12 @@ def test_rendezvous_timings_reach_the_agents_only_when_set() -> None:
         argv = agent_command(s, "http://e", "job", "1:2", ["train.py"], Path("/tmp/n"))
         return next(a for a in argv if a.startswith("--rdzv-conf="))
 
-    assert conf({}) == "--rdzv-conf=join_timeout=60,last_call_timeout=2"
+    assert conf({}) == "--rdzv-conf=join_timeout=60,last_call_timeout=30"
     assert conf({"lease_ttl_s": 3, "rejoin_timeout_s": 10}) == (
-        "--rdzv-conf=join_timeout=60,last_call_timeout=2,lease_ttl=3,rejoin_timeout=10")
+        "--rdzv-conf=join_timeout=60,last_call_timeout=30,lease_ttl=3,rejoin_timeout=10")
     # torchrun's c10d backend knows neither: they are not passed to it.
     assert conf({"rendezvous": "c10d", "lease_ttl_s": 3}) == (
-        "--rdzv-conf=join_timeout=60,last_call_timeout=2")
+        "--rdzv-conf=join_timeout=60,last_call_timeout=30")
 
 
 def test_drawn_faults_wait_until_they_can_happen(tmp_path: Path) -> None:
