@@ -17,10 +17,20 @@ group is rebuilt for every new quorum on a fresh store prefix (gloo on CPU), fro
 store the quorum's first member hosts; every collective on it is bounded by
 `collective_timeout_s`, so a dead or frozen peer fails the step within a stated time
 instead of hanging it. Survivors never restart: a lost group costs the step in flight.
+
+**Groups of several ranks.** A group is a torch.distributed world of its own (one
+torchrun agent, any layout inside). Its first rank is the group's voice: it alone talks
+to etcd and hosts the group's store. Every step it shares the quorum with its peers over
+the group's own process group, each local rank `r` reduces with rank `r` of every other
+group (one cross-group process group per local rank, `quorum/{id}/rank{r}/`), the
+ranks' outcomes are combined inside the group before its one vote, and the verdict is
+shared back, so every rank of every group applies the same steps. The layouts of all
+groups must match (a heal copies each rank's shards to the same rank of the joiner).
 """
 
 from __future__ import annotations
 
+import json
 import logging
 import time
 from collections.abc import Callable, Mapping
@@ -33,7 +43,7 @@ import torch.distributed as dist
 
 from elastic.etcd_client import EtcdClient, EtcdSettings
 from elastic.heal import HealError, HealStats, transfer_state
-from elastic.quorum import Quorum, QuorumClient, QuorumError, Snapshot
+from elastic.quorum import Quorum, QuorumClient, QuorumError
 
 logger = logging.getLogger(__name__)
 
@@ -84,41 +94,103 @@ class StepStats:
     rebuilt: bool = False
 
 
+class _GroupLink:
+    """Control messages inside one replica group: the first rank's JSON documents to
+    every rank, and the AND of every rank's outcome. On a gloo group of its own whose
+    timeout covers the longest quorum wait (the other ranks wait while the first one
+    waits in etcd, e.g. for the job's first groups). A single-process group needs none."""
+
+    def __init__(self, group_pg: dist.ProcessGroup | None, timeout_s: float) -> None:
+        self.pg: dist.ProcessGroup | None = None
+        self.rank, self.size = 0, 1
+        if group_pg is not None and dist.get_world_size(group_pg) > 1:
+            self.pg = dist.new_group(dist.get_process_group_ranks(group_pg), backend="gloo",
+                                     timeout=timedelta(seconds=timeout_s))
+            self.rank, self.size = dist.get_rank(self.pg), dist.get_world_size(self.pg)
+
+    def share(self, doc: dict[str, Any] | None) -> dict[str, Any]:
+        """The first rank's `doc`, on every rank (JSON bytes, never pickled)."""
+        if self.size == 1:
+            assert doc is not None
+            return doc
+        raw = json.dumps(doc).encode() if self.rank == 0 else b""
+        n = torch.tensor([len(raw)], dtype=torch.int64)
+        dist.broadcast(n, group_src=0, group=self.pg)
+        buf = (torch.frombuffer(bytearray(raw), dtype=torch.uint8) if self.rank == 0
+               else torch.empty(int(n.item()), dtype=torch.uint8))
+        dist.broadcast(buf, group_src=0, group=self.pg)
+        return doc if self.rank == 0 else json.loads(buf.numpy().tobytes())
+
+    def all_ok(self, ok: bool) -> bool:
+        """Whether every rank of the group says `ok`."""
+        if self.size == 1:
+            return ok
+        flag = torch.tensor([1 if ok else 0], dtype=torch.int32)
+        dist.all_reduce(flag, op=dist.ReduceOp.MIN, group=self.pg)
+        return bool(flag.item())
+
+
+def _quorum_doc(quorum: Quorum, store: tuple[str, int] | None) -> dict[str, Any]:
+    return {"id": quorum.id, "members": list(quorum.members), "revision": quorum.revision,
+            "healing": list(quorum.healing), "store": list(store) if store else None}
+
+
+def _quorum_of(doc: dict[str, Any]) -> Quorum:
+    return Quorum(int(doc["id"]), tuple(doc["members"]), int(doc["revision"]),
+                  tuple(doc["healing"]))
+
+
 class ReplicaManager:
     """One replica group's cross-group reduction and commit (see the module docstring).
 
-    Call order per step: `start_step()` -> `allreduce(...)` (any number) ->
-    `should_commit(step)`. `close()` at the end. Used by one thread.
+    Call order per step, on every rank of the group: `start_step()` -> `allreduce(...)`
+    (any number) -> `should_commit(step)`. `close()` at the end. Used by one thread.
     """
 
     def __init__(self, settings: ReplicaSettings, *,
                  state: Callable[[], Mapping[str, Any]] | None = None,
-                 heal: bool | None = None) -> None:
-        """`state()` returns the group's live state dict (tensors, stateful objects and
-        JSON values, as for `ckpt.save`): what this group sends to a healing group, or,
-        when this group heals (a replacement, a restarted group, a spare), where what it
-        receives lands before its first step. `heal=None` decides at start: heal when
-        other groups are already training (a quorum with a live member exists)."""
+                 load: Callable[[Mapping[str, Any]], None] | None = None,
+                 heal: bool | None = None,
+                 group_pg: dist.ProcessGroup | None = None) -> None:
+        """`state()` returns this rank's live state dict (tensors, stateful objects and
+        JSON values, as for `ckpt.save`): what it sends to a healing group, or, when this
+        group heals (a replacement, a restarted group, a spare), where what it receives
+        lands before its first step; `load(state_dict)` is then called with it. `heal=None`
+        decides at start: heal when other groups are already training (a quorum with a
+        live member exists). `group_pg`: the group's own process group when the group
+        has several ranks (default: the default group, when one is initialised)."""
         self.settings = settings
         self.group = settings.group
         self._state = state
-        client = EtcdClient(settings.etcd)
-        self.quorum_client = QuorumClient(client, settings.job, settings.group,
-                                          lease_ttl=settings.lease_ttl,
-                                          timeout=settings.quorum_timeout_s,
-                                          failover_grace_s=settings.failover_grace_s)
-        if heal is None:
-            heal = self.quorum_client.training_elsewhere()
+        self._load = load
+        if group_pg is None and dist.is_initialized() and dist.get_world_size() > 1:
+            group_pg = dist.group.WORLD
+        # Covers the first rank's longest wait in etcd: a quorum, then a commit decision.
+        self._link = _GroupLink(group_pg, 2 * settings.quorum_timeout_s
+                                + settings.failover_grace_s + settings.collective_timeout_s)
+        self.local_rank = self._link.rank
+        self.quorum_client: QuorumClient | None = None
+        self._store: dist.TCPStore | None = None
+        timeout = timedelta(seconds=settings.collective_timeout_s)
+        if self.local_rank == 0:
+            self.quorum_client = QuorumClient(EtcdClient(settings.etcd), settings.job,
+                                              settings.group,
+                                              lease_ttl=settings.lease_ttl,
+                                              timeout=settings.quorum_timeout_s,
+                                              failover_grace_s=settings.failover_grace_s)
+            if heal is None:
+                heal = self.quorum_client.training_elsewhere()
+        heal = bool(self._link.share({"heal": heal} if self.local_rank == 0 else None)["heal"])
         if heal and state is None:
             raise ValueError("ReplicaManager: joining a job that is training needs state=: "
                              "where the state healed from a live group lands")
         self.healing = heal
         self.heal_stats: HealStats | None = None
-        timeout = timedelta(seconds=settings.collective_timeout_s)
-        self._store = dist.TCPStore(settings.host, 0, is_master=True,
-                                    wait_for_workers=False, timeout=timeout)
-        self.quorum_client.join((settings.host, self._store.port), ready=not heal,
-                                heal=heal)
+        if self.quorum_client is not None:
+            self._store = dist.TCPStore(settings.host, 0, is_master=True,
+                                        wait_for_workers=False, timeout=timeout)
+            self.quorum_client.join((settings.host, self._store.port), ready=not heal,
+                                    heal=heal)
         self.quorum: Quorum | None = None
         self._pg: dist.ProcessGroup | None = None
         self._pg_quorum = -1
@@ -126,19 +198,36 @@ class ReplicaManager:
         self._ok = True
         self.stats = StepStats()
 
+    @property
+    def requests(self) -> int:
+        """etcd requests this group's per-step calls made (0 on ranks other than the first)."""
+        return 0 if self.quorum_client is None else self.quorum_client.requests
+
     def start_step(self) -> Quorum:
         """Agree on this step's quorum; rebuild the cross-group process group if it is
         a new one."""
         t0 = time.monotonic()
-        quorum, snap = self.quorum_client.agree(failed=self._failed,
-                                                min_groups=self.settings.min_groups)
+        doc: dict[str, Any] | None = None
+        if self.quorum_client is not None:
+            try:
+                quorum, snap = self.quorum_client.agree(failed=self._failed,
+                                                        min_groups=self.settings.min_groups)
+                store = (self.quorum_client.store_of(snap, quorum.members[0])
+                         if quorum.size > 1 else None)
+                doc = _quorum_doc(quorum, store)
+            except QuorumError as exc:
+                doc = {"error": str(exc)}  # every rank raises it, none hangs
+        doc = self._link.share(doc)
+        if "error" in doc:
+            raise QuorumError(doc["error"])
+        quorum = _quorum_of(doc)
         self.stats = StepStats(quorum_s=time.monotonic() - t0)
         self.quorum, self._ok, self._failed = quorum, True, None
         if quorum.id != self._pg_quorum:
-            self._rebuild(quorum, snap)
+            self._rebuild(quorum, doc["store"])
         return quorum
 
-    def _rebuild(self, quorum: Quorum, snap: Snapshot) -> None:
+    def _rebuild(self, quorum: Quorum, leader_store: list[Any] | None) -> None:
         self._pg, self._pg_quorum = None, quorum.id
         self.stats.rebuilt = True
         if quorum.healing and not quorum.healthy:
@@ -148,65 +237,82 @@ class ReplicaManager:
         if quorum.size == 1:
             return
         timeout = timedelta(seconds=self.settings.collective_timeout_s)
-        host, port = self.quorum_client.store_of(snap, quorum.members[0])
+        healed = True
         try:
-            store: dist.Store = (self._store if quorum.members[0] == self.group else
-                                 dist.TCPStore(host, port, is_master=False, timeout=timeout))
-            prefixed = dist.PrefixStore(f"quorum/{quorum.id}/", store)
+            assert leader_store is not None
+            host, port = str(leader_store[0]), int(leader_store[1])
+            store: dist.Store = (
+                self._store if self._store is not None and quorum.members[0] == self.group
+                else dist.TCPStore(host, port, is_master=False, timeout=timeout))
+            prefixed = dist.PrefixStore(f"quorum/{quorum.id}/rank{self.local_rank}/", store)
             options = dist.ProcessGroupGloo._Options()
             options._timeout = timeout
             options._devices = [dist.ProcessGroupGloo.create_device(
                 hostname=self.settings.host)]
             self._pg = dist.ProcessGroupGloo(prefixed, quorum.rank(self.group),
                                              quorum.size, options)
-            logger.info("[replica %s] cross-group process group of quorum %d: rank %d of "
-                        "%d", self.group, quorum.id, quorum.rank(self.group), quorum.size)
+            logger.info("[replica %s/%d] cross-group process group of quorum %d: rank %d "
+                        "of %d", self.group, self.local_rank, quorum.id,
+                        quorum.rank(self.group), quorum.size)
             if quorum.healing:
                 self._heal(quorum, prefixed)
         except (RuntimeError, dist.DistError, HealError) as exc:
             # A member died between the quorum and the connection: fail this step; the
             # next quorum forms without it.
-            logger.warning("[replica %s] building quorum %d's process group failed: %s",
-                           self.group, quorum.id, exc)
-            self._ok = False
+            logger.warning("[replica %s/%d] building quorum %d's process group failed: %s",
+                           self.group, self.local_rank, quorum.id, exc)
+            self._ok = healed = False
+        if self.group in quorum.healing:
+            # The group is ready only when every one of its ranks holds the state.
+            if self._link.all_ok(healed):
+                self.healing = False
+                if self.quorum_client is not None:
+                    self.quorum_client.set_ready(True)
+            else:
+                self._ok = False
 
     def _heal(self, quorum: Quorum, store: dist.Store) -> None:
-        """The quorum's first step begins with the live heal of its joiners."""
+        """The quorum's first step begins with the live heal of its joiners: each rank
+        of a joiner receives from the same rank of the first healthy member."""
         if self._state is None:
             raise QuorumError(f"group {list(quorum.healing)} is healing from this group's "
                               "memory, but this ReplicaManager was given no state=")
         receiving = self.group in quorum.healing
+        sd = self._state()
         stats = transfer_state(self._pg, store, quorum.rank(self.group),
-                               quorum.rank(quorum.healthy[0]), self._state(),
-                               receiving=receiving)
+                               quorum.rank(quorum.healthy[0]), sd, receiving=receiving)
         if receiving:
-            self.heal_stats, self.healing = stats, False
-            self.quorum_client.set_ready(True)
-            logger.info("[replica %s] healed from %s in quorum %d: %d tensors, %.1f MB in "
-                        "%.2fs", self.group, quorum.healthy[0], quorum.id, stats.tensors,
-                        stats.bytes / 1e6, stats.seconds)
+            if self._load is not None:
+                self._load(sd)
+            self.heal_stats = stats
+            logger.info("[replica %s/%d] healed from %s in quorum %d: %d tensors, %.1f MB in "
+                        "%.2fs", self.group, self.local_rank, quorum.healthy[0], quorum.id,
+                        stats.tensors, stats.bytes / 1e6, stats.seconds)
 
-    def allreduce(self, tensors: list[torch.Tensor]) -> None:
-        """Average `tensors` in place across the quorum's groups. A failure (a peer died
-        or timed out) is remembered, not raised: `should_commit` then abandons the step
-        on every group."""
+    def allreduce(self, tensors: list[torch.Tensor], *, weight: float | None = None) -> None:
+        """Reduce `tensors` in place across the quorum's groups: each group's tensors
+        times `weight`, summed (default weight `1 / quorum size`: the mean). A group
+        whose share of the global batch differs from the others' passes its share as
+        `weight`. A failure (a peer died or timed out) is remembered, not raised:
+        `should_commit` then abandons the step on every group."""
         if self.quorum is None:
             raise QuorumError("ReplicaManager.allreduce before start_step()")
         t0 = time.monotonic()
+        scale = 1.0 / self.quorum.size if weight is None else weight
+        if scale != 1.0:
+            for t in tensors:
+                t.mul_(scale)
         if self._ok and self.quorum.size > 1:
             try:
                 if self._pg is None:
                     raise RuntimeError("no process group for this quorum")
                 self._pg.allreduce(tensors).wait()
             except (RuntimeError, dist.DistError) as exc:
-                logger.warning("[replica %s] cross-group allreduce failed in quorum %d: %s",
-                               self.group, self.quorum.id, exc)
+                logger.warning("[replica %s/%d] cross-group allreduce failed in quorum %d: "
+                               "%s", self.group, self.local_rank, self.quorum.id, exc)
                 # Closing our side now makes a peer still blocked in this collective fail
                 # at once instead of at its timeout, so every survivor votes in time.
                 self._ok, self._pg = False, None
-        if self._ok and self.quorum.size > 1:
-            for t in tensors:
-                t.div_(self.quorum.size)
         self.stats.allreduce_s += time.monotonic() - t0
 
     def should_commit(self, step: int) -> bool:
@@ -216,15 +322,26 @@ class ReplicaManager:
             raise QuorumError("ReplicaManager.should_commit before start_step()")
         t0 = time.monotonic()
         quorum = self.quorum
-        voted = self.quorum_client.vote(quorum, step, self._ok)
-        verdict = voted and self.quorum_client.decide(quorum, step)
+        ok = self._link.all_ok(self._ok)
+        doc: dict[str, Any] | None = None
+        if self.quorum_client is not None:
+            try:
+                voted = self.quorum_client.vote(quorum, step, ok)
+                doc = {"commit": bool(voted and self.quorum_client.decide(quorum, step))}
+            except QuorumError as exc:
+                doc = {"error": str(exc)}
+        doc = self._link.share(doc)
+        if "error" in doc:
+            raise QuorumError(doc["error"])
+        verdict = bool(doc["commit"])
         self.stats.commit_s = time.monotonic() - t0
         if not verdict:
-            logger.warning("[replica %s] step %d abandoned in quorum %d: redone in the next "
-                           "quorum", self.group, step, quorum.id)
+            logger.warning("[replica %s/%d] step %d abandoned in quorum %d: redone in the "
+                           "next quorum", self.group, self.local_rank, step, quorum.id)
             self._failed, self._pg, self._pg_quorum = (quorum, step), None, -1
-        return bool(verdict)
+        return verdict
 
     def close(self) -> None:
         self._pg = None
-        self.quorum_client.leave()
+        if self.quorum_client is not None:
+            self.quorum_client.leave()

@@ -213,3 +213,105 @@ def test_survivors_keep_training_through_a_lost_group(etcd_cluster, tmp_path) ->
     # Work lost per fault: at most the step in flight, on the group that never failed
     # (one for the loss of g2, one for the freeze of g1).
     assert len([e for e in abandoned if e["group"] == "g0"]) <= 2
+
+
+@pytest.mark.etcd
+@pytest.mark.multirank
+# ~40 s on a quiet 2-core machine (six process starts); the bound is for a loaded one.
+@pytest.mark.timeout(600)
+def test_groups_of_two_ranks_heal_rank_by_rank(etcd_server, tmp_path) -> None:
+    """Two groups of two ranks each (weights sharded over a group's ranks): a whole
+    group is SIGKILLed, the survivor trains on alone, the replacement group heals each
+    rank's shard from the same rank of the survivor, and every shard stays bitwise
+    identical across groups after every step."""
+    from elastic.etcd_server import free_port
+
+    stop = tmp_path / "STOP"
+    job = job_id()
+    procs: dict[str, list[subprocess.Popen]] = {}
+    logs = []
+
+    def start(name: str, group: str, *extra: str) -> None:
+        port = free_port()
+        procs[name] = []
+        for rank in range(2):
+            log = open(tmp_path / f"{name}-{rank}.log", "wb")  # noqa: SIM115 - child owns it
+            logs.append(log)
+            env = {**os.environ, "PYTHONPATH": str(ROOT), "OMP_NUM_THREADS": "1",
+                   "RANK": str(rank), "WORLD_SIZE": "2", "MASTER_ADDR": "127.0.0.1",
+                   "MASTER_PORT": str(port)}
+            procs[name].append(subprocess.Popen(
+                [sys.executable, str(SCRIPTS / "replica_sharded.py"), "--endpoints",
+                 etcd_server.endpoint, "--job", job, "--group", group, "--out",
+                 str(tmp_path), "--stop-file", str(stop), "--min-groups", "2", *extra],
+                stdout=log, stderr=subprocess.STDOUT, env=env, cwd=ROOT,
+                start_new_session=True))
+
+    def steps(group: str, rank: int) -> list[dict]:
+        return [e for e in events(tmp_path) if e["ev"] == "step" and e["group"] == group
+                and e["rank"] == rank]
+
+    def logs_text() -> str:
+        return "\n".join(f"--- {f.name}\n{f.read_text()[-2500:]}"
+                         for f in sorted(tmp_path.glob("*.log")))
+
+    def until(pred, timeout: float, what: str) -> None:
+        try:
+            wait_for(pred, timeout, what)
+        except AssertionError as exc:
+            raise AssertionError(f"{exc}\n{logs_text()}") from None
+
+    try:
+        start("g0", "g0")
+        start("g1", "g1")
+        until(lambda: all(len(steps(g, r)) >= 6 for g in ("g0", "g1") for r in (0, 1)),
+              120, "two groups of two ranks training")
+        t_kill = time.time()
+        for p in procs["g1"]:
+            os.killpg(p.pid, signal.SIGKILL)
+            p.wait(10)
+        until(lambda: len([e for e in steps("g0", 0) if e["t"] > t_kill]) >= 5, 60,
+              "g0 training on alone")
+        start("g1-new", "g1", "--heal")
+        until(lambda: len([e for e in events(tmp_path) if e["ev"] == "healed"]) == 2,
+              120, "both ranks of the replacement healed")
+        new = {p.pid for p in procs["g1-new"]}
+        until(lambda: all(len([e for e in steps("g1", r) if e["pid"] in new]) >= 3
+                          for r in (0, 1)), 60, "the replacement training")
+        total = max(e["step"] for e in steps("g0", 0)) + 5
+        stop.write_text(str(total))
+        for p in procs["g0"] + procs["g1-new"]:
+            p.wait(240)
+            assert p.returncode == 0, logs_text()
+    finally:
+        for group in procs.values():
+            for p in group:
+                if p.poll() is None:
+                    os.killpg(p.pid, signal.SIGKILL)
+                    p.wait(10)
+        for f in logs:
+            f.close()
+
+    evs = events(tmp_path)
+    starts = sorted((e["group"], e["rank"], e["heal"]) for e in evs if e["ev"] == "start")
+    assert starts == [("g0", 0, False), ("g0", 1, False), ("g1", 0, False),
+                      ("g1", 0, True), ("g1", 1, False), ("g1", 1, True)]
+    for r in (0, 1):
+        got = [e["step"] for e in steps("g0", r)]
+        assert got == list(range(total)), (r, got)  # the survivor: every step, once
+        for s in range(total):
+            digests = {e["digest"] for g in ("g0", "g1") for e in steps(g, r)
+                       if e["step"] == s}
+            assert len(digests) == 1, (r, s, digests)  # shards bitwise identical
+    healed = [e for e in evs if e["ev"] == "healed"]
+    assert sorted(e["rank"] for e in healed) == [0, 1] and len({e["step"] for e in healed}) == 1
+    done = [e for e in evs if e["ev"] == "done"]
+    for r in (0, 1):  # each rank's whole state, not only what the steps change
+        assert len({e["extra"] for e in done if e["rank"] == r}) == 1, done
+    for s in range(total):
+        committed = [e for e in evs if e["ev"] == "step" and e["step"] == s]
+        q = committed[0]["quorum"]
+        assert {e["quorum"] for e in committed} == {q}, (s, committed)
+        used = sorted(i for e in evs if e["ev"] in ("step", "abandoned") and e["step"] == s
+                      and e["quorum"] == q for i in e["samples"])
+        assert used == list(range(s * 12, s * 12 + 12)), (s, used)

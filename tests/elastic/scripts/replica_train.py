@@ -85,7 +85,7 @@ def main() -> None:
             event(a.out, ev="step", group=a.group, step=step, quorum=q.id, size=size,
                   samples=mine, digest=hashlib.sha256(w.numpy().tobytes()).hexdigest(),
                   quorum_s=mgr.stats.quorum_s, commit_s=mgr.stats.commit_s,
-                  requests=mgr.quorum_client.requests)
+                  requests=mgr.requests)
         else:
             event(a.out, ev="abandoned", group=a.group, step=step, quorum=q.id,
                   samples=mine)
