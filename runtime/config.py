@@ -28,6 +28,7 @@ __all__ = [
     "OptimConfig",
     "ParallelConfig",
     "PreemptionConfig",
+    "ReplicaConfig",
     "TrainConfig",
     "apply_overrides",
     "config_from_dict",
@@ -372,6 +373,57 @@ class PreemptionConfig:
 
 
 @dataclass(kw_only=True, slots=True)
+class ReplicaConfig:
+    """Replica groups that heal in place (see docs/healing.md): each group is a torchrun
+    job of its own (its own `relight run`, its own rendezvous id); the groups agree on a
+    quorum per step in etcd and sum their gradients across groups. Off unless ``job``
+    is set."""
+
+    job: str = ""
+    """Job id shared by every group (etcd keys under ``{prefix}/{job}/replicas/``);
+    empty: replica groups off."""
+    group: str = ""
+    """This group's id, unique in the job; empty: ``$RELIGHT_REPLICA_GROUP``, else the
+    group's torchrun rendezvous id (``$TORCHELASTIC_RUN_ID``)."""
+    etcd: str = "127.0.0.1:2379"
+    """Comma-separated etcd endpoints (every member of the cluster)."""
+    prefix: str = "/relight"
+    """etcd key prefix."""
+    min_groups: int = 1
+    """Groups that must be ready before the first step (the job's start)."""
+    host: str = ""
+    """Address the other groups reach this rank's store and cross-group sockets on;
+    empty: this machine's host name."""
+    lease_ttl_s: float = 10.0
+    """A group silent for this long is out of the quorum."""
+    collective_timeout_s: float = 10.0
+    """Bound on every cross-group collective: a dead peer fails the step within it."""
+    failover_grace_s: float = 1.0
+    """After a failed step, how long survivors wait for every member's vote before
+    re-forming without the silent ones."""
+    quorum_timeout_s: float = 300.0
+    """Longest wait for a quorum or a commit decision (a fault, not a slow step)."""
+    digest_every: int = 0
+    """Every this many steps each rank's crc32c of its parameter shards goes into the
+    metrics record (``state_crc``), so replicas can be compared step by step (the chaos
+    verifier does); 0: off (it reads every parameter byte)."""
+
+    def __post_init__(self) -> None:
+        _require("/" not in self.job and "/" not in self.group,
+                 f"replica.job and replica.group must not contain '/', got "
+                 f"{self.job!r}, {self.group!r}")
+        _require(self.min_groups >= 1, "replica.min_groups must be >= 1")
+        _require(self.digest_every >= 0, "replica.digest_every must be >= 0")
+        for name in ("lease_ttl_s", "collective_timeout_s", "failover_grace_s",
+                     "quorum_timeout_s"):
+            _require(getattr(self, name) > 0, f"replica.{name} must be > 0")
+
+    @property
+    def enabled(self) -> bool:
+        return bool(self.job)
+
+
+@dataclass(kw_only=True, slots=True)
 class Config:
     model: ModelConfig = field(default_factory=ModelConfig)
     parallel: ParallelConfig = field(default_factory=ParallelConfig)
@@ -380,6 +432,7 @@ class Config:
     train: TrainConfig = field(default_factory=TrainConfig)
     checkpoint: CheckpointConfig = field(default_factory=CheckpointConfig)
     preemption: PreemptionConfig = field(default_factory=PreemptionConfig)
+    replica: ReplicaConfig = field(default_factory=ReplicaConfig)
 
     def __post_init__(self) -> None:
         _require(
@@ -391,6 +444,13 @@ class Config:
             f"model.n_heads={self.model.n_heads} is not divisible by parallel.tp="
             f"{self.parallel.tp}; pick tp dividing the head count",
         )
+        _require(not (self.replica.enabled and self.parallel.pp > 1),
+                 "replica groups with pipeline parallelism inside a group are not provided: "
+                 "the number of micro-batches per rank changes with the quorum; use "
+                 "parallel.pp=1 with replica.job")
+        _require(not (self.replica.enabled and self.parallel.dp_replicate > 1),
+                 "replica.job replaces parallel.dp_replicate: the replica groups are the "
+                 "replicated dimension; set parallel.dp_replicate=1")
         if self.checkpoint.url:
             # A bad URL is a config error (exit 2), not a fault to restart the group over.
             from storage import InvalidStorageURLError, parse_url
@@ -410,6 +470,7 @@ def _section_types() -> dict[str, type]:
         "train": TrainConfig,
         "checkpoint": CheckpointConfig,
         "preemption": PreemptionConfig,
+        "replica": ReplicaConfig,
     }
 
 

@@ -90,20 +90,53 @@ class SyntheticCorpus:
 
 @dataclass(frozen=True, slots=True)
 class BatchPlan:
+    """Which micro-batches of each step's global batch this data rank computes.
+
+    The global batch is ``global_batch // micro_batch`` micro-batches in index order. With
+    replica groups (``replicas > 1``, the groups of the current quorum) they are dealt out
+    in runs of ``dp`` (one per data rank of a group): group ``replica_rank`` takes a
+    contiguous share, as even as the count allows, and its data rank ``dp_rank`` the
+    ``dp_rank``-th contiguous run of that share. One group (the default) is plain data
+    parallelism: rank ``r`` of ``dp`` takes the ``r``-th run of ``global / micro / dp``.
+    """
+
     global_batch: int
     micro_batch: int
     dp: int
     dp_rank: int
+    replicas: int = 1
+    replica_rank: int = 0
+
+    def __post_init__(self) -> None:
+        if self.units < self.replicas:
+            raise ValueError(
+                f"a global batch of {self.global_batch} samples is {self.units} runs of "
+                f"{self.dp} micro-batches of {self.micro_batch}: too few for "
+                f"{self.replicas} replica groups (each needs at least one)")
+
+    @property
+    def units(self) -> int:
+        """Runs of ``dp`` micro-batches in the global batch: what groups are dealt."""
+        return self.global_batch // self.micro_batch // self.dp
 
     @property
     def local_microbatches(self) -> int:
         """Micro-batches this data rank runs per step (gradient accumulation steps)."""
-        return self.global_batch // self.micro_batch // self.dp
+        base, extra = divmod(self.units, self.replicas)
+        return base + (self.replica_rank < extra)
+
+    @property
+    def share(self) -> float:
+        """This rank's group's fraction of the global batch: the weight of its gradients
+        when the groups' gradients are summed."""
+        return self.local_microbatches / self.units
 
     def microbatch_starts(self, position: int) -> list[int]:
         """First global sample index of each of this rank's micro-batches at ``position``."""
+        base, extra = divmod(self.units, self.replicas)
+        group_first = self.replica_rank * base + min(self.replica_rank, extra)
         n = self.local_microbatches
-        first = self.dp_rank * n
+        first = group_first * self.dp + self.dp_rank * n
         return [position + (first + j) * self.micro_batch for j in range(n)]
 
 

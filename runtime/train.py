@@ -177,6 +177,13 @@ class Trainer:
                               model=cfg.model.factory or cfg.model.name)
         self.data = DataLoader(corpus, self.plan)
         self.step = 0
+        self.replicas: Any = None
+        """`runtime.replicas.ReplicaTraining` when replica groups are on (`replica.job`)."""
+        if cfg.replica.enabled:
+            from runtime.replicas import ReplicaTraining
+
+            self.replicas = ReplicaTraining(cfg.replica, self.plan, state=self.state_dict,
+                                            load=self.load_state_dict)
         n_micro = self.plan.local_microbatches
         self.model.set_aux_scale(1.0 / n_micro)
         self.schedule = None
@@ -256,6 +263,10 @@ class Trainer:
         if c.pipelined_staging:  # the snapshot copy may still read the state: guard updates
             ckpt.guard_optimizer(self.optimizer)
         if not c.resume:
+            return
+        if self.replicas is not None and self.replicas.healing:
+            self.log.info("replica groups are training: this group's state comes from a "
+                          "live group's memory, nothing is read from %s", c.url)
             return
         if self.ckpt_mgr.latest_step() is None:
             self.log.info("no committed checkpoint under %s; starting from scratch", c.url)
@@ -387,6 +398,8 @@ class Trainer:
         last = self.step in (self.cfg.train.steps, self.cfg.train.stop_at)
         if self.ckpt_mgr is None or (self.step % c.every and not last):
             return 0.0, True, False
+        if self.replicas is not None and not self.replicas.saves_checkpoints:
+            return 0.0, True, False  # the replicas hold the same state: one group writes it
         t0, began = time.perf_counter(), time.time()
         try:
             handle = self.ckpt_mgr.save(self.step, self.state_dict(), async_save=c.async_save,
@@ -578,7 +591,34 @@ class Trainer:
             total += loss.detach().float() / n
         return total
 
-    def train_step(self) -> dict[str, Any]:
+    def _state_digests(self) -> list[int]:
+        """Every rank's crc32c of its parameter shards, in rank order (replica groups of
+        the same layout hold equal lists after every committed step)."""
+        from storage.checksum import crc32c
+
+        crc = 0
+        for p in self.params:
+            local = p.detach()
+            local = local.to_local() if hasattr(local, "to_local") else local
+            crc = crc32c(local.contiguous().cpu().reshape(-1).view(torch.uint8).numpy(), crc)
+        mine = torch.tensor([float(crc)], dtype=torch.float64, device=self.device)
+        every = torch.empty(self.world, dtype=torch.float64, device=self.device)
+        _all_gather(every, mine)
+        return [int(v) for v in every.cpu().tolist()]
+
+    def _replica_plan(self) -> None:
+        """Agree on the step's quorum (a heal may set the state first) and take this
+        group's share of the global batch in it."""
+        plan = self.replicas.begin_step()
+        if plan != self.plan:
+            self.plan = self.data.plan = plan
+            self.model.set_aux_scale(1.0 / plan.local_microbatches)
+
+    def train_step(self) -> dict[str, Any] | None:
+        """One optimizer step; None when replica groups abandoned it (a member of the
+        quorum failed): nothing was applied, and the same samples are redone."""
+        if self.replicas is not None:
+            self._replica_plan()
         torch.manual_seed(_step_seed(self.cfg.train.seed, self.step))
         lr = self.lr(self.step)
         for group in self.optimizer.param_groups:
@@ -586,6 +626,12 @@ class Trainer:
         position = self.data.position
         micro = self.data.next_step()
         local_loss = self._forward_backward(micro)
+        if self.replicas is not None:
+            self.replicas.reduce(self.params, self.plan.share)
+            if not self.replicas.commit(self.step):
+                self.optimizer.zero_grad(set_to_none=True)
+                self.data.position = position
+                return None
         if self.on_grads is not None:
             self.on_grads(self)
         grad_norm = clip_grad_norm_(self.params, self.cfg.optim.grad_clip, self.pp_group)
@@ -652,6 +698,9 @@ class Trainer:
             while self.step < end:
                 t0 = time.perf_counter()
                 rec = self.train_step()
+                if rec is None:  # abandoned by the replica groups: redo it
+                    watchdog.beat(self.step)
+                    continue
                 self.dev.synchronize()
                 step_time = time.perf_counter() - t0
                 noticed, left = rec.pop("_notice_ranks"), rec.pop("_notice_left_s")
@@ -676,6 +725,11 @@ class Trainer:
                 )
                 if self.rdzv_round is not None:
                     rec["rdzv_round"] = self.rdzv_round
+                if self.replicas is not None:
+                    rec.update(self.replicas.record())
+                    every = cfg.replica.digest_every
+                    if every and self.step % every == 0:
+                        rec["state_crc"] = self._state_digests()
                 every = cfg.data.eval_every
                 if every and (self.step % every == 0 or self.step == end):
                     rec["eval_loss"] = self.evaluate()
@@ -697,6 +751,10 @@ class Trainer:
                     self.log.warning("preemption notice on ranks %s: stopping after step %d "
                                      "(%.1f s of grace left)", noticed, self.step, left)
                     result.preempted, result.notice_ranks = True, noticed
+                    if self.replicas is not None and not self.replicas.alone:
+                        self.log.warning("this replica group leaves; the other groups hold "
+                                         "the state and train on (no emergency save)")
+                        break
                     self.emergency_checkpoint(left, result)
                     watchdog.beat(self.step)
                     break
@@ -731,6 +789,9 @@ class Trainer:
         return result
 
     def close(self) -> None:
+        if self.replicas is not None:
+            self.replicas.close()
+            self.replicas = None
         if self._peer_server is not None:
             self._peer_server.close()
             self._peer_server = None

@@ -43,6 +43,30 @@ def test_gradient_accumulation_makes_up_the_dp_difference() -> None:
     assert counts == {1: 8, 2: 4, 4: 2, 8: 1}
 
 
+@pytest.mark.parametrize("dp", [1, 2])
+@pytest.mark.parametrize("groups", [1, 2, 3, 4])
+def test_replica_groups_share_the_global_batch_exactly_once(groups: int, dp: int) -> None:
+    """Any number of replica groups (uneven shares included) computes every sample of the
+    global batch once, in runs of dp micro-batches, and the shares weigh 1 in all."""
+    starts, shares = [], []
+    for q in range(groups):
+        plans = [BatchPlan(global_batch=16, micro_batch=2, dp=dp, dp_rank=r, replicas=groups,
+                           replica_rank=q) for r in range(dp)]
+        assert len({p.local_microbatches for p in plans}) == 1  # FSDP averages over dp
+        shares.append(plans[0].share)
+        starts += [s for p in plans for s in p.microbatch_starts(32)]
+    assert sorted(starts) == list(range(32, 48, 2))
+    assert sum(shares) == pytest.approx(1.0)
+    one = BatchPlan(global_batch=16, micro_batch=2, dp=dp, dp_rank=dp - 1)
+    assert one.microbatch_starts(0) == BatchPlan(
+        global_batch=16, micro_batch=2, dp=dp, dp_rank=dp - 1, replicas=1).microbatch_starts(0)
+
+
+def test_more_replica_groups_than_the_batch_can_feed_is_refused() -> None:
+    with pytest.raises(ValueError, match="too few for 5 replica groups"):
+        BatchPlan(global_batch=16, micro_batch=2, dp=2, dp_rank=0, replicas=5)
+
+
 def test_resume_at_position_reads_the_same_batches() -> None:
     plan = BatchPlan(global_batch=8, micro_batch=4, dp=2, dp_rank=1)
     straight = DataLoader(corpus(), plan)

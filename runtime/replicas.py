@@ -1,0 +1,129 @@
+"""The trainer's replica-group component: data parallelism across groups that heal in place.
+
+With ``replica.job`` set, this rank's torch.distributed world is one replica group (its
+own torchrun agent, any layout inside but pipeline stages) and the groups of the job
+train together through `elastic.replica.ReplicaManager`:
+
+- before each step the groups agree on a quorum in etcd, and this group's share of the
+  global batch follows from its place in it (`runtime.data.BatchPlan`): the global batch
+  stays the same whatever the number of groups;
+- after the backward (and the group's own gradient reduction: FSDP's reduce-scatter) each
+  rank sums its gradient shards with the same rank of every other group, each group's
+  weighted by its share of the batch;
+- the step is applied only if every member of the quorum finished that reduction;
+  otherwise nothing is applied anywhere and the same samples are redone in the next quorum;
+- a group that starts while others train receives the whole state (parameters,
+  optimizer, step, data position) from a live group's memory instead of storage.
+
+Only the quorum's first group writes checkpoints: the replicas hold the same state.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import os
+import socket
+from collections.abc import Callable, Mapping
+from typing import Any
+
+import torch
+
+from elastic.etcd_client import EtcdSettings
+from elastic.quorum import Quorum
+from elastic.replica import ReplicaManager, ReplicaSettings
+from runtime.config import ConfigError, ReplicaConfig
+from runtime.data import BatchPlan
+
+__all__ = ["ReplicaTraining", "replica_group_id"]
+
+GROUP_ENV = "RELIGHT_REPLICA_GROUP"
+
+
+def replica_group_id(cfg: ReplicaConfig) -> str:
+    """This group's id: the config's, else `$RELIGHT_REPLICA_GROUP`, else the group's
+    torchrun rendezvous id."""
+    group = cfg.group or os.environ.get(GROUP_ENV) or os.environ.get("TORCHELASTIC_RUN_ID")
+    if not group:
+        raise ConfigError(f"replica.job={cfg.job!r} needs this group's id: set replica.group, "
+                          f"${GROUP_ENV}, or run the group under its own torchrun/relight "
+                          "run rendezvous id")
+    if "/" in group:
+        raise ConfigError(f"replica group id {group!r} must not contain '/'")
+    return group
+
+
+class ReplicaTraining:
+    """What `runtime.train.Trainer` calls around a step when replica groups are on."""
+
+    def __init__(self, cfg: ReplicaConfig, plan: BatchPlan, *,
+                 state: Callable[[], Mapping[str, Any]],
+                 load: Callable[[Mapping[str, Any]], None]) -> None:
+        self.group = replica_group_id(cfg)
+        endpoints = tuple(e.strip() for e in cfg.etcd.split(",") if e.strip())
+        settings = ReplicaSettings(
+            job=cfg.job, group=self.group,
+            etcd=EtcdSettings(endpoints=endpoints, prefix=cfg.prefix,
+                              attempt_timeout=min(2.0, max(0.2, cfg.lease_ttl_s / 3))),
+            lease_ttl=cfg.lease_ttl_s, collective_timeout_s=cfg.collective_timeout_s,
+            quorum_timeout_s=cfg.quorum_timeout_s, host=cfg.host or socket.gethostname(),
+            min_groups=cfg.min_groups, failover_grace_s=cfg.failover_grace_s)
+        self.base_plan = plan
+        self.manager = ReplicaManager(settings, state=state, load=load)
+        self.quorum: Quorum | None = None
+        self.abandoned = 0
+        """Steps abandoned on this group (a member of their quorum failed)."""
+
+    @property
+    def healing(self) -> bool:
+        """Whether this group waits to receive the state from a live group (then it must
+        not restore from storage)."""
+        return self.manager.healing
+
+    def begin_step(self) -> BatchPlan:
+        """The quorum of the next step (a heal may land first) and this rank's plan in it."""
+        self.quorum = q = self.manager.start_step()
+        return dataclasses.replace(self.base_plan, replicas=q.size,
+                                   replica_rank=q.rank(self.group))
+
+    def reduce(self, params: list[torch.nn.Parameter], share: float) -> None:
+        """Sum every gradient (this rank's local shard) across the groups, weighted by
+        this group's share of the global batch. Every group passes the same tensors in
+        the same order: a parameter without a gradient contributes zeros."""
+        grads = []
+        for p in params:
+            if p.grad is None:
+                p.grad = torch.zeros_like(p)
+            g = p.grad
+            grads.append(g.to_local() if hasattr(g, "to_local") else g)
+        self.manager.allreduce(grads, weight=share)
+
+    def commit(self, step: int) -> bool:
+        ok = self.manager.should_commit(step)
+        self.abandoned += 0 if ok else 1
+        return ok
+
+    @property
+    def saves_checkpoints(self) -> bool:
+        """Whether this group writes the job's checkpoints now (the quorum's first)."""
+        return self.quorum is None or self.quorum.rank(self.group) == 0
+
+    @property
+    def alone(self) -> bool:
+        return self.quorum is None or self.quorum.size == 1
+
+    def record(self) -> dict[str, Any]:
+        """Fields of the step's metrics record."""
+        q, st = self.quorum, self.manager.stats
+        rec: dict[str, Any] = {
+            "replica_group": self.group, "quorum": q.id if q else None,
+            "quorum_size": q.size if q else None, "quorum_s": round(st.quorum_s, 4),
+            "cross_group_reduce_s": round(st.allreduce_s, 4),
+            "commit_s": round(st.commit_s, 4), "abandoned_steps": self.abandoned}
+        healed = self.manager.heal_stats
+        if healed is not None:
+            rec.update(healed_bytes=healed.bytes, heal_s=round(healed.seconds, 4))
+            self.manager.heal_stats = None
+        return rec
+
+    def close(self) -> None:
+        self.manager.close()
