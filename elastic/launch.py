@@ -71,6 +71,10 @@ def split_command(command: Sequence[str]) -> list[str]:
         raise LaunchError("relight run needs a training command after '--', e.g. "
                           "`relight run --nproc-per-node=2 -- python -m runtime.train`")
     head, rest = command[0], list(command[1:])
+    if head.startswith("-"):
+        raise LaunchError(f"the training command after '--' starts with the option {head!r}; "
+                          "it is a whole command: `-- python -m runtime.train ...` or "
+                          "`-- train.py ...`")
     if _PYTHON.match(os.path.basename(head)) or os.path.realpath(head) == os.path.realpath(
         sys.executable
     ):

@@ -306,7 +306,20 @@ class ReplicaManager:
             try:
                 if self._pg is None:
                     raise RuntimeError("no process group for this quorum")
-                self._pg.allreduce(tensors).wait()
+                # One flat buffer per dtype: one collective for all of them (a gloo
+                # allreduce of a list means one tensor per device, not many tensors).
+                by_dtype: dict[torch.dtype, list[torch.Tensor]] = {}
+                for t in tensors:
+                    by_dtype.setdefault(t.dtype, []).append(t)
+                for group in by_dtype.values():
+                    flat = (group[0] if len(group) == 1 and group[0].is_contiguous()
+                            else torch.cat([t.reshape(-1) for t in group]))
+                    self._pg.allreduce([flat]).wait()
+                    if flat is not group[0]:
+                        offset = 0
+                        for t in group:
+                            t.copy_(flat[offset:offset + t.numel()].view_as(t))
+                            offset += t.numel()
             except (RuntimeError, dist.DistError) as exc:
                 logger.warning("[replica %s/%d] cross-group allreduce failed in quorum %d: "
                                "%s", self.group, self.local_rank, self.quorum.id, exc)

@@ -44,6 +44,9 @@ def test_split_command() -> None:
         split_command([])
     with pytest.raises(LaunchError, match="-X"):
         split_command(["python3", "-X", "dev", "t.py"])
+    # A command without its interpreter: said plainly, not torchrun's flag clash.
+    with pytest.raises(LaunchError, match="python -m runtime.train"):
+        split_command(["-m", "runtime.train"])
 
 
 def test_run_with_embedded_etcd(tmp_path) -> None:
