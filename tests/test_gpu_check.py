@@ -40,6 +40,7 @@ def test_benchmark_skips_a_size_that_does_not_fit_the_budget(tmp_path: Path) -> 
     assert not list(tmp_path.iterdir())  # every checkpoint was deleted
 
 
+@pytest.mark.long
 @pytest.mark.slow
 def test_dry_run_writes_every_part(tmp_path: Path) -> None:
     out = tmp_path / "check.json"

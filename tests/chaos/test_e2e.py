@@ -3,9 +3,10 @@
 `ci-smoke` is what CI runs on every submission: it must pass, and within its 5-minute
 budget. `tiers` proves restores after a worker kill and a node loss read nothing from
 checkpoint storage. The user-script test runs `examples/user_train.py` (not runtime.train) under the
-same harness, proving the documented contract is enough. Both need runtime/, ckpt/ and
+same harness, proving the documented contract is enough. They need runtime/, ckpt/ and
 elastic/ (`elastic.launch`); they are marked slow and never skipped: if a piece is
-missing they fail and say which.
+missing they fail and say which. `tiers` and the user script are `long` (run by
+`scripts/test.sh --long`, not by CI).
 """
 
 from __future__ import annotations
@@ -56,6 +57,7 @@ def test_ci_smoke_passes_within_budget(tmp_path: Path) -> None:
     assert not _ours(out), "processes leaked past teardown"
 
 
+@pytest.mark.long
 @pytest.mark.timeout(720)
 def test_tiers_scenario_restores_from_memory(tmp_path: Path) -> None:
     """scenarios/tiers.toml: a worker kill, then a node lost with its memory; check 7 (the
@@ -70,6 +72,7 @@ def test_tiers_scenario_restores_from_memory(tmp_path: Path) -> None:
     assert not _ours(out)
 
 
+@pytest.mark.long
 @pytest.mark.timeout(330)
 def test_user_script_under_chaos(tmp_path: Path) -> None:
     scenario = parse_scenario({

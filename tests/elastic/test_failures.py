@@ -90,6 +90,7 @@ def report(out: Path, name: str, timings: list[dict[str, float]]) -> None:
         f"{k} median {v['median']:.2f}s max {v['max']:.2f}s" for k, v in summary.items()))
 
 
+@pytest.mark.long
 # ~90 s on a quiet 2-core machine; the bound leaves room for a heavily shared one.
 @pytest.mark.timeout(600)
 def test_twenty_worker_kills_in_a_row_all_recover(etcd_server, tmp_path) -> None:
@@ -123,6 +124,7 @@ def test_twenty_worker_kills_in_a_row_all_recover(etcd_server, tmp_path) -> None
         agents.close()
 
 
+@pytest.mark.long
 @pytest.mark.timeout(200)
 def test_node_lost_then_node_added(etcd_server, tmp_path) -> None:
     run, agents = job_id(), Agents(tmp_path)

@@ -38,7 +38,7 @@ def _fresh_root(backend: str, tmp_path, request) -> storage.Store:
 
 
 SWEEPS = [("file", "none"), ("memory", "none"), ("memory", "retried"),
-          pytest.param(("s3", "none"), marks=[pytest.mark.s3, pytest.mark.slow])]
+          pytest.param(("s3", "none"), marks=[pytest.mark.s3, pytest.mark.slow, pytest.mark.long])]
 """(backend, retries): without retries every injected fault reaches the engine; with
 them (memory only: the same code path, faster) every fault must be absorbed. The S3
 sweep runs against the real server (SeaweedFS)."""
