@@ -4,7 +4,7 @@ The public surface, by module (imported directly; this package imports nothing, 
 `import elastic.etcd_server` stays light):
 
 - `elastic.etcd_client`: `EtcdClient`, `EtcdSettings`, `LeaseKeeper`, `EtcdError`,
-  `EtcdUnavailableError`, `EtcdAuthError`, `EtcdLeaseLostError` (docs/etcd-client.md);
+  `EtcdUnavailableError`, `EtcdAuthError`, `EtcdLeaseLostError` (docs/design/etcd-client.md);
 - `elastic.rendezvous`: `EtcdRendezvousHandler`, `RendezvousSettings`, `create_handler`,
   `torchrun_handler` (torchrun backend `relight-etcd`; docs/elastic.md);
 - `elastic.launch`: `main(argv) -> int`, the `relight run` command;

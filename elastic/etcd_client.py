@@ -1,7 +1,7 @@
 """The one door to etcd v3: a small synchronous client over etcd's JSON gateway.
 
 Why the gateway (through `etcd3gw`'s transport) and not a gRPC client: see
-docs/etcd-client.md. In short, it recovers at once when etcd restarts, has no
+docs/design/etcd-client.md. In short, it recovers at once when etcd restarts, has no
 protobuf/gRPC version coupling, and runs no background threads of its own inside
 the torchrun agent. This module adds what `etcd3gw` lacks: user/password auth with
 re-authentication, TLS settings that environment CA bundles cannot override,

@@ -38,7 +38,7 @@ def tls_certs(tmp_path_factory: pytest.TempPathFactory) -> Certs:
     )
     (d / "client.ext").write_text("extendedKeyUsage=clientAuth\n")
     # The client certificate carries no Common Name: with auth on, etcd's JSON gateway
-    # refuses any client certificate that has one (see docs/etcd-client.md).
+    # refuses any client certificate that has one (see docs/design/etcd-client.md).
     for name, subject in (("server", "/CN=relight-server"), ("client", "/O=relight-client")):
         _openssl("req", "-newkey", "rsa:2048", "-nodes", "-keyout", f"{name}.key", "-out",
                  f"{name}.csr", "-subj", subject, cwd=d)
