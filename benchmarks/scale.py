@@ -337,6 +337,8 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--commit-sizes", default=None, help="e.g. 64,256,1024,4096")
     ap.add_argument("--agents", default=None, help="rendezvous sizes, e.g. 64,256,1024")
     ap.add_argument("--rdzv-timeout", type=float, default=120.0)
+    ap.add_argument("--lease-ttl", type=float, default=10.0,
+                    help="agents' lease TTL (a loaded machine starves 1,024 keepalive threads)")
     ap.add_argument("--no-s3", action="store_true", help="commit on local disk only")
     ap.add_argument("--parts", default="plan,commit,rdzv")
     ap.add_argument("--json", default=None, help="write the raw results here")
@@ -355,7 +357,7 @@ def main(argv: list[str] | None = None) -> int:
             ((8, 32) if quick else (64, 256, 1024, 4096)), s3=not args.no_s3),
         rdzv=RdzvConfig(agents=_ints(args.agents) if args.agents else
                         ((4, 16) if quick else (64, 256, 1024)),
-                        timeout_s=args.rdzv_timeout),
+                        timeout_s=args.rdzv_timeout, lease_ttl_s=args.lease_ttl),
         parts=tuple(p for p in args.parts.split(",") if p),
     )
     log = lambda msg: print(msg, file=sys.stderr, flush=True)  # noqa: E731

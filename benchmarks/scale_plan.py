@@ -99,7 +99,7 @@ def relight_inputs(config: str, world: int) -> tuple[list[Any], dict[int, list[A
 def relight_manifest(plan: Any, world: int) -> tuple[bytes, dict[str, Any]]:
     """The manifest the coordinator would write for `plan`, with one made-up crc32c per
     inner chunk of every data object (the values do not change its size class)."""
-    from ckpt.commit import build_manifest
+    from ckpt.commit import build_manifest, encode_manifest
     from ckpt.format import CHUNK_CRCS, DATA_PREFIX
     from ckpt.manifest import chunk_objects
 
@@ -111,7 +111,7 @@ def relight_manifest(plan: Any, world: int) -> tuple[bytes, dict[str, Any]]:
     crcs = {k: [zlib.crc32(k.encode()) + i for i in range(n)]
             for k, _, n in chunk_objects(bare)}
     m = build_manifest(plan, attempt, data, {0: {"values": {}, CHUNK_CRCS: crcs}}, **kw)
-    return json.dumps(m, indent=1).encode(), m
+    return encode_manifest(m), m
 
 
 def relight_arm(config: str, world: int, manifest_out: str | None = None) -> dict[str, Any]:

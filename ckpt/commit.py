@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import json
 import time
+from concurrent.futures import ThreadPoolExecutor
 from typing import Any
 
 import torch
@@ -27,7 +28,14 @@ from ckpt.format import (
 from ckpt.plan import SavePlan
 from storage import Store
 
-__all__ = ["build_manifest", "collect_indexes", "index_key"]
+__all__ = ["COLLECT_THREADS", "encode_manifest", "build_manifest", "collect_indexes", "index_key"]
+
+COLLECT_THREADS = 16
+"""Index objects the coordinator reads at once. Each is a small GET whose cost on object
+storage is the round trip, not the bytes: one after another, 4,096 of them took 75 s on
+a loopback S3 server. More threads than this gained nothing there (the server was the
+limit: about 150 GETs/s on 2 cores); on a remote S3, latency-bound, they would."""
+
 
 def index_key(attempt: str, rank: int, error: bool = False) -> str:
     return f"{INDEX_PREFIX}{attempt}/r{rank:05d}{'.error' if error else ''}.json"
@@ -53,7 +61,19 @@ def collect_indexes(store: Store, attempt: str,
     wanted = [index_key(attempt, r) for r in ranks]
     if not all(k in keys for k in wanted):
         return None
-    return {r: json.loads(store.get(k)) for r, k in zip(ranks, wanted, strict=True)}
+    if len(wanted) == 1:
+        return {ranks[0]: json.loads(store.get(wanted[0]))}
+    with ThreadPoolExecutor(max_workers=min(COLLECT_THREADS, len(wanted)),
+                            thread_name_prefix="ckpt-collect") as pool:
+        raws = list(pool.map(store.get, wanted))
+    return {r: json.loads(raw) for r, raw in zip(ranks, raws, strict=True)}
+
+
+def encode_manifest(manifest: dict[str, Any]) -> bytes:
+    """The manifest's bytes: compact JSON. Indented, one crc32c per line, it was twice
+    the size (4.8 MB for the 70B layout at 64 ranks) for no reader's benefit:
+    `relight ckpt show` prints what a person wants to see."""
+    return json.dumps(manifest, separators=(",", ":")).encode()
 
 
 def build_manifest(plan: SavePlan, attempt: str, data: str,

@@ -39,7 +39,7 @@ import tensorstore as ts
 import torch
 
 from ckpt.comm import Comm
-from ckpt.commit import build_manifest, collect_indexes, index_key
+from ckpt.commit import build_manifest, collect_indexes, encode_manifest, index_key
 from ckpt.errors import (
     CheckpointError,
     CheckpointExistsError,
@@ -632,7 +632,7 @@ class _SaveJob:
                     f"save to {self.store.url}: the manifest built from the ranks' indexes "
                     f"does not validate ({e}); nothing was committed", url=self.store.url,
                     failures={self.rank: str(e)}) from e
-            raw = json.dumps(manifest, indent=1).encode()
+            raw = encode_manifest(manifest)
             hook = self.before_commit
             publish_commit(self.store, self.attempt, raw, {
                 "attempt": self.attempt, "manifest_bytes": len(raw),
