@@ -286,7 +286,10 @@ def plan_load(needs: dict[int, list[tuple[str, Box, int]]], broadcast: bool = Tr
                 tasks.append(ReadTask(key[0], key[1], r, ()))
                 load[r] += sizes[key]
             continue
-        reader = min(members, key=lambda r: (load[r], (r + i) % (max(members) + 1)))
+        # The rotation's modulus once per group: inside the key it was O(members^2), a
+        # quadratic term in the replica count of HSDP layouts.
+        span = max(members) + 1
+        reader = min(members, key=lambda r: (load[r], (r + i) % span))
         load[reader] += sizes[key]
         tasks.append(ReadTask(key[0], key[1], reader, tuple(r for r in members if r != reader)))
     return LoadPlan(tuple(tasks), load)
