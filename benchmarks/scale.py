@@ -59,6 +59,10 @@ class ScaleConfig:
     commit: CommitConfig = field(default_factory=CommitConfig)
     rdzv: RdzvConfig = field(default_factory=RdzvConfig)
     parts: tuple[str, ...] = ("plan", "commit", "rdzv")
+    systems: tuple[str, ...] = ("relight", "dcp")
+    plan_nice: int = 0
+    """Niceness of the planning workers: on a shared machine they then yield to others,
+    and their figures (CPU seconds) stay what they would be on an idle core."""
 
     def __post_init__(self) -> None:
         unknown = set(self.configs) - set(CONFIGS)
@@ -73,7 +77,7 @@ def _load() -> float:
 
 
 def _arms(config: str, system: str, worlds: list[int], cap_s: float,
-          manifest_dir: str | None, log: Any) -> list[dict[str, Any]]:
+          manifest_dir: str | None, log: Any, nice: int = 0) -> list[dict[str, Any]]:
     """Run one worker over `worlds`; a world whose timed part passes `cap_s` (or whose
     inputs take longer than that to build) ends the worker: it and the larger worlds
     are reported over the cap."""
@@ -82,7 +86,8 @@ def _arms(config: str, system: str, worlds: list[int], cap_s: float,
     if manifest_dir:
         cmd += ["--manifest-dir", manifest_dir]
     env = dict(os.environ, PYTHONPATH=str(ROOT) + os.pathsep + os.environ.get("PYTHONPATH", ""))
-    proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, text=True, env=env, cwd=ROOT)
+    proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, text=True, env=env, cwd=ROOT,
+                            preexec_fn=(lambda: os.nice(nice)) if nice else None)
     lines: queue.Queue[str | None] = queue.Queue()
 
     def pump() -> None:
@@ -101,6 +106,7 @@ def _arms(config: str, system: str, worlds: list[int], cap_s: float,
             deadline = time.monotonic() + cap_s  # building inputs, then the timed part
             started = False
             row: dict[str, Any] | None = None
+            partial: dict[str, Any] | None = None
             while row is None:
                 try:
                     line = lines.get(timeout=max(0.0, deadline - time.monotonic()))
@@ -111,8 +117,17 @@ def _arms(config: str, system: str, worlds: list[int], cap_s: float,
                 doc = json.loads(line)
                 if doc["event"] == "start":
                     started, deadline = True, time.monotonic() + cap_s
+                elif doc["event"] == "partial":
+                    partial = doc
                 elif doc["event"] == "result":
                     row = doc
+            if row is None and partial is not None:
+                partial.pop("event")
+                rows.append({**partial, "manifest_over_cap": True, "load_before": load0})
+                log(f"plan {config} {system} world {w}: manifest > cap ({cap_s:.0f} s)")
+                rows += [{"world": rest, "over_cap": True, "why": "worker stopped",
+                          "cap_s": cap_s} for rest in pending[1:]]
+                break
             if row is None:
                 why = "over cap" if proc.poll() is None else f"worker exited {proc.poll()}"
                 for rest in pending:
@@ -124,7 +139,8 @@ def _arms(config: str, system: str, worlds: list[int], cap_s: float,
             row["load_before"], row["load_after"] = load0, _load()
             rows.append(row)
             log(f"plan {config} {system} world {w}: save {row['save_s']:.3f} s, load "
-                f"{row['load_s']:.3f} s (load avg {load0:.1f})")
+                f"{row['load_s']:.3f} s CPU (wall {row['save_wall_s']:.1f} + "
+                f"{row['load_wall_s']:.1f} s, load avg {load0:.1f})")
             pending.pop(0)
     finally:
         if proc.poll() is None:
@@ -149,8 +165,8 @@ def run(cfg: ScaleConfig, log: Any = print) -> dict[str, Any]:
                 worlds = [w for w in cfg.worlds if c == TARGET_CONFIG or w <= cfg.max_world]
                 worlds = [w for w in worlds if _fits(c, w)]
                 keep = mdir if c == TARGET_CONFIG else None
-                out["plan"][c] = {s: _arms(c, s, worlds, cfg.cap_s, keep, log)
-                                  for s in ("relight", "dcp")}
+                out["plan"][c] = {s: _arms(c, s, worlds, cfg.cap_s, keep, log, cfg.plan_nice)
+                                  for s in cfg.systems}
         if "commit" in cfg.parts:
             manifests = {n: Path(mdir) / f"w{n}.json" for n in cfg.commit.sizes}
             commit = cfg.commit if cfg.commit.manifest_for else dataclasses.replace(
@@ -186,7 +202,7 @@ def _plan_rows(res: dict[str, Any], config: str) -> tuple[list[int], dict[str, d
 def _cell(row: Any, key: str, unit: str, cap: float) -> str:
     if row is None:
         return "-"
-    if row.get("over_cap"):
+    if row.get("over_cap") or (row.get("manifest_over_cap") and key.startswith("manifest")):
         return f"> {cap:.0f} s" if unit == "s" else "-"
     return fmt(row.get(key), unit)
 
@@ -210,6 +226,9 @@ def markdown(res: dict[str, Any], command: str) -> str:
         rl, dc = by.get("relight", {}), by.get("dcp", {})
         lines += [f"### Planning: {m['model']} on {m['mesh']} "
                   f"({m['state_bytes'] / 1e9:.0f} GB of state)", "",
+                  "CPU seconds of one process: Relight's plan, which every rank computes; "
+                  "DCP save: the coordinator's global plan; DCP load: the slowest sampled "
+                  "rank's local plan. Peak memory: RSS above the start of the step.", "",
                   "| ranks | pieces | Relight save | DCP save | Relight load | DCP load "
                   "(per rank) | Relight peak MiB (save/load) | DCP peak MiB (save/load) "
                   "| load avg |",
@@ -341,6 +360,9 @@ def main(argv: list[str] | None = None) -> int:
                     help="agents' lease TTL (a loaded machine starves 1,024 keepalive threads)")
     ap.add_argument("--no-s3", action="store_true", help="commit on local disk only")
     ap.add_argument("--parts", default="plan,commit,rdzv")
+    ap.add_argument("--systems", default="relight,dcp", help="planning arms to run")
+    ap.add_argument("--plan-nice", type=int, default=0,
+                    help="run the planning workers at this niceness (they report CPU seconds)")
     ap.add_argument("--json", default=None, help="write the raw results here")
     ap.add_argument("--md", default=None, help="write the markdown tables here")
     ap.add_argument("--plots", default=None, help="directory for the PNG plots")
@@ -359,6 +381,8 @@ def main(argv: list[str] | None = None) -> int:
                         ((4, 16) if quick else (64, 256, 1024)),
                         timeout_s=args.rdzv_timeout, lease_ttl_s=args.lease_ttl),
         parts=tuple(p for p in args.parts.split(",") if p),
+        plan_nice=args.plan_nice,
+        systems=tuple(x for x in args.systems.split(",") if x),
     )
     log = lambda msg: print(msg, file=sys.stderr, flush=True)  # noqa: E731
     res = run(cfg, log)
