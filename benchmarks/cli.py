@@ -21,6 +21,7 @@ BENCHMARKS: dict[str, str] = {
     "layouts": "each parallel layout vs plain data parallelism on the same ranks",
     "recovery": "kill -> first step after resume vs torchrun c10d + DCP",
     "data": "token-dataset preparation throughput and the loader's cost per step",
+    "scale": "planning, manifest, commit, rendezvous at 64..16,384 simulated ranks vs DCP",
 }
 
 

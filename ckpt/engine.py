@@ -39,6 +39,7 @@ import tensorstore as ts
 import torch
 
 from ckpt.comm import Comm
+from ckpt.commit import build_manifest, collect_indexes, encode_manifest, index_key
 from ckpt.errors import (
     CheckpointError,
     CheckpointExistsError,
@@ -55,11 +56,6 @@ from ckpt.format import (
     CHUNK_CRCS,
     COMMIT_KEY,
     DATA_PREFIX,
-    FORMAT_NAME,
-    FORMAT_VERSION,
-    INDEX_PREFIX,
-    WRITER_VERSION,
-    align,
     chunk_key,
     dtype_name,
     inner_chunk_shape,
@@ -587,7 +583,7 @@ class _SaveJob:
     # -- commit ----------------------------------------------------------------------
 
     def _index_key(self, rank: int, error: bool = False) -> str:
-        return f"{INDEX_PREFIX}{self.attempt}/r{rank:05d}{'.error' if error else ''}.json"
+        return index_key(self.attempt, rank, error)
 
     def _poll(self, check: Callable[[], Any], what: str) -> Any:
         deadline = time.monotonic() + self.opts.commit_timeout_s
@@ -604,73 +600,12 @@ class _SaveJob:
             delay = min(delay * 1.5, 0.05)
 
     def _all_indexes(self) -> dict[int, dict[str, Any]] | None:
-        keys = set(self.store.list(f"{INDEX_PREFIX}{self.attempt}/"))
-        errors = [k for k in keys if k.endswith(".error.json")]
-        if errors:
-            failures = {}
-            for k in errors:
-                try:
-                    e = json.loads(self.store.get(k))
-                    failures[int(e["rank"])] = str(e["error"])
-                except Exception as exc:  # noqa: BLE001 - best effort description
-                    failures[-1] = f"{k}: {exc}"
-            raise CheckpointSaveError(
-                f"save to {self.store.url} failed on rank(s) {sorted(failures)}: {failures}",
-                url=self.store.url, failures=failures)
-        if not all(self._index_key(r) in keys for r in self.plan.ranks):
-            return None
-        return {r: json.loads(self.store.get(self._index_key(r))) for r in self.plan.ranks}
+        return collect_indexes(self.store, self.attempt, self.plan.ranks)
 
     def _manifest(self, indexes: dict[int, dict[str, Any]]) -> dict[str, Any]:
-        values: dict[str, Any] = {}
-        crcs: dict[str, list[int | None]] = {}
-        for idx in indexes.values():
-            values.update(idx["values"])
-            crcs.update(idx.get(CHUNK_CRCS, {}))
-        tensors: dict[str, Any] = {}
-        for t in self.plan.tensors.values():
-            e: dict[str, Any] = {"path": list(t.path), "shape": list(t.shape), "dtype": t.dtype,
-                                 "storage": t.storage, "placements": t.placements}
-            if t.storage == "grid":
-                e.update(array=f"{self.data}/{t.array}", chunks=list(t.chunks),
-                         inner=list(t.inner))
-            else:
-                ps = []
-                for p in t.pieces:
-                    pe: dict[str, Any] = {"offset": list(p.offset), "shape": list(p.shape),
-                                          "array": f"{self.data}/{p.array}"}
-                    if t.storage == "packed":
-                        pe["byte_offset"] = p.byte_offset
-                    else:
-                        pe["inner"] = list(inner_chunk_shape(
-                            p.shape, itemsize(t.dtype), self.opts.inner_bytes))
-                    ps.append(pe)
-                e["pieces"] = ps
-            tensors[t.name] = e
-        packed = {f"{self.data}/packed/r{r:05d}": align(s, self.plan.packed_inner)
-                  for r, s in self.plan.packed_size.items() if s}
-        now = time.time()
-        return {
-            "format": FORMAT_NAME,
-            "version": FORMAT_VERSION,
-            "writer": {"version": WRITER_VERSION, "torch": torch.__version__},
-            "step": self.meta["step"],
-            "created": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime(now)),
-            "created_unix": now,
-            "attempt": self.attempt,
-            "compression": self.opts.compression,
-            "world_size": len(self.plan.ranks),
-            "ranks": list(self.plan.ranks),
-            "config": self.meta["config"],
-            "layout": self.meta["layout"],
-            "tensors": tensors,
-            "values": {k: values[k] for k in sorted(values)},
-            "packed": packed,
-            "packed_inner": self.plan.packed_inner,
-            "bytes": sum(t.nbytes for t in self.plan.tensors.values()),
-            "index": {str(r): self._index_key(r) for r in self.plan.ranks},
-            CHUNK_CRCS: {k: crcs[k] for k in sorted(crcs)},
-        }
+        return build_manifest(self.plan, self.attempt, self.data, indexes,
+                              inner_bytes=self.opts.inner_bytes,
+                              compression=self.opts.compression, meta=self.meta)
 
     def _committed(self) -> bool | None:
         try:
@@ -697,7 +632,7 @@ class _SaveJob:
                     f"save to {self.store.url}: the manifest built from the ranks' indexes "
                     f"does not validate ({e}); nothing was committed", url=self.store.url,
                     failures={self.rank: str(e)}) from e
-            raw = json.dumps(manifest, indent=1).encode()
+            raw = encode_manifest(manifest)
             hook = self.before_commit
             publish_commit(self.store, self.attempt, raw, {
                 "attempt": self.attempt, "manifest_bytes": len(raw),

@@ -379,6 +379,8 @@ class EtcdRendezvousHandler(RendezvousHandler):
         """Per open round: when this node first waited for a seat reserved for a live
         member of the previous round."""
         self._lost_logged = -1
+        self._registered: list[str] = []
+        """Live node ids in the order they first registered (from the last `_alive`)."""
         self._waiting_outage: float | None = None
         """When num_nodes_waiting() first failed to reach etcd in the current outage."""
         """The round whose lost participants were already logged (one line per fault)."""
@@ -556,6 +558,8 @@ class EtcdRendezvousHandler(RendezvousHandler):
     def _alive(self, client: EtcdClient) -> tuple[set[str], dict[str, Any]]:
         kvs, _ = client.get_prefix(self._nodes)
         info: dict[str, Any] = {}
+        self._registered = [kv.key[len(self._nodes):]
+                            for kv in sorted(kvs, key=lambda kv: kv.create_revision)]
         for kv in kvs:
             try:
                 info[kv.key[len(self._nodes):]] = kv.json()
@@ -665,7 +669,10 @@ class EtcdRendezvousHandler(RendezvousHandler):
                     # No longer a spare: joining gets a join timeout of its own.
                     spare_since, deadline = None, _now() + s.join_timeout
                 wait = min(max(0.0, deadline - _now()), step)
-            self._client.wait_for_change(s.namespace, revision, wait)
+            watch = self._watch_key(state, alive)
+            if watch == self._state_key:
+                wait = min(wait, max(0.5, s.lease_ttl / 3))
+            self._client.wait_for_change(watch, revision, wait)
 
     def _reregister(self) -> None:
         """This node's key is gone while it rendezvouses: its lease expired or was
@@ -718,7 +725,8 @@ class EtcdRendezvousHandler(RendezvousHandler):
                 waited = _now() - self._seat_wait.setdefault(state.round, _now())
                 if waited < s.rejoin_timeout:
                     return _Spare(max(0.05, min(s.rejoin_timeout - waited, spare.wait)))
-            self._cas_state(kv, dataclasses.replace(state, members=[*members, me]))
+            self._cas_state(kv, dataclasses.replace(
+                state, members=[*members, me, *self._fold(state, members, seats - 1)]))
             return "retry"
         if len(members) < s.min_nodes:
             return s.lease_ttl  # any join or lease expiry wakes us earlier
@@ -741,6 +749,34 @@ class EtcdRendezvousHandler(RendezvousHandler):
         if self._cas_state(kv, complete):
             self._log("round %d complete: %s", state.round, complete.participants)
         return "retry"
+
+    def _fold(self, state: RoundState, members: list[str], seats: int) -> list[str]:
+        """Registered nodes a joiner adds to the first round along with itself. Each join
+        is a CAS on the one state key, and each CAS won makes every other joiner's CAS
+        fail and re-read: N agents starting together made O(N^2) requests, and 1,024 did
+        not finish. Whoever wins now brings in everyone registered so far (their node key
+        says they are rendezvousing), in registration order, so a cold start takes a few
+        CAS rounds, not N. Re-formed rounds (`previous` set) keep joining one by one:
+        their seat rules (returning members first) stay each node's own decision."""
+        if state.previous or seats <= 0:
+            return []
+        taken = {*members, self.node_id}
+        return [n for n in self._registered if n not in taken][:seats]
+
+    def _watch_key(self, state: RoundState | None, alive: set[str]) -> str:
+        """What a waiting node watches. A member of the first open round only waits for
+        the state to change (a join, the round completing): node keys coming and going
+        do not change what it does next (the node completing the round drops members
+        without a lease itself), and waking every waiting member on every newcomer's
+        registration was the other O(N^2) of a cold start. Its own key vanishing (a
+        lease revoked from outside) is then seen when the wait ends: the caller bounds
+        it by the keepalive period, when the keeper would notice the lost lease anyway.
+        Anyone else watches the whole job (spares and re-forming rounds react to lease
+        expiries)."""
+        if (state is not None and state.phase == "open" and not state.previous
+                and self.node_id in state.members):
+            return self._state_key
+        return self.settings.namespace
 
     def _finish(self, state: RoundState) -> RendezvousInfo:
         s = self.settings

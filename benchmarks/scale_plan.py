@@ -1,0 +1,295 @@
+"""Save and load planning at simulated world sizes: Relight's planners vs DCP's.
+
+Run as a worker (`python -m benchmarks.scale_plan --system relight|dcp ...`), one
+process per (config, system), world sizes in ascending order; it prints one JSON line
+when an arm's timed part starts and one with its result, so the parent can stop a DCP
+arm at the time cap without losing the arms before it. Inputs are built before the
+clock starts; peak memory is the process's RSS above its value at the start of the
+arm, sampled every 5 ms (the planners are pure Python; the sampler costs nothing
+measurable next to them). Times are CPU seconds of the worker (`Clock`), wall seconds
+beside them in the JSON; the cap is on wall time.
+
+Relight (what `ckpt.engine` runs on every rank): `plan_save` over every rank's
+`RankLayout`, this rank's `writes_of`, `plan_load` over every rank's needs; then the
+manifest built from the plan as the coordinator builds it (`ckpt.commit`), its bytes,
+and its parse time (json + `validate`, as `read_manifest` does on each rank).
+
+DCP (torch.distributed.checkpoint's default planners): save is
+`DefaultSavePlanner.create_global_plan` over one synthetic local `SavePlan` per rank
+(dedup, metadata, global validation: the coordinator's step); load is the local plan
+of a rank, `create_read_items_for_chunk_list` for each of its shards against the saved
+metadata, as `create_default_local_load_plan` does for a DTensor: every rank runs it in
+parallel, so the slowest of the sampled ranks stands for the step. The metadata's
+pickled size and unpickle time (DCP's `.metadata` file) go beside the manifest's.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import os
+import pickle
+import sys
+import threading
+import time
+import zlib
+from typing import Any
+
+from benchmarks.scale_state import CONFIGS, ITEMSIZE, MESHES, MODELS, Box, rank_pieces
+
+__all__ = ["relight_arm", "dcp_arm", "main"]
+
+
+class PeakRSS:
+    """Peak RSS above the start, sampled in a thread while the block runs."""
+
+    def __init__(self, period_s: float = 0.005) -> None:
+        import psutil
+
+        self._proc = psutil.Process(os.getpid())
+        self.period_s = period_s
+        self.base = self.peak = self._proc.memory_info().rss
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._run, daemon=True)
+
+    def _run(self) -> None:
+        while not self._stop.wait(self.period_s):
+            self.peak = max(self.peak, self._proc.memory_info().rss)
+
+    def __enter__(self) -> PeakRSS:
+        self._thread.start()
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self._stop.set()
+        self._thread.join()
+        self.peak = max(self.peak, self._proc.memory_info().rss)
+
+    @property
+    def mib(self) -> float:
+        return (self.peak - self.base) / 2**20
+
+
+class Clock:
+    """CPU seconds of this process (the planners are single-threaded Python: on an idle
+    core that is their wall time, and on a shared machine it does not count the time
+    other processes held the core) and wall seconds, of the block."""
+
+    cpu = wall = 0.0
+
+    def __enter__(self) -> Clock:
+        self._cpu, self._wall = time.process_time(), time.perf_counter()
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.cpu = time.process_time() - self._cpu
+        self.wall = time.perf_counter() - self._wall
+
+
+def _emit(doc: dict[str, Any]) -> None:
+    sys.stdout.write(json.dumps(doc) + "\n")
+    sys.stdout.flush()
+
+
+# --------------------------------------------------------------------------- relight
+
+
+def relight_inputs(config: str, world: int) -> tuple[list[Any], dict[int, list[Any]]]:
+    from ckpt.plan import RankLayout, TensorLayout
+
+    model, mesh = MODELS[CONFIGS[config][0]], MESHES[CONFIGS[config][1]].at(world)
+    shared: dict[tuple[str, Box], Any] = {}
+    layouts, needs = [], {}
+    for rank, held in rank_pieces(model, mesh):
+        tensors = []
+        for name, shape, box in held:
+            t = shared.get((name, box))
+            if t is None:
+                t = shared[(name, box)] = TensorLayout(name, tuple(name.split("/")), shape,
+                                                       "float32", "sim", (box,))
+            tensors.append(t)
+        layouts.append(RankLayout(rank, tuple(tensors), ()))
+        needs[rank] = [(name, box, ITEMSIZE) for name, _, box in held]
+    return layouts, needs
+
+
+def relight_manifest(plan: Any, world: int) -> tuple[bytes, dict[str, Any]]:
+    """The manifest the coordinator would write for `plan`, with one made-up crc32c per
+    inner chunk of every data object (the values do not change its size class)."""
+    from ckpt.commit import build_manifest, encode_manifest
+    from ckpt.format import CHUNK_CRCS, DATA_PREFIX
+    from ckpt.manifest import chunk_objects
+
+    attempt = "0123456789abcdef"
+    meta = {"step": 1000, "config": {}, "layout": {"world": world}}
+    kw = dict(inner_bytes=4 << 20, compression=None, meta=meta)
+    data = f"{DATA_PREFIX}{attempt}"
+    bare = build_manifest(plan, attempt, data, {}, **kw)
+    crcs = {k: [zlib.crc32(k.encode()) + i for i in range(n)]
+            for k, _, n in chunk_objects(bare)}
+    m = build_manifest(plan, attempt, data, {0: {"values": {}, CHUNK_CRCS: crcs}}, **kw)
+    return encode_manifest(m), m
+
+
+def relight_arm(config: str, world: int, manifest_out: str | None = None,
+                manifest: bool = True) -> dict[str, Any]:
+    from ckpt.manifest import validate
+    from ckpt.plan import plan_load, plan_save
+
+    layouts, needs = relight_inputs(config, world)
+    ranks = tuple(range(world))
+    pieces = sum(len(lay.tensors) for lay in layouts)
+    _emit({"event": "start", "world": world})
+    with PeakRSS() as mem_save, Clock() as save:
+        plan = plan_save(layouts, ranks)
+        plan.writes_of(0)
+    with PeakRSS() as mem_load, Clock() as load:
+        lplan = plan_load(needs)
+    out: dict[str, Any] = {
+        "world": world, "pieces": pieces, "save_s": save.cpu, "load_s": load.cpu,
+        "save_wall_s": save.wall, "load_wall_s": load.wall,
+        "save_mib": mem_save.mib, "load_mib": mem_load.mib,
+        "save_bytes": sum(plan.write_bytes.values()),
+        "read_bytes": sum(lplan.read_bytes.values()),
+        # What the ranks receive: a region several ranks need is read once and sent on.
+        "load_bytes": sum(math.prod(t.box[1]) * ITEMSIZE * (1 + len(t.receivers))
+                          for t in lplan.tasks),
+    }
+    del layouts, needs, lplan
+    if not manifest:
+        return out
+    # The planning figures survive a manifest step that runs past the cap.
+    _emit({"event": "partial", **out})
+    _emit({"event": "start", "world": world, "phase": "manifest"})
+    t0 = time.perf_counter()
+    raw, _ = relight_manifest(plan, world)
+    out["manifest_build_s"] = time.perf_counter() - t0
+    out["manifest_bytes"] = len(raw)
+    with Clock() as parse:
+        validate(json.loads(raw), "scale://")
+    out["manifest_parse_s"], out["manifest_parse_wall_s"] = parse.cpu, parse.wall
+    if manifest_out:
+        with open(manifest_out, "wb") as f:
+            f.write(raw)
+    return out
+
+
+# ------------------------------------------------------------------------------ dcp
+
+
+def dcp_inputs(config: str, world: int) -> list[Any]:
+    import torch
+    from torch.distributed.checkpoint.metadata import (
+        ChunkStorageMetadata,
+        MetadataIndex,
+        TensorProperties,
+    )
+    from torch.distributed.checkpoint.planner import (
+        SavePlan,
+        TensorWriteData,
+        WriteItem,
+        WriteItemType,
+    )
+
+    model, mesh = MODELS[CONFIGS[config][0]], MESHES[CONFIGS[config][1]].at(world)
+    props = TensorProperties(dtype=torch.float32)
+    sizes: dict[tuple[int, ...], torch.Size] = {}
+    shared: dict[tuple[str, Box], WriteItem] = {}
+    plans = []
+    for _rank, held in rank_pieces(model, mesh):
+        items = []
+        for name, shape, box in held:
+            item = shared.get((name, box))
+            if item is None:
+                size = sizes.setdefault(shape, torch.Size(shape))
+                off = torch.Size(box[0])
+                item = shared[(name, box)] = WriteItem(
+                    index=MetadataIndex(name, off), type=WriteItemType.SHARD,
+                    tensor_data=TensorWriteData(
+                        chunk=ChunkStorageMetadata(offsets=off, sizes=torch.Size(box[1])),
+                        properties=props, size=size))
+            items.append(item)
+        plans.append(SavePlan(items))
+    return plans
+
+
+def _sample(world: int, k: int) -> list[int]:
+    if world <= k:
+        return list(range(world))
+    return sorted({round(i * (world - 1) / (k - 1)) for i in range(k)})
+
+
+def dcp_arm(config: str, world: int, load_ranks: int = 8) -> dict[str, Any]:
+    from torch.distributed.checkpoint.default_planner import (
+        DefaultSavePlanner,
+        create_default_global_load_plan,
+    )
+    from torch.distributed.checkpoint.planner import LoadPlan
+    from torch.distributed.checkpoint.planner_helpers import create_read_items_for_chunk_list
+
+    plans = dcp_inputs(config, world)
+    _emit({"event": "start", "world": world})
+    planner = DefaultSavePlanner(flatten_state_dict=False, enable_plan_caching=False)
+    with PeakRSS() as mem_save, Clock() as save:
+        global_plan, metadata = planner.create_global_plan(plans)
+    save_bytes = sum(
+        ITEMSIZE * _numel(it.tensor_data.chunk.sizes) for p in global_plan for it in p.items)
+    md = metadata.state_dict_metadata
+    sampled = _sample(world, load_ranks)
+    local_plans, slowest, slowest_wall, load_bytes = [], 0.0, 0.0, 0
+    with PeakRSS() as mem_load:
+        for r in sampled:
+            with Clock() as one:
+                items = []
+                for it in plans[r].items:
+                    items += create_read_items_for_chunk_list(
+                        it.index.fqn, md[it.index.fqn], [it.tensor_data.chunk])
+                local_plans.append(LoadPlan(items))
+            slowest, slowest_wall = max(slowest, one.cpu), max(slowest_wall, one.wall)
+            load_bytes += sum(ITEMSIZE * _numel(i.lengths) for i in items)
+        with Clock() as glob:
+            create_default_global_load_plan(local_plans)
+    raw = pickle.dumps(metadata)
+    with Clock() as parse:
+        pickle.loads(raw)
+    return {
+        "world": world, "pieces": sum(len(p.items) for p in plans),
+        "save_s": save.cpu, "load_s": slowest + glob.cpu, "save_wall_s": save.wall,
+        "load_wall_s": slowest_wall + glob.wall, "load_ranks_sampled": len(sampled),
+        "save_mib": mem_save.mib, "load_mib": mem_load.mib,
+        "save_bytes": save_bytes,
+        "load_bytes": load_bytes if len(sampled) == world else None,
+        "metadata_bytes": len(raw), "metadata_parse_s": parse.cpu,
+        "metadata_parse_wall_s": parse.wall,
+    }
+
+
+def _numel(shape: Any) -> int:
+    n = 1
+    for s in shape:
+        n *= int(s)
+    return n
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--system", choices=("relight", "dcp"), required=True)
+    ap.add_argument("--config", choices=sorted(CONFIGS), required=True)
+    ap.add_argument("--worlds", required=True, help="comma-separated, ascending")
+    ap.add_argument("--manifest-dir", default=None,
+                    help="relight: write each world's manifest here as w<N>.json")
+    args = ap.parse_args(argv)
+    for w in (int(x) for x in args.worlds.split(",")):
+        if args.system == "relight":
+            path = (os.path.join(args.manifest_dir, f"w{w}.json")
+                    if args.manifest_dir else None)
+            res = relight_arm(args.config, w, path)
+        else:
+            res = dcp_arm(args.config, w)
+        _emit({"event": "result", **res})
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
