@@ -29,6 +29,20 @@ class RankFailure(RuntimeError):
         super().__init__(f"case {case} failed on ranks {sorted(errors)}:\n{body}")
 
 
+_MAX_THREADS = 200
+"""Workers are replaced once one holds more threads than this. Some cases leave process
+groups alive past `destroy_process_group` (held by objects the case's trainer left
+behind): each keeps gloo threads polling, and hundreds of them slow every later case."""
+
+
+def _threads(pid: int) -> int:
+    try:
+        with open(f"/proc/{pid}/status") as f:
+            return next(int(line.split()[1]) for line in f if line.startswith("Threads:"))
+    except (OSError, StopIteration):
+        return 0
+
+
 def free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
@@ -122,6 +136,8 @@ class RankPool:
             (out if ok else errors)[rank] = value
         if errors:
             raise RankFailure(case, errors)
+        if max(_threads(p.pid) for p in self.procs) > _MAX_THREADS:
+            self.restart()
         return [out[r] for r in range(world)]
 
     def restart(self) -> None:
