@@ -179,14 +179,13 @@ def test_survivors_keep_training_through_a_lost_group(etcd_cluster, tmp_path) ->
                    if e["step"] == s}
         assert len(digests) == 1, (s, digests)
     # Every sample of every step consumed exactly once, whatever the number of groups:
-    # the committed update of step s summed the shares of its quorum's members. (A
-    # member frozen after voting may wake to find the step's votes gone and log it as
-    # abandoned; its share was in the committed sum all the same, and it must heal.)
+    # the committed update of step s summed the shares its quorum's members reduced
+    # (logged before each vote, so a member killed or frozen after voting counts too).
     for s in range(steps):
         committed = [e for g in groups for e in _steps(tmp_path, g) if e["step"] == s]
         assert len({e["quorum"] for e in committed}) == 1, (s, committed)
         q = committed[0]["quorum"]
-        shares = {e["group"]: e["samples"] for e in evs if e["ev"] in ("step", "abandoned")
+        shares = {e["group"]: e["samples"] for e in evs if e["ev"] == "reduced"
                   and e["step"] == s and e["quorum"] == q}
         assert len(shares) == committed[0]["size"], (s, shares)
         used = sorted(i for share in shares.values() for i in share)
@@ -312,6 +311,6 @@ def test_groups_of_two_ranks_heal_rank_by_rank(etcd_server, tmp_path) -> None:
         committed = [e for e in evs if e["ev"] == "step" and e["step"] == s]
         q = committed[0]["quorum"]
         assert {e["quorum"] for e in committed} == {q}, (s, committed)
-        used = sorted(i for e in evs if e["ev"] in ("step", "abandoned") and e["step"] == s
+        used = sorted(i for e in evs if e["ev"] == "reduced" and e["step"] == s
                       and e["quorum"] == q for i in e["samples"])
         assert used == list(range(s * 12, s * 12 + 12)), (s, used)

@@ -89,6 +89,9 @@ def main() -> None:
         grad = total[shard].clone()
         # Summed across groups: every sample of the global batch once.
         mgr.allreduce([grad], weight=1.0)
+        # Logged before the vote: a group killed after voting still accounts for its share.
+        event(a.out, ev="reduced", group=a.group, rank=rank, step=step, quorum=q.id,
+              samples=mine)
         time.sleep(a.step_sleep)
         if mgr.should_commit(step):
             state["w"].sub_(LR * grad / BATCH_R)

@@ -79,6 +79,8 @@ def main() -> None:
             total += grad_of(w, i)
         time.sleep(a.step_sleep)  # the forward/backward a real step would take
         mgr.allreduce([total])
+        # Logged before the vote: a group killed after voting still accounts for its share.
+        event(a.out, ev="reduced", group=a.group, step=step, quorum=q.id, samples=mine)
         if mgr.should_commit(step):
             w.sub_(LR * total * size / BATCH_R)
             state["progress"]["step"] = step + 1
