@@ -24,7 +24,7 @@ def test_relight_and_dcp_plan_the_same_bytes(config: str, world: int) -> None:
     assert mine["load_bytes"] == dcp["load_bytes"] >= state_bytes(model)
     # ...and Relight reads each distinct region from storage once.
     assert mine["read_bytes"] == state_bytes(model)
-    assert mine["pieces"] == dcp["pieces"] and dcp["metadata_bytes"] > 0
+    assert mine["pieces"] == dcp["pieces"]
 
 
 def test_hsdp_replicas_hold_the_same_boxes() -> None:
