@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # The test suite (what CI runs). The tests start their own real servers (etcd, SeaweedFS
 # S3) on loopback ports; nothing needs to be running beforehand. `--long` adds the long
-# end-to-end and soak runs (marked `long`), about ten minutes more on 2 cores.
+# end-to-end and soak runs (marked `long`), about six minutes more on 2 cores.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 bash scripts/bootstrap.sh

@@ -98,6 +98,7 @@ def test_user_script_under_chaos(tmp_path: Path) -> None:
     assert not _ours(out)
 
 
+@pytest.mark.long
 @pytest.mark.timeout(330)
 def test_harness_catches_a_broken_resume(tmp_path: Path) -> None:
     """A real run whose resume skips a batch: the whole pipeline (logs, store, verifier)

@@ -133,6 +133,7 @@ def _trains_on(out, after: float, n: int = 5):
     return lambda: len([s for s in steps(out, world=4) if s["t"] > after]) >= n
 
 
+@pytest.mark.long
 @pytest.mark.multirank
 @pytest.mark.timeout(420)
 def test_torchrun_job_through_cluster_faults(etcd_cluster, tmp_path) -> None:

@@ -214,6 +214,7 @@ def test_survivors_keep_training_through_a_lost_group(etcd_cluster, tmp_path) ->
     assert len([e for e in abandoned if e["group"] == "g0"]) <= 2
 
 
+@pytest.mark.long
 @pytest.mark.etcd
 @pytest.mark.multirank
 # ~40 s on a quiet 2-core machine (six process starts); the bound is for a loaded one.

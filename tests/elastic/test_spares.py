@@ -19,6 +19,7 @@ def _node_of(agent) -> str:
     return f"-{agent.pid}-"
 
 
+@pytest.mark.long
 @pytest.mark.timeout(300)
 def test_spares_step_in_for_a_lost_node_and_exit_0_at_the_end(etcd_server, tmp_path) -> None:
     run, agents = job_id(), Agents(tmp_path)

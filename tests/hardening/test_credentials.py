@@ -35,6 +35,7 @@ def _files(root: Path, skip: Path) -> list[Path]:
     return [p for p in root.rglob("*") if p.is_file() and skip not in p.parents]
 
 
+@pytest.mark.long
 @pytest.mark.s3
 def test_s3_keys_and_etcd_password_never_appear(tmp_path, monkeypatch, capsys, caplog) -> None:
     key_id = "AKIASENTINEL" + uuid.uuid4().hex[:12].upper()

@@ -19,6 +19,7 @@ from ._util import OPTIONS, TYPED, assert_bitwise, make_state, snapshot, tally, 
 RETRY = storage.RetryPolicy(max_attempts=2, base_delay_s=0.05, max_delay_s=0.2)
 
 
+@pytest.mark.long
 @pytest.mark.s3
 def test_s3_killed_mid_save_then_restarted(tmp_path, monkeypatch) -> None:
     server = S3Server(tmp_path / "s3-data")

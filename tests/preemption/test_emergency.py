@@ -129,6 +129,7 @@ def test_metadata_poller_in_a_training_run(tmp_path: Path) -> None:
     assert f"preemption notice from aws:{server.url}: instance-action terminate" in run.text()
 
 
+@pytest.mark.long
 def test_kill_during_the_emergency_save_leaves_no_half_committed_checkpoint(
         tmp_path: Path) -> None:
     url, m = str(tmp_path / "ck"), tmp_path / "m.jsonl"

@@ -204,6 +204,7 @@ os._exit(0)
 """
 
 
+@pytest.mark.long
 @pytest.mark.multirank
 def test_every_mesh_group_is_bounded_by_the_collective_timeout(tmp_path: Path) -> None:
     # DeviceMesh gives its groups torch's default timeout (30 min on gloo, 10 on NCCL);

@@ -95,6 +95,7 @@ def _state_equal(a: dict, b: dict) -> bool:
         torch.equal(a[k], b[k]) if isinstance(a[k], torch.Tensor) else a[k] == b[k] for k in a)
 
 
+@pytest.mark.long
 @pytest.mark.multirank
 def test_hf_causal_lm_fsdp_checkpoint_resume_and_reshard(rank_pool: RankPool,
                                                          pydoc_tokens: Path,
