@@ -104,6 +104,7 @@ def _rounds_never_overlap(out: Path, frozen: set[int], t_cont: float) -> None:
         assert end1 <= start2, f"round {r1} still trained at {end1} after round {r2} began"
 
 
+@pytest.mark.long
 @pytest.mark.multirank
 @pytest.mark.timeout(420)
 def test_etcd_restart_then_a_frozen_node_during_training(etcd_restartable, tmp_path) -> None:

@@ -161,6 +161,7 @@ def test_node_lost_then_node_added(etcd_server, tmp_path) -> None:
         agents.close()
 
 
+@pytest.mark.long
 @pytest.mark.timeout(150)
 def test_hung_worker_is_killed_by_the_watchdog_and_the_group_restarts(etcd_server,
                                                                       tmp_path) -> None:
