@@ -5,7 +5,7 @@ budget. `tiers` proves restores after a worker kill and a node loss read nothing
 checkpoint storage. The user-script test runs `examples/user_train.py` (not runtime.train) under the
 same harness, proving the documented contract is enough. They need runtime/, ckpt/ and
 elastic/ (`elastic.launch`); they are marked slow and never skipped: if a piece is
-missing they fail and say which. `tiers` and the user script are `long` (run by
+missing they fail and say which. `tiers`, the user script and the broken resume are `long` (run by
 `scripts/test.sh --long`, not by CI).
 """
 
