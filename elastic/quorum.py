@@ -87,6 +87,13 @@ class Quorum:
     def healthy(self) -> tuple[str, ...]:
         return tuple(m for m in self.members if m not in self.healing)
 
+    @property
+    def host(self) -> str:
+        """The member that hosts the store the quorum's process groups meet on: the
+        first healthy one (a joiner has just started, and is the likeliest to fail
+        before the quorum's first step)."""
+        return (self.healthy or self.members)[0]
+
     def to_json(self) -> bytes:
         return json.dumps({"id": self.id, "members": list(self.members),
                            "healing": list(self.healing)}).encode()
@@ -266,7 +273,7 @@ class QuorumClient:
                 raise QuorumError(f"replica group {self.group} is not registered as ready "
                                   f"under {self.root}groups/ (lease lost, or not healed)")
             if (current is not None and self.group not in current.members
-                    and self._last_quorum is not None
+                    and self._last_quorum is not None and self.group not in snap.healing
                     and snap.groups[self.group].get("since", -1) < current.id):
                 raise QuorumError(
                     f"replica group {self.group} was left out of quorum {current.id} "
@@ -285,10 +292,25 @@ class QuorumClient:
                 continue
             if failed is not None and current is not None and current.id == failed[0].id:
                 members = self._survivors(failed[0], failed[1], snap)
+                holders = [m for m in failed[0].healthy if m in snap.groups]
+                if holders and not set(members) & set(failed[0].healthy):
+                    # Only groups without the state voted in time. They cannot go on
+                    # alone while a group that holds it lives (it is slow, not dead):
+                    # wait for it to re-form the quorum, or for its lease to expire.
+                    self.client.wait_for_change(self.root + "quorum", snap.revision,
+                                                self.lease_ttl)
+                    if time.monotonic() > deadline:
+                        raise QuorumError(f"replica group {self.group}: healthy groups "
+                                          f"{holders} formed no quorum within "
+                                          f"{self.timeout:.0f}s under {self.root}")
+                    continue
                 proposal = self._proposal(current.id + 1, members, snap)
             else:
                 entitled = self._entitled(current, snap)
-                if current is not None and current.members == entitled:
+                # A group asking to heal enters only a quorum that names it as healing: a
+                # restarted group still listed in the quorum it fell out of holds no state.
+                if current is not None and current.members == entitled and all(
+                        g in current.healing for g in entitled if g in snap.healing):
                     self._last_quorum = current.id
                     return current, snap
                 if current is None and len(entitled) < min_groups:

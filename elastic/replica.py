@@ -14,7 +14,7 @@ Manager wraps one) calls around its cross-group gradient reduction:
 
 The quorum and the commit vote live in etcd (`elastic.quorum`). The cross-group process
 group is rebuilt for every new quorum on a fresh store prefix (gloo on CPU), from the
-store the quorum's first member hosts; every collective on it is bounded by
+store the quorum's first healthy member hosts; every collective on it is bounded by
 `collective_timeout_s`, so a dead or frozen peer fails the step within a stated time
 instead of hanging it. Survivors never restart: a lost group costs the step in flight.
 
@@ -212,7 +212,7 @@ class ReplicaManager:
             try:
                 quorum, snap = self.quorum_client.agree(failed=self._failed,
                                                         min_groups=self.settings.min_groups)
-                store = (self.quorum_client.store_of(snap, quorum.members[0])
+                store = (self.quorum_client.store_of(snap, quorum.host)
                          if quorum.size > 1 else None)
                 doc = _quorum_doc(quorum, store)
             except QuorumError as exc:
@@ -242,7 +242,7 @@ class ReplicaManager:
             assert leader_store is not None
             host, port = str(leader_store[0]), int(leader_store[1])
             store: dist.Store = (
-                self._store if self._store is not None and quorum.members[0] == self.group
+                self._store if self._store is not None and quorum.host == self.group
                 else dist.TCPStore(host, port, is_master=False, timeout=timeout))
             prefixed = dist.PrefixStore(f"quorum/{quorum.id}/rank{self.local_rank}/", store)
             options = dist.ProcessGroupGloo._Options()

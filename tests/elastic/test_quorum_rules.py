@@ -1,0 +1,80 @@
+"""Two rules of the quorum protocol, against a real etcd: a group that restarted and asks
+to heal never trains in the quorum it fell out of, and groups that hold no state never
+form a quorum on their own while a group that holds it lives."""
+
+from __future__ import annotations
+
+import threading
+import uuid
+
+import pytest
+
+from elastic.etcd_client import EtcdClient, EtcdSettings
+from elastic.quorum import Quorum, QuorumClient
+
+pytestmark = [pytest.mark.etcd]
+
+
+def _client(endpoint: str, job: str, group: str) -> QuorumClient:
+    etcd = EtcdClient(EtcdSettings(endpoints=(endpoint,), prefix="/relight-test"))
+    # A long lease: the test decides who is alive, not a lease expiry on a loaded machine.
+    return QuorumClient(etcd, job, group, lease_ttl=30.0, timeout=60.0,
+                        failover_grace_s=0.5)
+
+
+def _run(fn, out: list) -> threading.Thread:
+    t = threading.Thread(target=lambda: out.append(fn()), daemon=True)
+    t.start()
+    return t
+
+
+def _two_groups(endpoint: str) -> tuple[str, QuorumClient, QuorumClient, Quorum]:
+    job = f"rules-{uuid.uuid4().hex[:8]}"
+    a, b = _client(endpoint, job, "a"), _client(endpoint, job, "b")
+    a.join(("127.0.0.1", 1), ready=True)
+    b.join(("127.0.0.1", 2), ready=True)
+    got: list = []
+    t = _run(lambda: b.agree(min_groups=2)[0], got)
+    q0, _ = a.agree(min_groups=2)
+    t.join(60)
+    assert got == [q0] and q0.members == ("a", "b")
+    return job, a, b, q0
+
+
+def test_a_restarted_group_heals_in_a_new_quorum_not_the_one_it_fell_out_of(
+        etcd_server) -> None:
+    job, a, b, q0 = _two_groups(etcd_server.endpoint)
+    # b's workers die and its agent starts new ones: the same group id registers again,
+    # this time asking to heal, while the quorum key still names it as a member.
+    b.leave()
+    b2 = _client(etcd_server.endpoint, job, "b")
+    b2.join(("127.0.0.1", 3), ready=False, heal=True)
+    q, _ = b2.agree()
+    assert q.id > q0.id, "the restarted group took the quorum it fell out of"
+    assert q.members == ("a", "b") and q.healing == ("b",) and q.host == "a"
+    for c in (a, b2):
+        c.leave()
+
+
+def test_groups_without_the_state_wait_for_a_slow_holder(etcd_server) -> None:
+    job, a, b, q0 = _two_groups(etcd_server.endpoint)
+    b.leave()
+    b2 = _client(etcd_server.endpoint, job, "b")
+    b2.join(("127.0.0.1", 3), ready=False, heal=True)
+    q1, _ = b2.agree()
+    assert q1.healing == ("b",)
+    # The heal of q1's first step fails: b votes fail at once and re-forms; a, which
+    # holds the state, is slow (it has not voted yet), not dead.
+    assert b2.vote(q1, 0, ok=False)
+    got: list = []
+    t = _run(lambda: b2.agree(failed=(q1, 0))[0], got)
+    t.join(3.0)  # six failover graces
+    assert t.is_alive() and not got, f"b formed {got} without the group holding the state"
+    assert b2.snapshot().quorum.id == q1.id
+    # a votes (its side failed too) and re-forms with everyone who voted.
+    assert a.vote(q1, 0, ok=False)
+    q2, _ = a.agree(failed=(q1, 0))
+    t.join(60)
+    assert got == [q2] and q2.members == ("a", "b") and q2.healing == ("b",)
+    for c in (a, b2):
+        c.leave()
