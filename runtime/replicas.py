@@ -23,7 +23,7 @@ from __future__ import annotations
 import dataclasses
 import os
 import socket
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
 import torch
@@ -85,11 +85,13 @@ class ReplicaTraining:
         return dataclasses.replace(self.base_plan, replicas=q.size,
                                    replica_rank=q.rank(self.group))
 
-    def reduce(self, params: list[torch.nn.Parameter], share: float) -> None:
+    def reduce(self, params: list[torch.nn.Parameter], share: float, *,
+               extra: Sequence[torch.Tensor] = ()) -> None:
         """Sum every gradient (this rank's local shard) across the groups, weighted by
-        this group's share of the global batch. Every group passes the same tensors in
-        the same order: a parameter without a gradient contributes zeros."""
-        grads = []
+        this group's share of the global batch, and `extra` tensors (the step's loss) in
+        the same collective. Every group passes the same tensors in the same order: a
+        parameter without a gradient contributes zeros."""
+        grads = list(extra)
         for p in params:
             if p.grad is None:
                 p.grad = torch.zeros_like(p)

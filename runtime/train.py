@@ -627,7 +627,11 @@ class Trainer:
         micro = self.data.next_step()
         local_loss = self._forward_backward(micro)
         if self.replicas is not None:
-            self.replicas.reduce(self.params, self.plan.share)
+            # The loss rides in the gradients' cross-group sum, weighted like them: every
+            # group then logs the job's global mean loss, not its own share's.
+            local_loss = local_loss.detach().float().reshape(1).clone()
+            self.replicas.reduce(self.params, self.plan.share, extra=[local_loss])
+            local_loss = local_loss[0]
             if not self.replicas.commit(self.step):
                 self.optimizer.zero_grad(set_to_none=True)
                 self.data.position = position
