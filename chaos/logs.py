@@ -20,6 +20,13 @@ the metrics file (append mode, so restarts extend it), with at least
   data bytes each tier served to it, `{"local": .., "peer": .., "persistent": ..}`
   (optional; checked when the scenario sets `verify.max_restore_persistent_bytes`).
 
+With replica groups (`runtime.replicas`), every group's first rank appends to the same
+file, and each record also says which group logged it and in which quorum:
+`replica_group`, `quorum` (its id), `quorum_size`, `state_crc` (each rank's crc32c of
+its parameter shards after the step), `abandoned_steps` (steps this process abandoned
+because a quorum member failed) and, on a group's first step after it joined,
+`healed_bytes` (state bytes received from a live group).
+
 Lines that are not JSON objects with a `step` (progress noise, a line torn by a SIGKILL)
 are skipped and counted.
 """
@@ -29,10 +36,11 @@ from __future__ import annotations
 import json
 import math
 from collections.abc import Iterable, Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Any
 
-__all__ = ["Attempt", "MetricsParse", "StepRecord", "parse_metrics", "split_attempts"]
+__all__ = ["Attempt", "MetricsParse", "StepRecord", "by_group", "job_history", "parse_metrics",
+           "split_attempts"]
 
 
 @dataclass(frozen=True, slots=True)
@@ -51,10 +59,19 @@ class StepRecord:
     restore_tier_bytes: dict[str, int] | None = None
     """On the first record after a restore with checkpoint tiers: data bytes each tier
     (local, peer, persistent) served, summed over the ranks."""
+    replica_group: str | None = None
+    quorum: int | None = None
+    quorum_size: int | None = None
+    state_crc: tuple[int, ...] | None = None
+    abandoned_steps: int | None = None
+    healed_bytes: int | None = None
 
     @property
     def layout_key(self) -> str:
-        return f"{self.world_size}:{self.layout}"
+        # Replica groups: the number of groups in the step's quorum is part of the
+        # layout (a step reduced over fewer groups rounds differently).
+        groups = f":x{self.quorum_size}" if self.quorum_size is not None else ""
+        return f"{self.world_size}:{self.layout}{groups}"
 
 
 @dataclass(frozen=True, slots=True)
@@ -107,6 +124,13 @@ def _tier_bytes(v: Any) -> dict[str, int] | None:
     return None if any(n is None for n in out.values()) else out  # type: ignore[return-value]
 
 
+def _crcs(v: Any) -> tuple[int, ...] | None:
+    if not isinstance(v, list) or not v:
+        return None
+    out = tuple(_int(c) for c in v)
+    return None if any(c is None for c in out) else out  # type: ignore[return-value]
+
+
 def parse_metrics(lines: Iterable[str]) -> MetricsParse:
     """Parse JSONL metrics lines (see the module docstring for the fields)."""
     out = MetricsParse()
@@ -143,6 +167,13 @@ def parse_metrics(lines: Iterable[str]) -> MetricsParse:
                 line=n,
                 restore_started_at=_num(obj.get("restore_started_at")),
                 restore_tier_bytes=_tier_bytes(obj.get("restore_tier_bytes")),
+                replica_group=group if isinstance(group := obj.get("replica_group"), str)
+                else None,
+                quorum=_int(obj.get("quorum")),
+                quorum_size=_int(obj.get("quorum_size")),
+                state_crc=_crcs(obj.get("state_crc")),
+                abandoned_steps=_int(obj.get("abandoned_steps")),
+                healed_bytes=_int(obj.get("healed_bytes")),
             )
         )
     return out
@@ -167,6 +198,38 @@ def split_attempts(records: Sequence[StepRecord]) -> list[Attempt]:
     if current:
         attempts.append(Attempt(len(attempts), tuple(current)))
     return attempts
+
+
+def by_group(records: Sequence[StepRecord]) -> dict[str, list[StepRecord]]:
+    """Replica groups' records, each group's in the order they were logged."""
+    out: dict[str, list[StepRecord]] = {}
+    for rec in records:
+        out.setdefault(rec.replica_group or "", []).append(rec)
+    return out
+
+
+def job_history(records: Sequence[StepRecord]) -> list[StepRecord]:
+    """The job's records when replica groups each log every step: a step every group
+    logged counts once (groups that agree on a quorum log the same step with the same
+    loss and data position). A resume of the whole job from a checkpoint (a record
+    restored from step r logging step r + 1) starts over from there, as it would
+    without groups; the other groups' records of that resume count once too."""
+    out: list[StepRecord] = []
+    high = 0
+    resumes: set[tuple[int, int]] = set()
+    epoch: int | None = None  # the step the job's current run restored from storage
+    for rec in records:
+        r = rec.restored_step
+        if r is not None and rec.step == r + 1 and (r, rec.step) not in resumes:
+            resumes.add((r, rec.step))
+            epoch = r
+        elif rec.step <= high:
+            continue
+        high = rec.step
+        # A group that healed from a live one restored nothing itself; it continues
+        # the job's run, which restored from `epoch`.
+        out.append(rec if r == epoch else replace(rec, restored_step=epoch))
+    return out
 
 
 def effective_history(records: Sequence[StepRecord]) -> dict[int, StepRecord]:

@@ -58,7 +58,8 @@ from chaos.verifier import (
     WeightsComparison,
     verify,
 )
-from elastic.etcd_server import EtcdServer, free_port
+from elastic.etcd_server import EtcdCluster, EtcdServer, free_port
+from runtime.replicas import GROUP_ENV
 from storage import Store, corrupt_object, open_store
 from storage.fault_env import ENV_VAR, write_plan_file
 from storage.tiered import TIER_NODE_ENV, local_tier_dir
@@ -90,6 +91,8 @@ class RunOutcome:
     checkpoint_events: list[CheckpointEvent] = field(default_factory=list)
     store_url: str = ""
     leaked: list[int] = field(default_factory=list)
+    worker_starts: dict[int, int] = field(default_factory=dict)
+    """Worker processes seen started on each node over the launch."""
 
 
 # -- the command every node runs ------------------------------------------------------------
@@ -225,10 +228,21 @@ class Cluster:
         log_dir.mkdir(parents=True, exist_ok=True)
         log_path = log_dir / f"node-{index}.log"
         node_dir = log_dir / f"node-{index}"
-        argv = agent_command(self.scenario, self.endpoint, self.job_id, self.nnodes,
-                             self.train_argv, node_dir)
-        env = self.env
-        if self.scenario.cluster.node_memory == "per_node":
+        c = self.scenario.cluster
+        job_id, nnodes, train_argv, env = self.job_id, self.nnodes, self.train_argv, self.env
+        if c.replica_groups:
+            # A replica group: a job of its own under `relight run` (one node, its own
+            # rendezvous id, which is also its group id), training with the others
+            # through the quorum in the same etcd. The first quorum waits for every
+            # group the scenario starts with (then any number trains on).
+            job_id, nnodes = f"{self.job_id}-{_node_name(index)}", "1"
+            train_argv = [*train_argv, f"--replica.job={self.job_id}",
+                          f"--replica.etcd={self.endpoint}", "--replica.host=127.0.0.1",
+                          f"--replica.min_groups={c.nodes}"]
+            env = {**env, GROUP_ENV: _node_name(index)}
+        argv = agent_command(self.scenario, self.endpoint, job_id, nnodes, train_argv,
+                             node_dir)
+        if c.node_memory == "per_node":
             env = {**env, TIER_NODE_ENV: _node_name(index)}
         with open(log_path, "ab") as fh:
             proc = subprocess.Popen(argv, stdout=fh, stderr=subprocess.STDOUT, env=env,
@@ -360,7 +374,10 @@ class Cluster:
         return self.probe.phase(self.world_size())
 
     def world_size(self) -> int:
-        return len(self.live_nodes()) * self.scenario.cluster.ranks_per_node
+        """Ranks that write a checkpoint: every live node's, or with replica groups one
+        group's (the quorum's first group saves for all)."""
+        c = self.scenario.cluster
+        return c.ranks_per_node * (1 if c.replica_groups else len(self.live_nodes()))
 
     # process bookkeeping -----------------------------------------------------------------
 
@@ -476,6 +493,40 @@ class _Recovery:
         return False
 
 
+class _QuorumRecovery:
+    """Measures one fault when replica groups are on, where survivors do not restart:
+    recovery ends at the survivors' first step in a quorum formed after the fault (their
+    pause; detection and re-forming happen inside it), and `detail["rejoin_s"]` is when a
+    group that was hit (restarted by its agent) or is new (a replacement, a spare) first
+    logs a step: its heal done."""
+
+    def __init__(self, event: FaultEvent, records: list[StepRecord]) -> None:
+        self.event = event
+        self.victim = _node_name(event.node) if event.node is not None else None
+        self.known = {r.replica_group for r in records}
+        self.quorum = records[-1].quorum if records else None
+        self.rejoins = event.kind in (FaultKind.SCALE_UP, FaultKind.KILL_WORKER,
+                                      FaultKind.STOP_WORKER, FaultKind.KILL_DURING_PERSIST,
+                                      FaultKind.KILL_COORDINATOR_BEFORE_COMMIT) or bool(
+            event.detail.get("replaced_after_s") is not None)
+
+    def update(self, new_records: list[StepRecord]) -> bool:
+        e = self.event
+        for rec in new_records:
+            if rec.time is None or rec.time < e.time:
+                continue
+            joined = rec.replica_group == self.victim or rec.replica_group not in self.known
+            if joined:
+                if self.rejoins and "rejoin_s" not in e.detail:
+                    e.detail["rejoin_s"] = round(rec.time - e.time, 3)
+                    e.detail["rejoined_group"] = rec.replica_group
+                    e.detail["healed_bytes"] = rec.healed_bytes
+                continue
+            if e.first_step_at is None and rec.quorum != self.quorum:
+                e.detected_at = e.rendezvous_at = e.first_step_at = rec.time
+        return e.first_step_at is not None and (not self.rejoins or "rejoin_s" in e.detail)
+
+
 def _metrics_tail(path: Path, offset: int) -> tuple[list[str], int]:
     try:
         with open(path, "rb") as fh:
@@ -525,7 +576,8 @@ def launch(scenario: Scenario, run_dir: Path, etcd: Any, store_url: str, job_id:
     events = sorted(loop.events, key=lambda e: e.index)
     return RunOutcome(records=loop.records, finished=finished and not leaked, detail=detail,
                       started_at=started, ended_at=ended, faults=events,
-                      checkpoint_events=loop.ckpt_events, store_url=store_url, leaked=leaked)
+                      checkpoint_events=loop.ckpt_events, store_url=store_url, leaked=leaked,
+                      worker_starts={n: len(p) for n, p in sorted(loop.worker_pids.items())})
 
 
 class _Watch:
@@ -542,7 +594,9 @@ class _Watch:
         self.pending: list[_Pending] = []
         self.records: list[StepRecord] = []
         self.events: list[FaultEvent] = []
-        self.recoveries: list[_Recovery] = []
+        self.recoveries: list[_Recovery | _QuorumRecovery] = []
+        self.worker_pids: dict[int, set[int]] = {}
+        """Every worker process seen on each node: its process starts."""
         self.ckpt_events: list[CheckpointEvent] = []
         self.committed: set[tuple[int, str | None]] = set()
         self.offset = self.line_no = 0
@@ -567,12 +621,18 @@ class _Watch:
     def run(self, deadline: float, deadline_s: float) -> tuple[bool, str]:
         while True:
             now = time.time()
+            seen = len(self.records)
             new_at = self._read_metrics(now)
             self._poll_commits(now)
             workers = self.cluster.workers()
+            for node, ws in workers.items():
+                self.worker_pids.setdefault(node, set()).update(w.pid for w in ws)
             self.cluster.track_all()
             for rc in list(self.recoveries):
-                if rc.update(workers, self.scenario.cluster.ranks_per_node, now, new_at):
+                done = (rc.update(self.records[seen:]) if isinstance(rc, _QuorumRecovery)
+                        else rc.update(workers, self.scenario.cluster.ranks_per_node, now,
+                                       new_at))
+                if done:
                     self.recoveries.remove(rc)
             self.cluster.run_due()
             self._fire(now)
@@ -704,14 +764,19 @@ class _Watch:
             self.ckpt_events.append(CheckpointEvent(ev.detail["checkpoint_step"], ev.time,
                                                     "damage"))
         if ev.ok and spec.kind in RESTARTING and (not damage or spec.kill_after):
-            self.recoveries.append(_Recovery(ev, before))
+            self.recoveries.append(_QuorumRecovery(ev, self.records)
+                                   if self.scenario.cluster.replica_groups
+                                   else _Recovery(ev, before))
 
 
 def _reference_scenario(scenario: Scenario) -> Scenario:
     """The reference: the same world size as the chaos run starts with, on one agent (the
     layout depends on the world size only, and one agent needs no multi-node rendezvous
-    to be trusted), no faults."""
+    to be trusted), no faults. Replica groups keep their groups."""
     c = scenario.cluster
+    if c.replica_groups:
+        # The same groups, no faults: steps in a full quorum are then bitwise comparable.
+        return replace(scenario, faults=(), mtbf=replace(scenario.mtbf, count=0))
     one = replace(c, nodes=1, ranks_per_node=c.world_size, min_nodes=1, max_nodes=1)
     return replace(scenario, cluster=one, faults=(), mtbf=replace(scenario.mtbf, count=0))
 
@@ -771,7 +836,9 @@ def run_scenario(scenario: Scenario, out_dir: str | Path, *, seed: int | None = 
     out.mkdir(parents=True)
     (out / "scenario.json").write_text(json.dumps(scenario.to_dict(), indent=1))
     notes: list[str] = []
-    etcd = EtcdServer(out / "etcd" / "data")
+    etcd: EtcdServer | _EtcdMembers = (
+        EtcdServer(out / "etcd" / "data") if scenario.cluster.etcd_members == 1
+        else _EtcdMembers(EtcdCluster(out / "etcd", size=scenario.cluster.etcd_members)))
     s3 = None
     etcd.start()
     try:
@@ -831,13 +898,17 @@ def run_scenario(scenario: Scenario, out_dir: str | Path, *, seed: int | None = 
             finish_detail=outcome.detail, reference=ref_records,
             checkpoint_events=outcome.checkpoint_events, verified=verified,
             faults=[FaultMark(e.index, e.kind, e.time, e.ok,
-                              required=not e.trigger.startswith("mtbf"), error=e.error)
+                              required=not e.trigger.startswith("mtbf"), error=e.error,
+                              node=e.node)
                     for e in outcome.faults],
             weights=weights, compare_weights=scenario.verify.compare_weights,
             tolerances=Tolerances(loss_rtol=scenario.verify.loss_rtol,
                                   weights_rtol=scenario.verify.weights_rtol,
                                   weights_atol=scenario.verify.weights_atol),
             max_restore_persistent_bytes=scenario.verify.max_restore_persistent_bytes,
+            replica_groups=scenario.cluster.replica_groups,
+            ranks_per_node=scenario.cluster.ranks_per_node,
+            worker_starts=outcome.worker_starts,
         )
         results = verify(evidence)
         report = build_report(
@@ -856,6 +927,38 @@ def run_scenario(scenario: Scenario, out_dir: str | Path, *, seed: int | None = 
         if s3 is not None:
             s3.stop()
         etcd.stop()
+
+
+class _EtcdMembers:
+    """An etcd cluster seen as the one etcd the runner and the injectors use: the
+    endpoint is every member's, and `etcd_restart` kills the leader (the member whose
+    loss costs most) and starts that member again."""
+
+    def __init__(self, cluster: EtcdCluster) -> None:
+        self.cluster = cluster
+        self._down: int | None = None
+
+    @property
+    def endpoint(self) -> str:
+        return ",".join(self.cluster.endpoints)
+
+    @property
+    def pid(self) -> int | None:
+        return self.cluster.members[self.cluster.leader()].pid
+
+    def start(self) -> None:
+        if self._down is None:
+            self.cluster.start()
+        else:
+            self.cluster.start_member(self._down)
+            self._down = None
+
+    def kill(self) -> None:
+        self._down = self.cluster.leader()
+        self.cluster.kill(self._down)
+
+    def stop(self) -> None:
+        self.cluster.stop()
 
 
 def _copy_store(src: Store, dst: Store) -> int:

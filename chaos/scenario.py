@@ -124,6 +124,15 @@ class ClusterSpec:
     `per_node`: each node gets its own tier (`RELIGHT_LOCAL_TIER_NODE=node-<i>`), and a
     node removed or killed loses it, as a machine that goes away loses its memory (the
     runner deletes its tier directory once the node's processes are gone)."""
+    replica_groups: bool = False
+    """Each node is a replica group of its own (`replica.job` on): its own `relight run`
+    and rendezvous id, `ranks_per_node` ranks inside; the groups train together through
+    a quorum in etcd, survivors keep training through a lost group, and a group that
+    (re)joins heals from a live one. The first quorum waits for all `nodes` groups
+    (`replica.min_groups`); then the job trains on while `min_nodes` groups live."""
+    etcd_members: int = 1
+    """etcd members the harness runs (1, or an odd number: 3 survive the loss of any
+    one). With more than one, `etcd_restart` kills and restarts the leader."""
 
     def __post_init__(self) -> None:
         _check(self.nodes >= 1, "cluster.nodes", f"must be >= 1, got {self.nodes}")
@@ -153,6 +162,11 @@ class ClusterSpec:
                f"must be relight-etcd or c10d, got {self.rendezvous!r}")
         _check(self.node_memory in ("shared", "per_node"), "cluster.node_memory",
                f"must be shared or per_node, got {self.node_memory!r}")
+        _check(self.etcd_members >= 1 and self.etcd_members % 2 == 1, "cluster.etcd_members",
+               f"must be 1 or an odd number of members, got {self.etcd_members}")
+        _check(not self.replica_groups or (self.launcher, self.rendezvous)
+               == ("relight", "relight-etcd"), "cluster.replica_groups",
+               "replica groups run under `relight run` with the relight-etcd rendezvous")
 
     @property
     def world_size(self) -> int:

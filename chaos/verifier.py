@@ -24,17 +24,39 @@ states) and the unit tests build it by hand, including runs that are broken on p
 With checkpoint tiers, a scenario may add one more check (7, `restores from memory`):
 every restore read at most `verify.max_restore_persistent_bytes` checkpoint data bytes
 from the persistent store, by the runtime's own counters (`restore_tier_bytes`).
+
+With replica groups every group logs every step; checks 1-7 read the job's history (each
+step once, `chaos.logs.job_history`) and four more hold the groups to heal in place:
+
+8.  survivors never restart - a node's workers start once, plus once per fault aimed
+    at that node's own workers (its agent restarts its group); a fault elsewhere never
+    restarts them (process starts counted by the harness);
+9.  replicas identical - every group that logged a step logged the same parameter-shard
+    crc32c for every rank (`state_crc`): no replica ever applied a partial update;
+10. heals read no storage - a group that (re)joined while another group trained got its
+    state from that group's memory (`healed_bytes` > 0, nothing restored from storage);
+11. work lost per fault - a surviving group never skips or repeats a step, and abandons
+    at most the step in flight per fault that lands while it trains.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import math
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
 from chaos.faults import CHECKPOINT_ATTACKS, FaultKind
-from chaos.logs import Attempt, StepRecord, effective_history, rel_diff, split_attempts
+from chaos.logs import (
+    Attempt,
+    StepRecord,
+    by_group,
+    effective_history,
+    job_history,
+    rel_diff,
+    split_attempts,
+)
 
 __all__ = [
     "CheckpointEvent",
@@ -71,6 +93,8 @@ class FaultMark:
     """A timeline fault must be injected; a drawn (MTBF) one may be refused (say a node
     loss that would leave fewer than min_nodes) without failing the run."""
     error: str = ""
+    node: int | None = None
+    """The node it hit (None: not a node's fault, say storage or etcd)."""
 
 
 @dataclass(frozen=True, slots=True)
@@ -115,6 +139,11 @@ class RunEvidence:
     tolerances: Tolerances = field(default_factory=Tolerances)
     max_restore_persistent_bytes: int = -1
     """Check 7's bound (-1: check 7 is not run)."""
+    replica_groups: bool = False
+    """Each node was a replica group (checks 8-11 run; 1-7 read the job's history)."""
+    ranks_per_node: int = 1
+    worker_starts: dict[int, int] = field(default_factory=dict)
+    """Worker processes the harness saw start on each node (node index -> count)."""
 
 
 @dataclass
@@ -375,12 +404,13 @@ def check_lost_work(ev: RunEvidence) -> InvariantResult:
 
 def _layout_changed_flags(ev: RunEvidence) -> list[bool]:
     """For each record: has any attempt up to its own run under a layout other than the
-    reference's? (After that, exact equality can no longer be expected.)"""
+    reference's at the same step? (After that, exact equality can no longer be expected.)"""
     ref_key = ev.reference[0].layout_key if ev.reference else None
+    ref_keys = {r.step: r.layout_key for r in ev.reference or ()}
     changed = False
     flags = []
     for rec in ev.records:
-        if rec.layout_key != ref_key:
+        if rec.layout_key != ref_keys.get(rec.step, ref_key):
             changed = True
         flags.append(changed)
     return flags
@@ -528,9 +558,136 @@ def check_restore_tiers(ev: RunEvidence) -> InvariantResult:
                                                          for k, v in total.items()}})
 
 
+# 8-11: replica groups ----------------------------------------------------------------------
+
+WORKER_FAULTS = frozenset({FaultKind.KILL_WORKER, FaultKind.STOP_WORKER,
+                           FaultKind.KILL_DURING_PERSIST,
+                           FaultKind.KILL_COORDINATOR_BEFORE_COMMIT})
+"""Faults aimed at one worker: that worker's agent restarts its group (only that one)."""
+
+
+def check_survivors_never_restart(ev: RunEvidence) -> InvariantResult:
+    problems = []
+    hits: dict[int, int] = {}
+    for f in ev.faults:
+        if f.ok and f.node is not None and f.kind in WORKER_FAULTS:
+            hits[f.node] = hits.get(f.node, 0) + 1
+    if not ev.worker_starts:
+        problems.append("the harness saw no worker process: nothing to count")
+    for node, starts in sorted(ev.worker_starts.items()):
+        allowed = ev.ranks_per_node * (1 + hits.get(node, 0))
+        if starts > allowed:
+            problems.append(f"node {node}: {starts} worker starts > {allowed} "
+                            f"({ev.ranks_per_node} rank(s) x (1 + {hits.get(node, 0)} "
+                            "fault(s) aimed at its own workers))")
+    untouched = [n for n in ev.worker_starts if n not in hits]
+    return _result(8, "survivors never restart", problems,
+                   f"{len(ev.worker_starts)} node(s), {len(untouched)} never hit; worker "
+                   f"starts {ev.worker_starts}",
+                   tolerance="ranks per node x (1 + faults aimed at the node's workers)",
+                   measured={"worker_starts": ev.worker_starts, "hit": hits})
+
+
+def check_replicas_identical(ev: RunEvidence) -> InvariantResult:
+    problems = []
+    by_step: dict[int, dict[str, tuple[int, ...]]] = {}
+    for rec in ev.records:
+        if rec.state_crc is not None and rec.replica_group is not None:
+            by_step.setdefault(rec.step, {})[rec.replica_group] = rec.state_crc
+    compared = 0
+    for step, crcs in sorted(by_step.items()):
+        if len(crcs) < 2:
+            continue
+        compared += 1
+        if len(set(crcs.values())) > 1:
+            problems.append(f"step {step}: groups disagree on their state: {crcs}")
+    if not compared:
+        problems.append("no step was logged with a state digest by two groups: replica "
+                        "state was never compared (replica.digest_every = 0?)")
+    return _result(9, "replicas bitwise identical", problems,
+                   f"{compared} step(s) compared across groups, every digest equal",
+                   tolerance="bitwise (crc32c of every rank's parameter shards)",
+                   measured={"steps_compared": compared})
+
+
+def _group_attempts(ev: RunEvidence) -> list[tuple[str, Attempt]]:
+    """Each group's runs: its records cut where a new worker group started (as
+    `split_attempts` cuts) or where it healed in (a restarted group that rejoins at the
+    step after its last one looks contiguous otherwise)."""
+    out: list[tuple[str, Attempt]] = []
+    for g, recs in sorted(by_group(ev.records).items()):
+        run: list[StepRecord] = []
+        for rec in recs:
+            if run and rec.healed_bytes:
+                out += [(g, a) for a in split_attempts(run)]
+                run = []
+            run.append(rec)
+        out += [(g, a) for a in split_attempts(run)]
+    return out
+
+
+def check_heals_read_no_storage(ev: RunEvidence) -> InvariantResult:
+    problems = []
+    heals = [r.healed_bytes for r in ev.records if r.healed_bytes]
+    healed = sum(heals)
+    groups = by_group(ev.records)
+    for g, att in _group_attempts(ev):
+        first = att.first
+        if first.restored_step is None or first.time is None:
+            continue
+        begun = first.restore_started_at or first.time
+        live = sorted({o for o, recs in groups.items() if o != g and any(
+            r.time is not None and begun <= r.time <= first.time for r in recs)})
+        if live:
+            problems.append(f"group {g} restored step {first.restored_step} from storage "
+                            f"(line {first.line}) while {live} trained: it should have "
+                            "healed from them")
+    if not heals and not problems:
+        problems.append("no group healed: the heal path was never exercised")
+    return _result(10, "heals read no storage", problems,
+                   f"{len(heals)} heal(s) from live groups, {healed} bytes received",
+                   measured={"heals": len(heals), "healed_bytes": healed})
+
+
+def check_survivor_work_lost(ev: RunEvidence) -> InvariantResult:
+    problems = []
+    for g, recs in sorted(by_group(ev.records).items()):
+        for a, b in zip(recs, recs[1:], strict=False):
+            resumed = b.restored_step is not None and b.step == b.restored_step + 1 and (
+                b.restored_step != a.restored_step or b.step <= a.step)
+            if b.step == a.step + 1 or resumed or (b.step > a.step and b.healed_bytes):
+                continue
+            what = "repeated" if b.step <= a.step else "skipped"
+            problems.append(f"group {g} logged step {b.step} after step {a.step} (line "
+                            f"{b.line}): steps {what} without a heal or a resume")
+    worst = 0
+    prev: dict[str, float] = {}
+    for g, att in _group_attempts(ev):
+        # A run's abandoned steps count from its process start: a restarted group's
+        # join attempts follow the fault that restarted it, after its last record.
+        t0, t1 = prev.get(g, -math.inf), att.last.time
+        prev[g] = t1 if t1 is not None else t0
+        faults = sum(1 for f in ev.faults if f.ok and t1 is not None and t0 <= f.time <= t1)
+        abandoned = att.last.abandoned_steps or 0
+        worst = max(worst, abandoned)
+        if abandoned > faults:
+            problems.append(f"group {g} (steps {att.first.step}-{att.last.step}) abandoned "
+                            f"{abandoned} step(s) through {faults} fault(s)")
+    return _result(11, "survivors lose at most the step in flight", problems,
+                   f"every group's steps contiguous; at most {worst} step(s) abandoned by "
+                   "one group's run",
+                   tolerance="<= 1 abandoned step per fault during the group's run",
+                   measured={"max_abandoned": worst})
+
+
 def verify(ev: RunEvidence) -> list[InvariantResult]:
     """The faults-injected check, then the six invariants in order (and check 7 when the
-    scenario bounds what restores read from the persistent store)."""
+    scenario bounds what restores read from the persistent store; 8-11 with replica
+    groups, whose checks 1-7 read the job's history: each step once)."""
+    if ev.replica_groups:
+        job = dataclasses.replace(ev, records=job_history(ev.records), replica_groups=False)
+        return [*verify(job), check_survivors_never_restart(ev), check_replicas_identical(ev),
+                check_heals_read_no_storage(ev), check_survivor_work_lost(ev)]
     results = [
         check_faults_injected(ev),
         check_target(ev),

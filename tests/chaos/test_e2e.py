@@ -1,12 +1,13 @@
 """End to end: real etcd, real agents (`relight run`), real training processes, real faults.
 
 `ci-smoke` is what CI runs on every submission: it must pass, and within its 5-minute
-budget. `tiers` proves restores after a worker kill and a node loss read nothing from
-checkpoint storage. The user-script test runs `examples/user_train.py` (not runtime.train) under the
-same harness, proving the documented contract is enough. They need runtime/, ckpt/ and
+budget. `replica-ci` holds replica groups to heal in place (checks 8-11). `tiers` proves
+restores after a worker kill and a node loss read nothing from checkpoint storage. The
+user-script test runs `examples/user_train.py` (not runtime.train) under the same
+harness, proving the documented contract is enough. They need runtime/, ckpt/ and
 elastic/ (`elastic.launch`); they are marked slow and never skipped: if a piece is
-missing they fail and say which. `tiers`, the user script and the broken resume are `long` (run by
-`scripts/test.sh --long`, not by CI).
+missing they fail and say which. `tiers`, the user script and the broken resume are
+`long` (run by `scripts/test.sh --long`, not by CI).
 """
 
 from __future__ import annotations
@@ -54,6 +55,25 @@ def test_ci_smoke_passes_within_budget(tmp_path: Path) -> None:
     sizes = [a["world_size"] for a in rep["attempts"]]
     assert sizes[0] == 2 and sizes[-1] == 1, sizes  # resumed at the smaller size
     assert (tmp_path / "junit.xml").is_file() and (out / "loss.png").is_file()
+    assert not _ours(out), "processes leaked past teardown"
+
+
+# ~100 s on a quiet 2-core machine (the reference and the chaos run, two groups each).
+@pytest.mark.timeout(600)
+def test_replica_groups_heal_in_place_under_faults(tmp_path: Path) -> None:
+    scenario = load_scenario(ROOT / "scenarios" / "replica-ci.toml")
+    out = tmp_path / "replica-ci"
+    result = run_scenario(scenario, out)
+    assert result.passed, render_markdown(result.report, None)
+    rep = result.report
+    checks = {r["number"]: r for r in rep["invariants"]}
+    assert {8, 9, 10, 11} <= set(checks), sorted(checks)
+    # The group never hit kept its first workers; the hit one restarted once, and healed.
+    assert sorted(checks[8]["measured"]["worker_starts"].values()) == [2, 4], checks[8]
+    assert checks[10]["measured"]["heals"] >= 1
+    assert checks[9]["measured"]["steps_compared"] >= 10
+    kill = next(f for f in rep["faults"] if f["kind"] == "kill_worker")
+    assert kill["first_step_s"] is not None and kill["detail"]["healed_bytes"] > 0, kill
     assert not _ours(out), "processes leaked past teardown"
 
 
