@@ -388,10 +388,11 @@ class Injector:
     def _maybe_replace(self, spec: Any, event: FaultEvent) -> None:
         if spec.replace_after_s is not None:
             event.detail["replaced_after_s"] = spec.replace_after_s
-            self.cluster.schedule(
-                spec.replace_after_s, lambda: None if self.cluster.add_node() else None,
-                f"replacement for node {event.node}",
-            )
+            def replace() -> None:
+                event.detail["replacement"] = self.cluster.add_node()
+
+            self.cluster.schedule(spec.replace_after_s, replace,
+                                  f"replacement for node {event.node}")
 
     def _scale_up(self, spec: Any, event: FaultEvent) -> None:
         node = self.cluster.add_node()

@@ -23,7 +23,7 @@ from pathlib import Path
 from typing import Any
 from xml.etree import ElementTree as ET
 
-from chaos.logs import StepRecord, effective_history, split_attempts
+from chaos.logs import StepRecord, effective_history, job_history, split_attempts
 from chaos.verifier import InvariantResult
 
 logger = logging.getLogger(__name__)
@@ -70,10 +70,19 @@ def build_report(
     ended_at: float,
     reference_wall_s: float | None,
     notes: Sequence[str] = (),
+    replica_groups: int | None = None,
 ) -> dict[str, Any]:
     """The report as plain data. `faults` are `FaultEvent.to_dict()`s (times relative to
-    each fault in `detect_s`, `rendezvous_s`, `first_step_s`)."""
+    each fault in `detect_s`, `rendezvous_s`, `first_step_s`). `replica_groups`: the
+    groups the job started with, when each node was a replica group; the attempts and
+    curves are then the job's (each step once), and `goodput.fleet_goodput` weighs each
+    step by the share of the groups that trained it."""
     wall = ended_at - started_at
+    fleet_useful = None
+    if replica_groups:
+        fleet_useful = sum((r.step_time_s or 0.0) * (r.quorum_size or 0) / replica_groups
+                           for r in job_history(records))
+        records = job_history(records)
     hist = effective_history(records)
     useful = sum(r.step_time_s or 0.0 for r in hist.values())
     recovery = [f["first_step_s"] for f in faults if f.get("first_step_s") is not None]
@@ -99,6 +108,8 @@ def build_report(
             "useful_step_s": round(useful, 3),
             "wall_s": round(wall, 3),
             "goodput": round(useful / wall, 4) if wall > 0 else None,
+            **({"fleet_goodput": round(fleet_useful / wall, 4) if wall > 0 else None}
+               if fleet_useful is not None else {}),
         },
         "attempts": [
             {"index": a.index, "restored_step": a.restored_step, "first_step": a.first.step,
@@ -139,7 +150,10 @@ def render_markdown(rep: dict[str, Any], png_name: str | None = "loss.png") -> s
         f"reference run {_fmt(rep.get('reference_wall_s'), ' s')}. "
         f"Goodput {_fmt(rep['goodput']['goodput'])} "
         f"(useful step time {_fmt(rep['goodput']['useful_step_s'], ' s')} / wall "
-        f"{_fmt(rep['goodput']['wall_s'], ' s')}).",
+        f"{_fmt(rep['goodput']['wall_s'], ' s')})."
+        + (f" Fleet goodput {_fmt(rep['goodput']['fleet_goodput'])} (each step weighted by "
+           "the share of the replica groups in its quorum)."
+           if "fleet_goodput" in rep["goodput"] else ""),
         "",
         "## Invariants",
         "",

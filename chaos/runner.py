@@ -494,37 +494,76 @@ class _Recovery:
 
 
 class _QuorumRecovery:
-    """Measures one fault when replica groups are on, where survivors do not restart:
-    recovery ends at the survivors' first step in a quorum formed after the fault (their
-    pause; detection and re-forming happen inside it), and `detail["rejoin_s"]` is when a
-    group that was hit (restarted by its agent) or is new (a replacement, a spare) first
-    logs a step: its heal done."""
+    """Measures one fault when replica groups are on, where survivors do not restart.
+
+    - `first_step_at` (the report's recovery): when the fault hit a member of the
+      quorum, the survivors' first step in a quorum formed after it;
+    - `detail["pause_s"]`: the survivors' longest stall the fault caused: the gap
+      between their last step before a new quorum and their first step in it (at the
+      loss, and again when the hit or replacement group heals in);
+    - `detail["rejoin_s"]`: fault -> the first step of the group that comes back: the
+      hit group (restarted by its agent), the replacement (`detail["replacement"]`,
+      set when it starts) or the spare a scale-up added.
+    """
 
     def __init__(self, event: FaultEvent, records: list[StepRecord]) -> None:
         self.event = event
+        self.records = records
+        """The launch's records so far (the watch's own list: it grows)."""
         self.victim = _node_name(event.node) if event.node is not None else None
-        self.known = {r.replica_group for r in records}
         self.quorum = records[-1].quorum if records else None
+        in_quorum = {r.replica_group for r in records if r.quorum == self.quorum}
+        self.member = self.victim in in_quorum and event.kind is not FaultKind.SCALE_UP
+        if not self.member:
+            event.detail["quorum_member"] = False
+        self.join_quorum: int | None = None
         self.rejoins = event.kind in (FaultKind.SCALE_UP, FaultKind.KILL_WORKER,
                                       FaultKind.STOP_WORKER, FaultKind.KILL_DURING_PERSIST,
                                       FaultKind.KILL_COORDINATOR_BEFORE_COMMIT) or bool(
             event.detail.get("replaced_after_s") is not None)
 
+    def _joiner(self) -> str | None:
+        e = self.event
+        if e.kind in (FaultKind.KILL_NODE, FaultKind.PREEMPT, FaultKind.SCALE_DOWN):
+            new = e.detail.get("replacement")
+            return _node_name(new) if new is not None else None
+        return self.victim
+
+    def _pause(self, rec: StepRecord) -> float | None:
+        """Gap before survivor record `rec` (the first of its group in a new quorum)."""
+        mine = [r for r in self.records if r.replica_group == rec.replica_group
+                and r.time is not None and r.time < rec.time]
+        return round(rec.time - mine[-1].time, 3) if mine else None
+
     def update(self, new_records: list[StepRecord]) -> bool:
         e = self.event
+        joiner = self._joiner()
         for rec in new_records:
             if rec.time is None or rec.time < e.time:
                 continue
-            joined = rec.replica_group == self.victim or rec.replica_group not in self.known
-            if joined:
-                if self.rejoins and "rejoin_s" not in e.detail:
-                    e.detail["rejoin_s"] = round(rec.time - e.time, 3)
-                    e.detail["rejoined_group"] = rec.replica_group
-                    e.detail["healed_bytes"] = rec.healed_bytes
+            if rec.replica_group in (self.victim, joiner):
+                if (self.rejoins and rec.replica_group == joiner
+                        and "rejoin_s" not in e.detail):
+                    e.detail.update(rejoin_s=round(rec.time - e.time, 3),
+                                    rejoined_group=rec.replica_group,
+                                    healed_bytes=rec.healed_bytes)
+                    self.join_quorum = rec.quorum
                 continue
-            if e.first_step_at is None and rec.quorum != self.quorum:
+            if rec.quorum == self.quorum:
+                continue
+            if self.member and e.first_step_at is None:
                 e.detected_at = e.rendezvous_at = e.first_step_at = rec.time
-        return e.first_step_at is not None and (not self.rejoins or "rejoin_s" in e.detail)
+                e.detail["pause_s"] = self._pause(rec)
+        if self.join_quorum is not None and "join_pause_s" not in e.detail:
+            # The survivors' first step in the quorum the joiner entered (its log line may
+            # come before or after the joiner's).
+            first = next((r for r in self.records if r.quorum == self.join_quorum
+                          and r.replica_group not in (self.victim, joiner)), None)
+            if first is not None:
+                e.detail["join_pause_s"] = self._pause(first)
+        lost_done = not self.member or e.first_step_at is not None
+        join_done = not self.rejoins or "join_pause_s" in e.detail
+        return lost_done and join_done
 
 
 def _metrics_tail(path: Path, offset: int) -> tuple[list[str], int]:
@@ -643,6 +682,12 @@ class _Watch:
                     f" (removed nodes: {sorted(set(codes) - set(kept))})"
                     if len(kept) != len(codes) else "")
                 finished = bool(kept) and all(c == 0 for c in kept.values())
+                break
+            window = self.scenario.run_for_s
+            if (window and self.first_step_time is not None
+                    and time.time() - self.first_step_time >= window):
+                detail = f"stopped {window:g} s after the first step (run_for_s)"
+                finished = False
                 break
             if time.monotonic() > deadline:
                 detail = (f"deadline of {deadline_s:.0f} s passed at step {self.high}; live "
@@ -918,6 +963,7 @@ def run_scenario(scenario: Scenario, out_dir: str | Path, *, seed: int | None = 
             reference_wall_s=(ref_outcome.ended_at - ref_outcome.started_at
                               if ref_outcome else None),
             notes=notes,
+            replica_groups=scenario.cluster.nodes if scenario.cluster.replica_groups else None,
         )
         write_report(out, report)
         if junit:

@@ -382,6 +382,9 @@ class Scenario:
     """Global wall-clock bound on the chaos run; everything is torn down after it."""
     reference_deadline_s: float = 0.0
     """Bound on the reference run; 0 means `deadline_s`."""
+    run_for_s: float = 0.0
+    """Stop the chaos run this long after its first step, whatever step it reached (a
+    benchmark's window: `relight bench goodput`); 0 runs it to `target_step`."""
     cluster: ClusterSpec = field(default_factory=ClusterSpec)
     training: TrainingSpec = field(default_factory=lambda: TrainingSpec(config="configs/tiny.toml"))
     storage: StorageSpec = field(default_factory=StorageSpec)
@@ -396,6 +399,7 @@ class Scenario:
         _check(bool(self.name), "name", "must be a non-empty string")
         _check(self.target_step >= 1, "target_step", "must be >= 1")
         _check(self.deadline_s > 0, "deadline_s", "must be > 0")
+        _check(self.run_for_s >= 0, "run_for_s", "must be >= 0 (0: run to target_step)")
         for i, f in enumerate(self.faults):
             f.validate(f"faults[{i}]")
             if f.kind in NODE_LOSSES and f.node is not None:

@@ -11,6 +11,12 @@ restore time, step time, checkpoint interval) and the run's fault rate: the wall
 the faults that forced a restart (the model's failures all cost a rollback; a storage
 error absorbed by retries or an etcd restart the job rides through costs nothing). The
 scenario's nominal MTBF (`mtbf.mean_s`, every kind) is shown beside it.
+
+Scenarios of replica groups that heal in place use the heal model instead
+(`runtime.plan.heal_goodput`: per fault every group pauses, and the lost group's GPUs
+wait for its heal; nothing rolls back), with the run's own median pause (fault ->
+survivors' first step in a new quorum) and median rejoin (fault -> the hit or
+replacement group's first step), against the run's fleet goodput.
 """
 
 from __future__ import annotations
@@ -26,7 +32,7 @@ from typing import Any
 
 from chaos.faults import RESTARTING, FaultKind
 from chaos.report import load_report, percentile
-from runtime.plan import RunMetricsError, expected_goodput, measure_run
+from runtime.plan import RunMetricsError, expected_goodput, heal_goodput, measure_run
 
 __all__ = ["SeedRow", "main", "predicted_goodput", "render_markdown", "seed_row",
            "series_recovery"]
@@ -102,21 +108,36 @@ def seed_row(run_dir: str | Path) -> SeedRow:
     measured_mtbf = wall / len(restarting) if restarting else None
     interruptions = max(0, len(rep["attempts"]) - 1)
     interruption_mtbf = wall / interruptions if interruptions else None
+    goodput = rep["goodput"]["goodput"]
+    predict = predicted_goodput
+    cluster = (rep.get("scenario_config") or {}).get("cluster") or {}
+    if cluster.get("replica_groups"):
+        goodput = rep["goodput"].get("fleet_goodput", goodput)
+        rejoins = [f["detail"]["rejoin_s"] for f in injected if "rejoin_s" in f["detail"]]
+        heal_s = statistics.median(rejoins) if rejoins else 0.0
+        groups = int(cluster.get("nodes", 1))
+
+        def predict(interval: float | None, stall: float | None, pause: float | None,
+                    mtbf: float | None) -> float | None:
+            if None in (interval, stall, pause, mtbf) or not mtbf:
+                return None
+            return heal_goodput(interval, stall, mtbf, groups, pause, heal_s)
+
+        restore = rec["median_s"]  # the survivors' pause takes the restore's place
     return SeedRow(
         seed=int(rep["seed"]), passed=bool(rep["passed"]), wall_s=wall,
         faults_injected=len(injected), faults_drawn=len(faults),
         restarting_faults=len(restarting),
         recovery_median_s=rec["median_s"], recovery_p90_s=rec["p90_s"],
-        recovery_max_s=rec["max_s"], goodput=rep["goodput"]["goodput"],
+        recovery_max_s=rec["max_s"], goodput=goodput,
         broken=tuple(i["name"] for i in rep["invariants"] if not i["ok"]),
         recoveries_s=tuple(rec["values_s"]), nominal_mtbf_s=nominal,
         measured_mtbf_s=measured_mtbf, interruptions=interruptions,
         interruption_mtbf_s=interruption_mtbf, save_stall_s=stall, restore_time_s=restore,
         step_time_s=step, interval_s=interval,
-        predicted_goodput=predicted_goodput(interval, stall, restore, measured_mtbf),
-        predicted_goodput_interruptions=predicted_goodput(interval, stall, restore,
-                                                          interruption_mtbf),
-        predicted_goodput_nominal=predicted_goodput(interval, stall, restore, nominal),
+        predicted_goodput=predict(interval, stall, restore, measured_mtbf),
+        predicted_goodput_interruptions=predict(interval, stall, restore, interruption_mtbf),
+        predicted_goodput_nominal=predict(interval, stall, restore, nominal),
     )
 
 
