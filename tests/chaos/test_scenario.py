@@ -12,7 +12,8 @@ from chaos.scenario import ScenarioError, load_scenario, parse_scenario
 ROOT = Path(__file__).resolve().parents[2]
 
 
-@pytest.mark.parametrize("name", ["ci-smoke", "preemptible-fleet", "storage-hell"])
+@pytest.mark.parametrize("name", ["ci-smoke", "preemptible-fleet", "storage-hell",
+                                  "replica-ci", "replica-fleet"])
 def test_shipped_scenarios_load(name: str) -> None:
     s = load_scenario(ROOT / "scenarios" / f"{name}.toml")
     assert s.name == name
@@ -57,6 +58,10 @@ BASE = {"name": "t", "training": {"config": "configs/tiny.toml"}}
         ({"verify": {"loss_rtol": -1.0}}, "verify.loss_rtol"),
         ({"cluster": {"lease_ttl_s": 0.5}}, "cluster.lease_ttl_s"),
         ({"cluster": {"rejoin_timeout_s": -1.0}}, "cluster.rejoin_timeout_s"),
+        ({"cluster": {"etcd_members": 2}}, "cluster.etcd_members"),
+        ({"cluster": {"replica_groups": True, "launcher": "torchrun"}},
+         "cluster.replica_groups"),
+        ({"run_for_s": -1.0}, "run_for_s"),
     ],
 )
 def test_errors_name_the_key(patch: dict, key: str) -> None:
