@@ -1,6 +1,11 @@
 """The training loop: ``python -m runtime.train --config configs/tiny.toml [--key=value ...]``.
 
-Runs as a single process or under torchrun (one process per rank). Order of a run:
+Runs as a single process or under torchrun (one process per rank). `Trainer` composes
+the parts of a run: the model, optimizer and data it builds itself; checkpoints through
+its `runtime.checkpointing.Checkpointer` (where they live, when they are written, the
+restore at start, the emergency save); replica groups through
+`runtime.replicas.ReplicaTraining` (the quorum, the cross-group reduction, the heal);
+metrics through `runtime.metrics.MetricsWriter`. Order of a run:
 
 1. init the process group (gloo on CPU, NCCL on CUDA; a 1-rank group when run alone),
 2. plan the layout and build the mesh, build the full model with its deterministic init,
@@ -33,7 +38,6 @@ from __future__ import annotations
 import argparse
 import logging
 import os
-import secrets
 import sys
 import time
 from collections.abc import Callable
@@ -46,7 +50,8 @@ import torch.nn.functional as F
 from torch.distributed.fsdp import FSDPModule
 
 from runtime import state as st
-from runtime.config import Config, ConfigError, config_to_dict, load_config
+from runtime.checkpointing import Checkpointer, all_gather
+from runtime.config import Config, ConfigError, load_config
 from runtime.data import BatchPlan, DataLoader, build_corpus
 from runtime.device import Device, bound_mesh_timeouts, init_process_group, resolve_device
 from runtime.evaluate import eval_loss
@@ -70,7 +75,7 @@ from runtime.observability import (
 )
 from runtime.optim import LRSchedule, build_optimizer, clip_grad_norm_
 from runtime.parallel.pp import build_pipeline
-from runtime.preemption import NoticeWatcher, decide, estimate_save_s
+from runtime.preemption import NoticeWatcher
 from runtime.watchdog import Watchdog
 
 __all__ = ["PREEMPTED_EXIT_CODE", "TrainResult", "Trainer", "main", "run_training"]
@@ -122,12 +127,6 @@ def init_distributed(cfg: Config) -> tuple[Device, bool]:
         init_process_group(device, cfg.train.collective_timeout_s, store=dist.HashStore(),
                            rank=0, world_size=1)
     return device, True
-
-
-def _all_gather(out: torch.Tensor, inp: torch.Tensor) -> None:
-    # torch 2.13 renamed all_gather_into_tensor to all_gather_single.
-    fn = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
-    fn(out, inp)
 
 
 _ROW = 5
@@ -201,32 +200,27 @@ class Trainer:
         self.autocast = (cfg.train.mixed_precision == "bf16" and not self.fsdp)
         self.flops_per_token = flops_per_token(cfg.model, cfg.data.seq_len)
         self.peak = peak_flops(self.device, cfg.train.peak_tflops)
-        self.ckpt_mgr: Any = None
-        self.restored_step: int | None = None
         self.on_grads: Callable[[Trainer], None] | None = None
         """Called after backward, before clipping, each step (tests inspect gradients)."""
         self.watcher: NoticeWatcher | None = None
         self.restarts = restarts_from_env()
         self.rdzv_round = rdzv_round_from_env()
-        self.restore_s: float | None = None
-        """Seconds the checkpoint restore took at start (None: nothing restored)."""
-        self._peer_server: Any = None
-        """This node's replica server (`storage.peer`), run by the node's first rank."""
-        self.restore_started_at: float | None = None
-        """Unix time the restore began (a checkpoint damaged after it may have been read
-        intact); in the first metrics record after a restore."""
-        self.restore_tier_bytes: dict[str, int] | None = None
-        """Data bytes each checkpoint tier served to the restore, summed over the ranks
-        (None without a local tier); in the first metrics record after a restore."""
-        self.restore_io: dict[str, Any] | None = None
-        """Bytes the restore read from the persistent store (all of them: data, manifests,
-        markers) and, with a local tier, what each tier served."""
-        self._pending: tuple[Any, float] | None = None
-        """(handle, unix time the save began) of the save not yet seen finished."""
-        self._last_commit_unix: float | None = None
-        self._save_timings: list[tuple[int, float]] = []
-        """(bytes written, seconds to commit) of this run's saves on this rank."""
         self.prometheus = self._start_prometheus()
+        self.checkpointer = Checkpointer(
+            cfg, rank=self.rank, world=self.world, device=self.device, layout=self.layout,
+            log=self.log, optimizer=self.optimizer, state=self.state_dict,
+            load=self.load_state_dict, step=lambda: self.step, prometheus=self.prometheus,
+            rdzv_round=self.rdzv_round)
+        """Where checkpoints live, when they are written, what is reported about them."""
+
+    @property
+    def ckpt_mgr(self) -> Any:
+        """The run's `ckpt.CheckpointManager` (None without `checkpoint.url`)."""
+        return self.checkpointer.manager
+
+    @property
+    def restored_step(self) -> int | None:
+        return self.checkpointer.restored_step
 
     # ---- state ---------------------------------------------------------------------------
 
@@ -243,202 +237,6 @@ class Trainer:
         ts = st.apply_state_dict(self.model, self.optimizer, sd)
         self.step = ts.step
         self.data.position = ts.data_position
-
-    def _open_checkpoints(self) -> None:
-        c = self.cfg.checkpoint
-        if not c.url:
-            return
-        import ckpt  # the checkpoint engine; imported lazily so the runtime works without it
-
-        self.ckpt_mgr = ckpt.CheckpointManager(
-            self._checkpoint_store(), keep_last=c.keep_last, config=config_to_dict(self.cfg),
-            layout=self.layout.as_dict(), busy=c.busy,
-            options=ckpt.SaveOptions(pipelined_staging=c.pipelined_staging),
-            # The runtime keeps training through failed saves (a storage outage must not
-            # stop the job; the chaos invariant): it logs each one, counts it in the
-            # metrics, and the next committed save recovers. A user's script gets the
-            # default policy instead, which stops after three failures in a row.
-            on_failures=ckpt.SaveFailurePolicy(max_consecutive=None),
-        )
-        if c.pipelined_staging:  # the snapshot copy may still read the state: guard updates
-            ckpt.guard_optimizer(self.optimizer)
-        if not c.resume:
-            return
-        if self.replicas is not None and self.replicas.healing:
-            self.log.info("replica groups are training: this group's state comes from a "
-                          "live group's memory, nothing is read from %s", c.url)
-            return
-        if self.ckpt_mgr.latest_step() is None:
-            self.log.info("no committed checkpoint under %s; starting from scratch", c.url)
-            return
-        sd = self.state_dict(with_optimizer=True)
-        read0 = self.ckpt_mgr.store.stats.snapshot()["bytes_read"]
-        t0 = time.perf_counter()
-        self.restore_started_at = time.time()
-        # step=None: the newest committed step that loads cleanly (older ones if damaged).
-        restored = self.ckpt_mgr.restore(sd, step=c.restore_step or None)
-        self.load_state_dict(sd)
-        if self.step != restored:
-            raise st.StateError(
-                f"checkpoint step {restored} under {c.url} holds train/step={self.step}"
-            )
-        self.restored_step = restored
-        self.restore_s = time.perf_counter() - t0
-        self.log.extra["step"] = self.step
-        rnd = "" if self.rdzv_round is None else f", rendezvous round {self.rdzv_round}"
-        self.log.info("restore from step %d at layout %s (saved at layout %s) from %s in "
-                      "%.2f s%s", restored, self.layout.describe(), sd[st.TRAIN].get("layout"),
-                      c.url, self.restore_s, rnd)
-        tiers = self.tier_stats()
-        self.restore_io = {"persistent_bytes_read":
-                           self.ckpt_mgr.store.stats.snapshot()["bytes_read"] - read0,
-                           "tiers": tiers}
-        if tiers is not None:
-            self.log.info("restore served %s bytes per tier (local tier misses: %s)",
-                          tiers["served"], tiers["misses"] or "none")
-            from ckpt.comm import Comm
-
-            # Every rank's figures, summed: what the metrics (and the chaos verifier) see.
-            self.restore_tier_bytes = {}
-            for served in Comm(None).allgather_json(tiers["served"]):
-                for tier, n in served.items():
-                    self.restore_tier_bytes[tier] = self.restore_tier_bytes.get(tier, 0) + n
-        if self.rank == 0:
-            self._note_restored_commit(restored)
-
-    def _checkpoint_store(self) -> Any:
-        """The checkpoint root: the persistent store, fronted by the node-local tier when
-        ``checkpoint.local_tier_dir`` is set (its budget split over this host's ranks)."""
-        from storage import open_store
-
-        c = self.cfg.checkpoint
-        store = open_store(c.url)
-        if not c.local_tier_dir:
-            return store
-        from ckpt.comm import Comm
-        from storage.tiered import TieredStore, local_tier_dir, tier_node
-
-        comm = Comm(None)
-        node = tier_node(c.local_tier_node)
-        # With peers, rank 0 draws the token the replica servers will ask for; it rides
-        # on the gather of node names.
-        token = secrets.token_hex(32) if self.rank == 0 and c.peer_replicas > 0 else None
-        gathered = comm.allgather_json([node, token])
-        nodes = [n for n, _ in gathered]
-        budget = c.local_tier_budget_mb * (1 << 20) // nodes.count(node)
-        tiered = TieredStore(store, local_tier_dir(c.local_tier_dir, store.url, node), budget,
-                             writer=self.rank)
-        self.log.info("local tier %s, %d MiB for this rank", tiered.local_dir, budget >> 20)
-        if c.peer_replicas > 0:
-            self._attach_peers(tiered, comm, node, nodes, gathered[0][1])
-        return tiered
-
-    def _attach_peers(self, tiered: Any, comm: Any, node: str, nodes: list[str],
-                      token: str) -> None:
-        """The node's first rank serves the node's replicas (`storage.peer`); every rank
-        learns the servers' addresses (one all-gather here, on the main thread) and copies
-        to the next `peer_replicas` nodes in name order. The servers answer only requests
-        carrying `token` (rank 0's secret, shared with every rank)."""
-        from storage.peer import PeerServer
-        from storage.tiered import REPLICA_DIR
-
-        if nodes.index(node) == self.rank:
-            # Each of the k nodes pushing here holds at most local_tier_budget_mb: the
-            # node's memory stays within (1 + k) x the budget (docs/tiers.md).
-            c = self.cfg.checkpoint
-            self._peer_server = PeerServer(
-                os.path.join(tiered.local_dir, REPLICA_DIR), host=c.peer_host or "0.0.0.0",
-                toward=os.environ.get("MASTER_ADDR"), also_serve=(tiered.local_dir,),
-                budget_bytes=c.peer_replicas * c.local_tier_budget_mb * (1 << 20),
-                token=token)
-        mine = self._peer_server.address if self._peer_server is not None else None
-        addrs = {n: a for n, a in comm.allgather_json([node, mine]) if a is not None}
-        ring = sorted(addrs)
-        others = [ring[(ring.index(node) + i) % len(ring)] for i in range(1, len(ring))]
-        push_to = [addrs[n] for n in others[:self.cfg.checkpoint.peer_replicas]]
-        tiered.attach_peers(push_to, [addrs[n] for n in others], token)
-        self.log.info("peer tier: replicas to %s, %d peer(s) to fetch from",
-                      others[:self.cfg.checkpoint.peer_replicas] or "no other node",
-                      len(others))
-
-    def _drop_local_tier(self) -> None:
-        """The run is complete: free the node memory its local tier holds (after every
-        rank has flushed its copies, so none lands after the delete)."""
-        store = self.ckpt_mgr.store
-        if not hasattr(store, "drop_local"):
-            return
-        store.flush()
-        dist.barrier()
-        store.drop_local()
-        self.log.info("run complete: dropped the local tier %s", store.local_dir)
-
-    def tier_stats(self) -> dict[str, Any] | None:
-        """What each checkpoint tier served (None without a local tier)."""
-        store = getattr(self.ckpt_mgr, "store", None)
-        stats = getattr(store, "tier_stats", None)
-        return None if stats is None else stats.snapshot()
-
-    def _note_restored_commit(self, step: int) -> None:
-        """The restored checkpoint is the newest commit until this run commits one."""
-        from ckpt.manager import list_records
-
-        try:
-            rec = list_records(self.ckpt_mgr.store).get(step)
-        except Exception:  # noqa: BLE001 - only the commit-age metric depends on it
-            self.log.warning("could not read the commit record of step %d", step)
-            return
-        if rec is not None and rec.created > 0:
-            self._last_commit_unix = rec.created
-            if self.prometheus is not None:
-                self.prometheus.set_last_commit(step, rec.created)
-
-    def _maybe_save(self) -> tuple[float, bool, bool]:
-        """Start this step's checkpoint when one is due: (stall seconds, ok, whether due)."""
-        c = self.cfg.checkpoint
-        last = self.step in (self.cfg.train.steps, self.cfg.train.stop_at)
-        if self.ckpt_mgr is None or (self.step % c.every and not last):
-            return 0.0, True, False
-        if self.replicas is not None and not self.replicas.saves_checkpoints:
-            return 0.0, True, False  # the replicas hold the same state: one group writes it
-        t0, began = time.perf_counter(), time.time()
-        try:
-            handle = self.ckpt_mgr.save(self.step, self.state_dict(), async_save=c.async_save,
-                                        busy="wait" if last else None)
-        except Exception:  # a failed save must not stop training; older checkpoints remain
-            self.log.exception("checkpoint save of step %d failed; training continues and "
-                               "older checkpoints are untouched", self.step)
-            self._poll_save()
-            return time.perf_counter() - t0, False, True
-        self._poll_save()  # the manager waited for the previous save: report it first
-        if handle is None:  # skipped by the manager's busy="skip" policy: nothing started
-            return time.perf_counter() - t0, True, False
-        self._pending = (handle, began)
-        return time.perf_counter() - t0, True, True
-
-    def _poll_save(self) -> None:
-        """Report the save in flight once it has finished: one log line (committed on rank 0,
-        failed on every rank), the commit age, Prometheus, the timings preemption uses."""
-        if self._pending is None or not self._pending[0].done():
-            return
-        (h, began), self._pending = self._pending, None
-        if h.error is not None:
-            if self.prometheus is not None:
-                self.prometheus.record_save_failure()
-            self.log.error("checkpoint save of step %s failed: %s: %s; training continues "
-                           "and older checkpoints are untouched", h.step,
-                           type(h.error).__name__, h.error)
-            return
-        committed = min(time.time(), began + float(h.total_s))
-        self._last_commit_unix = committed
-        if h.total_s > 0:
-            self._save_timings.append((int(h.bytes_written), float(h.total_s)))
-        if self.prometheus is not None:
-            self.prometheus.record_commit(h.step, int(h.bytes_written), float(h.total_s),
-                                          committed_unix=committed)
-        if self.rank == 0:
-            self.log.info("checkpoint step %s committed: %.1f MiB from this rank, %.2f s from "
-                          "start to commit (training stalled %.3f s)", h.step,
-                          h.bytes_written / 2**20, h.total_s, h.stall_s)
 
     def _start_prometheus(self) -> PrometheusExporter | None:
         """Rank 0's metrics endpoint, when configured. A port that cannot be bound is
@@ -479,87 +277,6 @@ class Trainer:
         if not w.board.pending:
             return 0.0, _NO_DEADLINE
         return 1.0, w.board.deadline_unix() - time.time()
-
-    def _local_state_bytes(self, sd: dict[str, Any]) -> int:
-        total = 0
-
-        def walk(v: Any) -> None:
-            nonlocal total
-            if isinstance(v, dict):
-                for x in v.values():
-                    walk(x)
-            elif isinstance(v, list | tuple):
-                for x in v:
-                    walk(x)
-            elif isinstance(v, torch.Tensor):
-                t = v.to_local() if hasattr(v, "to_local") else v
-                total += t.numel() * t.element_size()
-
-        walk(sd)
-        return total
-
-    def _fallback_note(self, mgr: Any) -> str:
-        latest = mgr.latest_step()
-        if latest is None:
-            return (f"no committed checkpoint exists: the resume starts from scratch "
-                    f"({self.step} steps lost)")
-        return (f"the resume will use the newest committed checkpoint, step {latest} "
-                f"({self.step - latest} steps lost)")
-
-    def emergency_checkpoint(self, remaining_s: float, result: TrainResult) -> None:
-        """Every rank, at the same step boundary after the ranks agreed on a notice: let the
-        async save in flight commit, agree whether a synchronous save of this step fits in
-        the grace left, and write it (a collective save; it commits before returning)."""
-        pcfg = self.cfg.preemption
-        if self.watcher is not None:
-            self.watcher.phase = "emergency"
-        deadline = time.monotonic() + remaining_s
-        mgr = self.ckpt_mgr
-        if mgr is None:
-            result.emergency_note = "checkpoint.url is not set: nothing to save"
-            self.log.warning("preemption: %s", result.emergency_note)
-            return
-        t0 = time.perf_counter()
-        try:
-            mgr.wait()  # the async save in flight commits first (or fails on its own)
-        except Exception:
-            self.log.exception("preemption: the checkpoint in flight failed; the emergency "
-                               "save goes on")
-        result.emergency_wait_s = time.perf_counter() - t0
-        self._poll_save()
-        sd = self.state_dict()
-        nbytes = self._local_state_bytes(sd)
-        est = estimate_save_s(nbytes, self._save_timings, pcfg.assumed_write_mb_s)
-        # The go / no-go must be the same on every rank: decide from gathered values.
-        mine = torch.tensor([est, deadline - time.monotonic()], dtype=torch.float64,
-                            device=self.device)
-        both = torch.empty(self.world * 2, dtype=torch.float64, device=self.device)
-        _all_gather(both, mine)
-        both = both.view(self.world, 2).cpu()
-        decision = decide(both[:, 0].tolist(), both[:, 1].tolist(),
-                          safety_factor=pcfg.safety_factor, margin_s=pcfg.save_margin_s)
-        if not decision.save:
-            result.emergency_note = (f"{decision.reason}: skipping the emergency save; "
-                                     + self._fallback_note(mgr))
-            self.log.warning("preemption: %s", result.emergency_note)
-            return
-        self.log.info("preemption: emergency save of step %d starts (%.1f MiB on this rank; "
-                      "%s)", self.step, nbytes / 2**20, decision.reason)
-        t0 = time.perf_counter()
-        try:
-            mgr.save(self.step, sd, async_save=False, busy="wait")
-            mgr.wait()
-        except Exception as e:
-            result.emergency_note = (f"emergency save failed ({type(e).__name__}: {e}); "
-                                     + self._fallback_note(mgr))
-            self.log.exception("preemption: %s", result.emergency_note)
-            return
-        result.emergency_save_s = time.perf_counter() - t0
-        result.emergency_step = self.step
-        result.emergency_note = (f"committed step {self.step}: {nbytes / 2**20:.1f} MiB on "
-                                 f"this rank in {result.emergency_save_s:.2f} s "
-                                 f"(estimated {est:.2f} s)")
-        self.log.info("preemption: emergency checkpoint %s", result.emergency_note)
 
     # ---- one step ------------------------------------------------------------------------
 
@@ -603,7 +320,7 @@ class Trainer:
             crc = crc32c(local.contiguous().cpu().reshape(-1).view(torch.uint8).numpy(), crc)
         mine = torch.tensor([float(crc)], dtype=torch.float64, device=self.device)
         every = torch.empty(self.world, dtype=torch.float64, device=self.device)
-        _all_gather(every, mine)
+        all_gather(every, mine)
         return [int(v) for v in every.cpu().tolist()]
 
     def _replica_plan(self) -> None:
@@ -652,7 +369,7 @@ class Trainer:
             dtype=torch.float64, device=self.device,
         )
         rows = torch.empty(self.world * _ROW, dtype=torch.float64, device=self.device)
-        _all_gather(rows, row)
+        all_gather(rows, row)
         rows = rows.view(self.world, _ROW).cpu()
         loss = float(rows[:, 0].sum() / rows[:, 1].sum())
         noticed = [r for r in range(self.world) if rows[r, 3] > 0]
@@ -684,8 +401,9 @@ class Trainer:
         watchdog = Watchdog(cfg.train.watchdog_timeout_s, rank=self.rank).start()
         self.watcher = NoticeWatcher(cfg.preemption, rank=self.rank).start()
         try:
-            self._open_checkpoints()
-            result.restored_step = self.restored_step
+            ck = self.checkpointer
+            ck.open(healing=self.replicas is not None and self.replicas.healing)
+            result.restored_step = ck.restored_step
             watchdog.beat(self.step)
             tokens = cfg.data.global_batch_size * cfg.data.seq_len
             if self.rank == 0:
@@ -695,10 +413,10 @@ class Trainer:
                               cfg.train.steps, self.plan.local_microbatches, self.restarts, rnd)
             end = min(cfg.train.steps, cfg.train.stop_at or cfg.train.steps)
             self.watcher.phase = "training"
-            first: dict[str, Any] = {"startup_s": _process_age_s(), "restore_s": self.restore_s,
-                                     "restore_started_at": self.restore_started_at}
-            if self.restore_tier_bytes is not None:
-                first["restore_tier_bytes"] = self.restore_tier_bytes
+            first: dict[str, Any] = {"startup_s": _process_age_s(), "restore_s": ck.restore_s,
+                                     "restore_started_at": ck.restore_started_at}
+            if ck.restore_tier_bytes is not None:
+                first["restore_tier_bytes"] = ck.restore_tier_bytes
             while self.step < end:
                 t0 = time.perf_counter()
                 rec = self.train_step()
@@ -709,8 +427,10 @@ class Trainer:
                 step_time = time.perf_counter() - t0
                 noticed, left = rec.pop("_notice_ranks"), rec.pop("_notice_left_s")
                 preempt = bool(noticed) and self.step < end
-                stall, ok, saved = (0.0, True, False) if preempt else self._maybe_save()
-                self._poll_save()
+                saves = self.replicas is None or self.replicas.saves_checkpoints
+                stall, ok, saved = ((0.0, True, False) if preempt
+                                    else ck.maybe_save(saves=saves))
+                ck.poll_save()
                 result.checkpoint_failures += 0 if ok else 1
                 self.log.extra["step"] = self.step
                 watchdog.beat(self.step)
@@ -722,9 +442,8 @@ class Trainer:
                     mfu=(tps * self.flops_per_token / (self.world * self.peak)
                          if self.peak else None),
                     world_size=self.world, layout=self.layout.describe(),
-                    restored_step=self.restored_step, time=time.time(), ckpt_saved=saved,
-                    ckpt_age_s=(None if self._last_commit_unix is None
-                                else max(0.0, time.time() - self._last_commit_unix)),
+                    restored_step=ck.restored_step, time=time.time(), ckpt_saved=saved,
+                    ckpt_age_s=ck.commit_age_s,
                     restarts=self.restarts,
                 )
                 if self.rdzv_round is not None:
@@ -759,7 +478,7 @@ class Trainer:
                         self.log.warning("this replica group leaves; the other groups hold "
                                          "the state and train on (no emergency save)")
                         break
-                    self.emergency_checkpoint(left, result)
+                    ck.emergency_checkpoint(left, result, self.watcher)
                     watchdog.beat(self.step)
                     break
             self.watcher.phase = "done"
@@ -770,13 +489,13 @@ class Trainer:
                 except Exception:
                     self.log.exception("the last checkpoint did not commit")
                     committed = False
-                self._poll_save()
+                ck.poll_save()
                 # Failures of earlier async saves surface (and are counted by the manager)
                 # when the next save waits for them.
                 result.checkpoint_failures += (getattr(self.ckpt_mgr, "failed_saves", 0)
                                                + (0 if committed else 1))
                 if self.step >= cfg.train.steps and not result.preempted:
-                    self._drop_local_tier()
+                    ck.drop_local_tier()
         except Exception as e:
             # A dead peer, a timed-out collective, a failed restore: this rank exits non-zero
             # and the agent re-forms the group; say so once, with rank and step.
@@ -796,9 +515,7 @@ class Trainer:
         if self.replicas is not None:
             self.replicas.close()
             self.replicas = None
-        if self._peer_server is not None:
-            self._peer_server.close()
-            self._peer_server = None
+        self.checkpointer.close()
         if self.prometheus is not None:
             self.prometheus.close()
             self.prometheus = None

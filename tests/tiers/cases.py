@@ -27,5 +27,6 @@ def train(overrides: list[str], config: str = "configs/tiny.toml",
     finally:
         trainer.close()
     return {"restored_step": res.restored_step, "final_step": res.final_step,
-            "tiers": trainer.tier_stats(), "restore_io": trainer.restore_io,
+            "tiers": trainer.checkpointer.tier_stats(),
+            "restore_io": trainer.checkpointer.restore_io,
             "state": {k: _full(v) for k, v in flat_names(trainer.state_dict()).items()}}
