@@ -29,7 +29,7 @@ from typing import Any
 
 import torch
 
-from ckpt.engine import _Reader, save
+from ckpt.engine import save
 from ckpt.errors import (
     CheckpointError,
     CheckpointNotFoundError,
@@ -38,6 +38,7 @@ from ckpt.errors import (
 )
 from ckpt.format import DTYPES, dtype_name, itemsize, numel
 from ckpt.manifest import Manifest, read_manifest
+from ckpt.reader import RegionReader
 from storage import Store, open_store
 
 __all__ = [
@@ -80,7 +81,7 @@ def read_tensor(store: Store, m: Manifest, name: str) -> torch.Tensor:
     t = m.tensors[name]
     shape = tuple(t["shape"])
     box = ((0,) * len(shape), shape)
-    reader = _Reader(store, m, name, box, DTYPES[t["dtype"]])
+    reader = RegionReader(store, m, name, box, DTYPES[t["dtype"]])
     out = reader.result()
     # The reader's packed-tensor converters close over the reader (a cycle): drop them,
     # or each tensor would live until the cyclic GC runs and memory would hold several.

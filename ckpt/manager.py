@@ -18,11 +18,14 @@ import json
 import logging
 import os
 import time
+from collections.abc import Mapping
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from typing import Any, Protocol
 
+from ckpt.collective import RemoteError, all_or_raise
 from ckpt.comm import Comm
+from ckpt.commit import CommitHooks
 from ckpt.engine import LoadInfo, SaveHandle, SaveOptions, load, save
 from ckpt.errors import (
     CheckpointNotFoundError,
@@ -204,6 +207,38 @@ def collect_garbage(store: Store, policies: list[RetentionPolicy], grace_s: floa
     return deleted
 
 
+@dataclass(frozen=True, slots=True)
+class _StepRecords:
+    """The manager's part of one save's commit protocol (`ckpt.commit.CommitHooks`):
+    the step's records under `steps/` and the GC after its commit."""
+
+    mgr: CheckpointManager
+    step: int
+
+    def hooks(self) -> CommitHooks:
+        return CommitHooks(on_start=self.pending, before_commit=self.record,
+                           on_commit=self.committed)
+
+    def pending(self) -> None:
+        self.mgr.store.put(f"{RECORDS}{self.step:012d}.pending", str(time.time()).encode())
+
+    def record(self, manifest: dict[str, Any]) -> None:
+        # Written just before COMMIT, so every rank that sees COMMIT also finds the
+        # record; a record whose COMMIT never came is treated as uncommitted.
+        self.mgr.store.put(f"{RECORDS}{self.step:012d}.json", json.dumps({
+            "step": self.step, "created_unix": manifest.get("created_unix"),
+            "bytes": manifest.get("bytes"), "world_size": manifest.get("world_size"),
+            "layout": manifest.get("layout")}).encode())
+
+    def committed(self, manifest: dict[str, Any]) -> None:
+        mgr = self.mgr
+        mgr.store.delete(f"{RECORDS}{self.step:012d}.pending")
+        try:
+            collect_garbage(mgr.store, mgr.policies, mgr.gc_grace_s, protect={self.step})
+        except Exception as e:  # noqa: BLE001 - GC must never fail a committed save
+            logger.warning("gc of %s after step %d failed: %s", mgr.store.url, self.step, e)
+
+
 class CheckpointManager:
     """Saves, retention and restore for one run's checkpoints under `root_url`.
 
@@ -307,30 +342,12 @@ class CheckpointManager:
             if self.last_wait_s > 0.001:
                 logger.info("save of step %d waited %.3f s for step %s", step,
                             self.last_wait_s, prev.step)
-        def on_start() -> None:
-            self.store.put(f"{RECORDS}{step:012d}.pending", str(time.time()).encode())
-
-        def before_commit(manifest: dict[str, Any]) -> None:
-            # Written just before COMMIT, so every rank that sees COMMIT also finds the
-            # record; a record whose COMMIT never came is treated as uncommitted.
-            self.store.put(f"{RECORDS}{step:012d}.json", json.dumps({
-                "step": step, "created_unix": manifest.get("created_unix"),
-                "bytes": manifest.get("bytes"), "world_size": manifest.get("world_size"),
-                "layout": manifest.get("layout")}).encode())
-
-        def on_commit(manifest: dict[str, Any]) -> None:
-            self.store.delete(f"{RECORDS}{step:012d}.pending")
-            try:
-                collect_garbage(self.store, self.policies, self.gc_grace_s, protect={step})
-            except Exception as e:  # noqa: BLE001 - GC must never fail a committed save
-                logger.warning("gc of %s after step %d failed: %s", self.store.url, step, e)
-
         self._handle = save(
             state_dict, self.store.child(step_dir(step)), async_save=async_save, step=step,
             config=config if config is not None else self.config,
             layout=layout if layout is not None else self.layout,
-            process_group=self.process_group, options=self.options, on_commit=on_commit,
-            on_start=on_start, before_commit=before_commit)
+            process_group=self.process_group, options=self.options,
+            hooks=_StepRecords(self, step).hooks())
         return self._handle
 
     def wait(self) -> None:
@@ -398,22 +415,22 @@ class CheckpointManager:
         # Every rank must try the same steps in the same order: the coordinator decides,
         # and only it lists (the others' listings would be thrown away).
         # A listing that fails is shared too, so no rank is left waiting in the gather.
-        found: dict[str, Any] | None = None
+        found: list[int] | None = None
         failed: Exception | None = None
         if comm.is_coordinator:
             try:
-                found = {"steps": [step] if step is not None else
-                         self.committed_steps()[::-1]}
-            except Exception as e:  # noqa: BLE001 - raised below, after telling the others
-                failed, found = e, {"error": f"{type(e).__name__}: {e}"}
-        found = comm.allgather_json(found, f"the restore from {self.store.url} (every rank "
-                                    "must call CheckpointManager.restore)")[0]  # coordinator's
-        if failed is not None:
-            raise failed
-        if "error" in found:
-            raise StorageError(f"listing the checkpoints under {self.store.url} failed on "
-                               f"the coordinator: {found['error']}", url=self.store.url)
-        candidates = found["steps"]
+                found = [step] if step is not None else self.committed_steps()[::-1]
+            except Exception as e:  # noqa: BLE001 - raised by all_or_raise, on every rank
+                failed = e
+
+        def listing_failed(failures: Mapping[int, RemoteError]) -> BaseException:
+            e = failures[comm.coordinator]
+            return StorageError(f"listing the checkpoints under {self.store.url} failed on "
+                                f"the coordinator: {e['type']}: {e['msg']}", url=self.store.url)
+
+        candidates = all_or_raise(comm, failed, found, f"the restore from {self.store.url} "
+                                  "(every rank must call CheckpointManager.restore)",
+                                  url=self.store.url, remote=listing_failed)[0]  # coordinator's
         if not candidates:
             raise CheckpointNotFoundError(
                 f"no committed checkpoint under {self.store.url}; start from scratch or "

@@ -4,13 +4,11 @@ from __future__ import annotations
 
 import json
 import logging
-from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
 from ckpt.errors import (
     AbsurdShapeError,
-    CheckpointExistsError,
     CheckpointNotFoundError,
     ChecksumMismatchError,
     CorruptCheckpointError,
@@ -19,7 +17,6 @@ from ckpt.format import (
     CHUNK_CRCS,
     COMMIT_KEY,
     DTYPES,
-    INDEX_PREFIX,
     MANIFEST_KEY,
     MAX_NUMEL,
     check_path,
@@ -29,12 +26,12 @@ from ckpt.format import (
     numel,
     zarr_metadata,
 )
-from storage import ObjectNotFoundError, StorageError, Store
+from storage import ObjectNotFoundError, Store
 from storage.checksum import crc32c
 
 logger = logging.getLogger(__name__)
 
-__all__ = ["Manifest", "read_manifest", "crc32c", "publish_commit", "chunk_objects"]
+__all__ = ["Manifest", "read_manifest", "read_commit", "crc32c", "chunk_objects", "validate"]
 
 MAX_CHUNKS = 10_000_000
 
@@ -318,62 +315,3 @@ def read_manifest(store: Store) -> Manifest:
                                      obj=MANIFEST_KEY) from None
     validate(m, url)
     return Manifest(url, m, commit)
-
-
-def _attempt_copy(attempt: str) -> str:
-    return f"{INDEX_PREFIX}{attempt}/{MANIFEST_KEY}"
-
-
-def _exists_error(url: str, attempt: str) -> CheckpointExistsError:
-    return CheckpointExistsError(
-        f"{url}/{COMMIT_KEY}: another writer committed this checkpoint first (this save, "
-        f"attempt {attempt}, is dropped and changed nothing it had committed); two jobs or "
-        "two runs are saving to the same URL: give each its own checkpoint root",
-        url=url, obj=COMMIT_KEY)
-
-
-def publish_commit(store: Store, attempt: str, raw: bytes, marker: dict[str, Any],
-                   before_commit: Callable[[], None] | None = None) -> None:
-    """Coordinator: publish the manifest `raw`, then create the commit marker `marker`.
-
-    The marker is created exclusively (`put_if_absent`), so of two writers racing on one
-    checkpoint URL (a split brain, two runs sharing a root) exactly one commits and the
-    other raises `CheckpointExistsError`. The manifest is also kept at
-    `index/<attempt>/manifest.json`, so a loser that replaced `manifest.json` after the
-    winner wrote it puts the winner's back, and the winner re-checks it after committing.
-    """
-    url = store.url
-    if store.exists(COMMIT_KEY):
-        raise _exists_error(url, attempt)
-    store.put(_attempt_copy(attempt), raw)
-    store.put(MANIFEST_KEY, raw)
-    if before_commit is not None:
-        before_commit()
-    data = json.dumps(marker).encode()
-    if not store.put_if_absent(COMMIT_KEY, data) and read_commit(store).get("attempt") != attempt:
-        _restore_winner_manifest(store)
-        raise _exists_error(url, attempt)
-    try:
-        if store.get(MANIFEST_KEY) != raw:
-            logger.warning("%s: %s was replaced by a racing writer; restoring this commit's",
-                           url, MANIFEST_KEY)
-            store.put(MANIFEST_KEY, raw)
-    except StorageError as e:  # committed already: a failed check must not fail the save
-        logger.warning("%s: committed, but could not re-check %s: %s", url, MANIFEST_KEY, e)
-
-
-def _restore_winner_manifest(store: Store) -> None:
-    """After losing a commit race: make `manifest.json` the winner's again."""
-    try:
-        commit = read_commit(store)
-        want = commit.get("manifest_crc32c")
-        if crc32c(store.get(MANIFEST_KEY)) == want:
-            return
-        copy = store.get(_attempt_copy(str(commit.get("attempt"))))
-        if crc32c(copy) == want:
-            store.put(MANIFEST_KEY, copy)
-            logger.warning("%s: restored the committed %s after a racing writer replaced it",
-                           store.url, MANIFEST_KEY)
-    except (StorageError, CheckpointNotFoundError, CorruptCheckpointError) as e:
-        logger.warning("%s: could not check %s after losing a commit race: %s", store.url,
-                       MANIFEST_KEY, e)
