@@ -46,11 +46,12 @@ from ckpt.format import (
     INDEX_PREFIX,
     MANIFEST_KEY,
     WRITER_VERSION,
+    StorageKind,
     align,
     inner_chunk_shape,
     itemsize,
 )
-from ckpt.manifest import read_commit, validate
+from ckpt.manifest import Manifest, PieceEntry, TensorEntry, read_commit, validate
 from ckpt.plan import SavePlan
 from storage import ObjectNotFoundError, StorageError, Store
 from storage.checksum import crc32c
@@ -70,10 +71,10 @@ class CommitHooks:
 
     on_start: Callable[[], None] | None = None
     """Before this save persists anything."""
-    before_commit: Callable[[dict[str, Any]], None] | None = None
+    before_commit: Callable[[Manifest], None] | None = None
     """With the manifest, after it is published and before the commit marker is created:
     what it writes is there for every rank that sees the marker. Raising aborts the save."""
-    on_commit: Callable[[dict[str, Any]], None] | None = None
+    on_commit: Callable[[Manifest], None] | None = None
     """With the manifest, right after the commit marker is written. An error is logged,
     not raised: the checkpoint is committed."""
 
@@ -122,16 +123,16 @@ def collect_indexes(store: Store, attempt: str,
     return {r: json.loads(raw) for r, raw in zip(ranks, raws, strict=True)}
 
 
-def encode_manifest(manifest: dict[str, Any]) -> bytes:
+def encode_manifest(manifest: Manifest) -> bytes:
     """The manifest's bytes: compact JSON. Indented, one crc32c per line, it was twice
     the size (4.8 MB for the 70B layout at 64 ranks) for no reader's benefit:
     `relight ckpt show` prints what a person wants to see."""
-    return json.dumps(manifest, separators=(",", ":")).encode()
+    return json.dumps(manifest.to_json(), separators=(",", ":")).encode()
 
 
 def build_manifest(plan: SavePlan, attempt: str, data: str,
                    indexes: dict[int, dict[str, Any]], *, inner_bytes: int,
-                   compression: str | None, meta: dict[str, Any]) -> dict[str, Any]:
+                   compression: str | None, meta: dict[str, Any]) -> Manifest:
     """The manifest of `plan` saved as `attempt` under data prefix `data`, with the values
     and chunk crc32c the ranks reported in `indexes`; `meta` holds step, config, layout."""
     values: dict[str, Any] = {}
@@ -139,49 +140,33 @@ def build_manifest(plan: SavePlan, attempt: str, data: str,
     for idx in indexes.values():
         values.update(idx["values"])
         crcs.update(idx.get(CHUNK_CRCS, {}))
-    tensors: dict[str, Any] = {}
+    tensors: dict[str, TensorEntry] = {}
     for t in plan.tensors.values():
-        e: dict[str, Any] = {"path": list(t.path), "shape": list(t.shape), "dtype": t.dtype,
-                             "storage": t.storage, "placements": t.placements}
-        if t.storage == "grid":
-            e.update(array=f"{data}/{t.array}", chunks=list(t.chunks), inner=list(t.inner))
+        if t.storage is StorageKind.GRID:
+            e = TensorEntry(t.shape, t.dtype, t.storage, t.path, t.placements,
+                            array=f"{data}/{t.array}", chunks=t.chunks, inner=t.inner)
         else:
-            ps = []
-            for p in t.pieces:
-                pe: dict[str, Any] = {"offset": list(p.offset), "shape": list(p.shape),
-                                      "array": f"{data}/{p.array}"}
-                if t.storage == "packed":
-                    pe["byte_offset"] = p.byte_offset
-                else:
-                    pe["inner"] = list(inner_chunk_shape(p.shape, itemsize(t.dtype),
-                                                         inner_bytes))
-                ps.append(pe)
-            e["pieces"] = ps
+            packed = t.storage is StorageKind.PACKED
+            e = TensorEntry(t.shape, t.dtype, t.storage, t.path, t.placements, pieces=tuple(
+                PieceEntry(p.offset, p.shape, f"{data}/{p.array}",
+                           inner=None if packed else inner_chunk_shape(
+                               p.shape, itemsize(t.dtype), inner_bytes),
+                           byte_offset=p.byte_offset if packed else None)
+                for p in t.pieces))
         tensors[t.name] = e
-    packed = {f"{data}/packed/r{r:05d}": align(s, plan.packed_inner)
-              for r, s in plan.packed_size.items() if s}
     now = time.time()
-    return {
-        "format": FORMAT_NAME,
-        "version": FORMAT_VERSION,
-        "writer": {"version": WRITER_VERSION, "torch": torch.__version__},
-        "step": meta["step"],
-        "created": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime(now)),
-        "created_unix": now,
-        "attempt": attempt,
-        "compression": compression,
-        "world_size": len(plan.ranks),
-        "ranks": list(plan.ranks),
-        "config": meta["config"],
-        "layout": meta["layout"],
-        "tensors": tensors,
-        "values": {k: values[k] for k in sorted(values)},
-        "packed": packed,
-        "packed_inner": plan.packed_inner,
-        "bytes": sum(t.nbytes for t in plan.tensors.values()),
-        "index": {str(r): index_key(attempt, r) for r in plan.ranks},
-        CHUNK_CRCS: {k: crcs[k] for k in sorted(crcs)},
-    }
+    return Manifest(
+        format=FORMAT_NAME, version=FORMAT_VERSION,
+        writer={"version": WRITER_VERSION, "torch": torch.__version__},
+        step=meta["step"], created=time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime(now)),
+        created_unix=now, attempt=attempt, compression=compression,
+        world_size=len(plan.ranks), ranks=list(plan.ranks), config=meta["config"],
+        layout=meta["layout"], tensors=tensors, values={k: values[k] for k in sorted(values)},
+        packed={f"{data}/packed/r{r:05d}": align(s, plan.packed_inner)
+                for r, s in plan.packed_size.items() if s},
+        packed_inner=plan.packed_inner, bytes=sum(t.nbytes for t in plan.tensors.values()),
+        index={str(r): index_key(attempt, r) for r in plan.ranks},
+        chunk_crc32c={k: crcs[k] for k in sorted(crcs)})
 
 
 def _poll(check: Callable[[], Any], timeout_s: float, what: str) -> Any:
@@ -298,15 +283,15 @@ def _restore_winner_manifest(store: Store) -> None:
                        MANIFEST_KEY, e)
 
 
-def commit(store: Store, attempt: str, build: Callable[[], dict[str, Any]],
-           hooks: CommitHooks, *, rank: int, pre: str = "") -> dict[str, Any]:
+def commit(store: Store, attempt: str, build: Callable[[], Manifest],
+           hooks: CommitHooks, *, rank: int, pre: str = "") -> Manifest:
     """Coordinator: build the manifest (`build()`), check it as every load will, publish
     it and create the commit marker; then `hooks.on_commit`. Any failure before the
     marker leaves the abort note and is raised. Returns the manifest."""
     try:
         manifest = build()
         try:  # what every load checks first: never commit a checkpoint it would refuse
-            validate(manifest, store.url)
+            validate(manifest.to_json(), store.url)
         except CheckpointError as e:
             raise CheckpointSaveError(
                 f"save to {store.url}: the manifest built from the ranks' indexes "
@@ -316,8 +301,8 @@ def commit(store: Store, attempt: str, build: Callable[[], dict[str, Any]],
         hook = hooks.before_commit
         publish_commit(store, attempt, raw, {
             "attempt": attempt, "manifest_bytes": len(raw),
-            "manifest_crc32c": crc32c(raw), "step": manifest["step"],
-            "created": manifest["created"]},
+            "manifest_crc32c": crc32c(raw), "step": manifest.step,
+            "created": manifest.created},
             (lambda: hook(manifest)) if hook is not None else None)
     except BaseException as e:
         write_abort(store, attempt, e, pre)

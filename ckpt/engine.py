@@ -46,7 +46,7 @@ from ckpt.errors import (
     UnexpectedKeyError,
 )
 from ckpt.flatten import FlatState, flatten_state, name_of, set_value
-from ckpt.format import COMMIT_KEY, dtype_name, itemsize, numel
+from ckpt.format import COMMIT_KEY, dtype_name, numel
 from ckpt.handle import SaveHandle
 from ckpt.layout import Piece, describe_placements, local_pieces, local_view
 from ckpt.manifest import Manifest, read_manifest
@@ -270,17 +270,17 @@ def load(
                 continue
             e = m.tensors[name]
             shape, pieces = local_pieces(ref.tensor, name)
-            if list(shape) != e["shape"]:
-                shapes_bad.append((name, f"{name!r}: checkpoint {tuple(e['shape'])}, "
+            if tuple(shape) != e.shape:
+                shapes_bad.append((name, f"{name!r}: checkpoint {e.shape}, "
                                          f"state dict {tuple(shape)}"))
                 continue
-            if dtype_name(ref.tensor.dtype, name) != e["dtype"]:
-                dtypes_bad.append((name, f"{name!r}: checkpoint {e['dtype']}, state dict "
+            if dtype_name(ref.tensor.dtype, name) != e.dtype:
+                dtypes_bad.append((name, f"{name!r}: checkpoint {e.dtype}, state dict "
                                          f"{dtype_name(ref.tensor.dtype, name)}"))
                 continue
             local[name] = pieces
             for p in pieces:
-                needs.append((name, [list(p.offset), list(p.shape)], itemsize(e["dtype"])))
+                needs.append((name, [list(p.offset), list(p.shape)], e.itemsize))
         if shapes_bad:
             raise ShapeMismatchError(
                 f"{_few(shapes_bad, 'tensor')} of the state dict of another global shape "
@@ -384,7 +384,7 @@ def load(
             set_value(ref, m.values[name])
     for obj, sub, _name in reversed(flat.statefuls):
         obj.load_state_dict(sub)
-    return LoadInfo(store.url, m.step, m.raw.get("config"), nbytes, needed, missing=missing,
+    return LoadInfo(store.url, m.step, m.config, nbytes, needed, missing=missing,
                     unexpected=unexpected)
 
 

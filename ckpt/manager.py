@@ -35,6 +35,7 @@ from ckpt.errors import (
     UnsupportedVersionError,
 )
 from ckpt.format import COMMIT_KEY
+from ckpt.manifest import Manifest
 from storage import StorageError, Store, open_store
 
 logger = logging.getLogger(__name__)
@@ -222,15 +223,15 @@ class _StepRecords:
     def pending(self) -> None:
         self.mgr.store.put(f"{RECORDS}{self.step:012d}.pending", str(time.time()).encode())
 
-    def record(self, manifest: dict[str, Any]) -> None:
+    def record(self, manifest: Manifest) -> None:
         # Written just before COMMIT, so every rank that sees COMMIT also finds the
         # record; a record whose COMMIT never came is treated as uncommitted.
         self.mgr.store.put(f"{RECORDS}{self.step:012d}.json", json.dumps({
-            "step": self.step, "created_unix": manifest.get("created_unix"),
-            "bytes": manifest.get("bytes"), "world_size": manifest.get("world_size"),
-            "layout": manifest.get("layout")}).encode())
+            "step": self.step, "created_unix": manifest.created_unix,
+            "bytes": manifest.bytes, "world_size": manifest.world_size,
+            "layout": manifest.layout}).encode())
 
-    def committed(self, manifest: dict[str, Any]) -> None:
+    def committed(self, manifest: Manifest) -> None:
         mgr = self.mgr
         mgr.store.delete(f"{RECORDS}{self.step:012d}.pending")
         try:

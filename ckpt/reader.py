@@ -15,8 +15,8 @@ import tensorstore as ts
 import torch
 
 from ckpt.errors import CheckpointError
-from ckpt.format import chunk_key, itemsize, numel
-from ckpt.manifest import Manifest
+from ckpt.format import StorageKind, chunk_key, numel
+from ckpt.manifest import Manifest, PieceEntry, TensorEntry
 from ckpt.resources import resources
 from ckpt.shardio import ShardGeometry, direct_read_ok, grid_geometry, read_shard_region
 from ckpt.tsio import map_ts_error, open_array, to_numpy
@@ -82,52 +82,55 @@ class RegionReader:
         self.ts_bytes = 0
         """Of which through tensorstore (direct reads are counted by the store itself)."""
         t = m.tensors[name]
-        item = itemsize(t["dtype"])
-        comp = m.raw.get("compression")
+        item = t.itemsize
+        comp = m.compression
         try:
-            if t["storage"] == "grid":
-                n = _chunk_bytes(self.off, self.shape, t["inner"], item) if self.shape else item
+            if t.storage is StorageKind.GRID:
+                assert t.array is not None and t.chunks is not None and t.inner is not None
+                n = _chunk_bytes(self.off, self.shape, t.inner, item) if self.shape else item
                 self.bytes += n
-                if direct_read_ok(t["chunks"], t["inner"], comp):
+                if direct_read_ok(t.chunks, t.inner, comp):
                     self._direct_grid(t, item, comp)
                     return
                 self.ts_bytes += n
-                arr = open_array(store, t["array"], m.meta_of(name), read=True).result()
+                arr = open_array(store, t.array, m.meta_of(name), read=True).result()
                 region = _box_slices(self.off, self.shape, (0,) * len(self.off))
-                self._ts(arr[region] if region else arr, (), t["array"])
+                self._ts(arr[region] if region else arr, (), t.array)
                 return
-            for p in t["pieces"]:
-                inter = _intersect(self.off, self.shape, p["offset"], p["shape"])
+            for p in t.pieces:
+                inter = _intersect(self.off, self.shape, p.offset, p.shape)
                 if inter is None:
                     continue
                 dst = _box_slices(inter[0], inter[1], self.off)
-                src = _box_slices(inter[0], inter[1], p["offset"])
-                if t["storage"] == "pieces":
-                    n = _chunk_bytes(inter[0], inter[1], p["inner"], item) if inter[1] else item
+                src = _box_slices(inter[0], inter[1], p.offset)
+                if t.storage is StorageKind.PIECES:
+                    assert p.inner is not None
+                    n = _chunk_bytes(inter[0], inter[1], p.inner, item) if inter[1] else item
                     self.bytes += n
-                    if direct_read_ok(p["shape"], p["inner"], comp):
-                        geo = ShardGeometry(tuple(p["shape"]), tuple(p["inner"]), item)
-                        self._direct(chunk_key(p["array"], (0,) * len(src)), geo, src, dst,
+                    if direct_read_ok(p.shape, p.inner, comp):
+                        geo = ShardGeometry(p.shape, p.inner, item)
+                        self._direct(chunk_key(p.array, (0,) * len(src)), geo, src, dst,
                                      comp)
                         continue
                     self.ts_bytes += n
-                    arr = open_array(store, p["array"], m.meta_of(name, p), read=True).result()
-                    self._ts(arr[src] if src else arr, dst, p["array"])
+                    arr = open_array(store, p.array, m.meta_of(name, p), read=True).result()
+                    self._ts(arr[src] if src else arr, dst, p.array)
                     continue
                 self._packed(p, src, dst, item, comp, packed_cache)
         except (CheckpointError, StorageError):  # storage failing is not damage: retryable
             raise
         except Exception as e:  # noqa: BLE001
-            raise map_ts_error(e, store.url, name, t.get("array") or "pieces") from e
+            raise map_ts_error(e, store.url, name, t.array or "pieces") from e
 
-    def _packed(self, p: dict[str, Any], src: tuple[slice, ...], dst: tuple[slice, ...],
+    def _packed(self, p: PieceEntry, src: tuple[slice, ...], dst: tuple[slice, ...],
                 item: int, comp: str | None, packed_cache: dict[str, Any] | None) -> None:
-        m, arr_path = self.m, p["array"]
-        nb = numel(p["shape"]) * item
-        bo = p["byte_offset"]
-        pshape = tuple(p["shape"])
-        size = m.raw["packed"][arr_path]
-        pi = m.raw["packed_inner"]
+        m, arr_path = self.m, p.array
+        nb = numel(p.shape) * item
+        bo = p.byte_offset
+        assert bo is not None
+        pshape = p.shape
+        size = m.packed[arr_path]
+        pi = m.packed_inner
         direct = direct_read_ok([size], [pi], comp)
         geo = ShardGeometry((size,), (pi,), 1)
         key = chunk_key(arr_path, (0,))
@@ -160,8 +163,9 @@ class RegionReader:
             return full[src] if src else full
         self.parts.append((fut, dst, convert, arr_path))
 
-    def _direct_grid(self, t: dict[str, Any], item: int, comp: str | None) -> None:
-        chunks = t["chunks"]
+    def _direct_grid(self, t: TensorEntry, item: int, comp: str | None) -> None:
+        assert t.array is not None and t.chunks is not None and t.inner is not None
+        chunks = t.chunks
         ranges = [range(o // c, (o + s - 1) // c + 1)
                   for o, s, c in zip(self.off, self.shape, chunks, strict=True)]
         for cell in itertools.product(*ranges):
@@ -169,7 +173,8 @@ class RegionReader:
             inter = _intersect(self.off, self.shape, s_off, chunks)
             if inter is None:
                 continue
-            self._direct(chunk_key(t["array"], cell), grid_geometry(t, cell, item),
+            self._direct(chunk_key(t.array, cell),
+                         grid_geometry(t.shape, chunks, t.inner, cell, item),
                          _box_slices(*inter, s_off), _box_slices(*inter, self.off), comp)
 
     def _direct(self, key: str, geo: ShardGeometry, src: tuple[slice, ...],

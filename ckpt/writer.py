@@ -35,12 +35,14 @@ from ckpt.format import (
     CHUNK_CRCS,
     COMMIT_KEY,
     DATA_PREFIX,
+    StorageKind,
     chunk_key,
     inner_chunk_shape,
     itemsize,
     zarr_metadata,
 )
 from ckpt.handle import SaveHandle
+from ckpt.manifest import Manifest
 from ckpt.options import SaveOptions
 from ckpt.plan import SavePlan, TensorPlan
 from ckpt.shardio import ShardGeometry, direct_ok, encode_shard, stored_crcs
@@ -100,12 +102,12 @@ class _SaveJob:
         opened: dict[str, Any] = {}
         metas: list[tuple[str, dict[str, Any]]] = []
         for t, p in self.plan.writes_of(self.rank):
-            if t.storage == "packed":
+            if t.storage is StorageKind.PACKED:
                 continue
             arr = self.staged[(t.name, p.offset)]
             size = arr.numel() * arr.element_size()
             nbytes += size
-            if t.storage == "grid":
+            if t.storage is StorageKind.GRID:
                 path = f"{self.data}/{t.array}"
                 key = chunk_key(path, [o // c for o, c in zip(p.offset, t.chunks, strict=True)])
                 geo = ShardGeometry(tuple(t.chunks), tuple(t.inner), itemsize(t.dtype))
@@ -134,7 +136,7 @@ class _SaveJob:
             if size:  # an empty array has no chunk objects
                 self.ts_objects[key] = geo.n_chunks
         for t in self.plan.tensors.values():
-            if t.storage == "grid" and t.meta_writer == self.rank:
+            if t.storage is StorageKind.GRID and t.meta_writer == self.rank:
                 metas.append((f"{self.data}/{t.array}", self._meta_of(t, None)))
         if self.packed is not None:
             path = f"{self.data}/packed/r{self.rank:05d}"
@@ -194,7 +196,7 @@ class _SaveJob:
     def _index_key(self, rank: int, error: bool = False) -> str:
         return index_key(self.attempt, rank, error)
 
-    def _manifest(self, indexes: dict[int, dict[str, Any]]) -> dict[str, Any]:
+    def _manifest(self, indexes: dict[int, dict[str, Any]]) -> Manifest:
         return build_manifest(self.plan, self.attempt, self.data, indexes,
                               inner_bytes=self.opts.inner_bytes,
                               compression=self.opts.compression, meta=self.meta)
@@ -204,7 +206,7 @@ class _SaveJob:
         manifest = commit(self.store, self.attempt, lambda: self._manifest(indexes),
                           self.hooks, rank=self.rank, pre=self.pre)
         logger.info("%s committed %s (%d tensors, %.3f s)", self.pre, self.store.url,
-                    len(manifest["tensors"]), time.perf_counter() - self.t0)
+                    len(manifest.tensors), time.perf_counter() - self.t0)
 
     def _stage(self) -> None:
         assert self.stager is not None
