@@ -60,7 +60,8 @@ logger = logging.getLogger(__name__)
 
 __all__ = ["COLLECT_THREADS", "CommitHooks", "build_manifest", "collect_indexes", "commit",
            "encode_manifest", "exists_error", "index_key", "publish_commit",
-           "wait_for_commit", "wait_for_indexes", "write_abort"]
+           "wait_for_commit", "wait_for_indexes", "write_abort", "write_index",
+           "write_index_error"]
 
 
 @dataclass(frozen=True, slots=True)
@@ -93,6 +94,26 @@ limit: about 150 GETs/s on 2 cores); on a remote S3, latency-bound, they would."
 
 def index_key(attempt: str, rank: int, error: bool = False) -> str:
     return f"{INDEX_PREFIX}{attempt}/r{rank:05d}{'.error' if error else ''}.json"
+
+
+def write_index(store: Store, attempt: str, rank: int, nbytes: int, values: dict[str, Any],
+                chunk_crcs: dict[str, list[int | None]]) -> None:
+    """Every rank, once its objects are durable: the index naming what it persisted (its
+    JSON values, the chunk crc32c of its objects). The coordinator waits for these."""
+    store.put(index_key(attempt, rank), json.dumps({
+        "rank": rank, "attempt": attempt, "bytes": nbytes, "values": values,
+        CHUNK_CRCS: chunk_crcs, "time": time.time()}).encode())
+
+
+def write_index_error(store: Store, attempt: str, rank: int, error: BaseException,
+                      pre: str = "") -> None:
+    """A rank whose part failed: the error index, so the coordinator fails the save at once
+    instead of waiting out its timeout (best effort: storage may be what failed)."""
+    try:
+        store.put(index_key(attempt, rank, error=True), json.dumps(
+            {"rank": rank, "error": f"{type(error).__name__}: {error}"}).encode())
+    except Exception:  # noqa: BLE001 - storage may be what failed
+        logger.warning("%s could not record the failure in storage", pre)
 
 
 def collect_indexes(store: Store, attempt: str,

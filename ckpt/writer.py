@@ -9,7 +9,6 @@ instead of polling.
 
 from __future__ import annotations
 
-import json
 import logging
 import time
 from collections import deque
@@ -26,9 +25,10 @@ from ckpt.commit import (
     build_manifest,
     commit,
     exists_error,
-    index_key,
     wait_for_commit,
     wait_for_indexes,
+    write_index,
+    write_index_error,
 )
 from ckpt.errors import CheckpointError, CheckpointSaveError
 from ckpt.format import (
@@ -193,9 +193,6 @@ class _SaveJob:
 
     # -- commit ----------------------------------------------------------------------
 
-    def _index_key(self, rank: int, error: bool = False) -> str:
-        return index_key(self.attempt, rank, error)
-
     def _manifest(self, indexes: dict[int, dict[str, Any]]) -> Manifest:
         return build_manifest(self.plan, self.attempt, self.data, indexes,
                               inner_bytes=self.opts.inner_bytes,
@@ -229,18 +226,12 @@ class _SaveJob:
             nbytes = self.persist()
             self._bind_stored_objects()
             self.handle.bytes_written = nbytes
-            self.store.put(self._index_key(self.rank), json.dumps({
-                "rank": self.rank, "attempt": self.attempt, "bytes": nbytes,
-                "values": self.values, CHUNK_CRCS: self.chunk_crcs,
-                "time": time.time()}).encode())
+            write_index(self.store, self.attempt, self.rank, nbytes, self.values,
+                        self.chunk_crcs)
             return None
         except BaseException as e:  # noqa: BLE001 - reported by the caller
             logger.error("%s persisting to %s failed: %s", self.pre, self.store.url, e)
-            try:
-                self.store.put(self._index_key(self.rank, error=True), json.dumps(
-                    {"rank": self.rank, "error": f"{type(e).__name__}: {e}"}).encode())
-            except Exception:  # noqa: BLE001 - storage may be what failed
-                logger.warning("%s could not record the failure in storage", self.pre)
+            write_index_error(self.store, self.attempt, self.rank, e, self.pre)
             return e
 
     def _run_sync(self, comm: Comm) -> None:
