@@ -104,11 +104,33 @@ def save(
 ) -> SaveHandle:
     """Save `state_dict` as one checkpoint at `url`; every rank of the group calls.
 
-    With `async_save` only the staging copy blocks; the returned handle's `wait()`
-    raises any failure. `config` (JSON) and `layout` (JSON, how the run was
-    parallelized) go into the manifest. `hooks` (`ckpt.commit.CommitHooks`) run on the
-    coordinator at fixed points of the commit (in the background thread when
-    asynchronous).
+    Args:
+        state_dict: nested dicts/lists of tensors (plain or DTensor), objects with
+            `state_dict()`/`load_state_dict()`, and JSON values.
+        url: where the checkpoint goes (a `storage` URL or `Store`); it must not hold a
+            committed checkpoint.
+        async_save: return once the state is staged (the only blocking part) and persist
+            and commit in a background thread; else return once committed.
+        step: recorded in the manifest and the commit marker.
+        config: JSON recorded in the manifest (`LoadInfo.config` on load).
+        layout: JSON recorded in the manifest: how the run was parallelized.
+        process_group: the group saving together (default: the world; none: one process).
+        options: how the save is planned and persisted (`SaveOptions`).
+        hooks: writes of the caller at fixed points of the commit (`ckpt.commit.CommitHooks`),
+            run on the coordinator (in the background thread when asynchronous).
+
+    Returns:
+        A `SaveHandle` (a `concurrent.futures.Future`): `wait()` blocks until committed
+        and raises the save's failure; `wait_staged()` until the state may change.
+
+    Raises:
+        CheckpointExistsError: `url` holds a committed checkpoint (synchronous saves
+            here; asynchronous ones from `wait()`).
+        UnsupportedStateError: a value cannot be checkpointed (e.g. a Partial DTensor,
+            an unsupported dtype, a non-JSON value), raised on every rank.
+        CollectiveError: a rank of the group did not make the same call in time.
+        CheckpointSaveError: persisting or committing failed (synchronous saves here,
+            asynchronous ones from `wait()`); `failures` names the ranks.
     """
     opts = options or SaveOptions()
     t0 = time.perf_counter()
@@ -251,6 +273,30 @@ def load(
     `broadcast`: a region needed by several ranks is read by one of them and sent to the
     others (else every rank reads its own). Raises typed errors from
     `ckpt.errors` on every rank when any rank finds a problem.
+
+    Args:
+        state_dict: the target, as for `save`; its tensors are filled in place (their
+            shapes and placements say which regions this rank reads).
+        url: the committed checkpoint (a `storage` URL or `Store`).
+        strict: refuse missing and unexpected entries (see above).
+        process_group: the group loading together (default: the world).
+        broadcast: read a region shared by several ranks once and send it.
+        collective_timeout_s: how long each collective waits for the other ranks.
+
+    Returns:
+        A `LoadInfo`: the checkpoint's step and config, bytes read and needed by this
+        rank, and (with `strict=False`) the `missing` and `unexpected` entries.
+
+    Raises:
+        CheckpointNotFoundError: no committed checkpoint at `url`.
+        CorruptCheckpointError: the manifest or a chunk is damaged (its subclasses
+            `ChecksumMismatchError`, `MissingChunkError`, `UnsafePathError`,
+            `AbsurdShapeError` say how).
+        UnsupportedVersionError: written by a format version this reader does not know.
+        MissingKeyError, UnexpectedKeyError: with `strict`, entries missing or extra.
+        ShapeMismatchError, DtypeMismatchError: a tensor's global shape or dtype differs.
+        StorageError: storage failed (retryable), raised on every rank.
+        CollectiveError: a rank of the group did not make the same call in time.
     """
     comm = Comm(process_group, collective_timeout_s)
     store = open_store(url)

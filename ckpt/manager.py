@@ -246,6 +246,24 @@ class CheckpointManager:
     Every rank calls `save`, `restore` (collective); `latest_step` and `wait` are local.
     The coordinator writes the step records and runs GC after each commit, in the
     background save thread, through storage only.
+
+    Args:
+        root_url: the run's checkpoint root (a `storage` URL or `Store`); each step is
+            saved under `step-<step>/`.
+        keep_last: keep the newest this many committed steps (None: no such policy).
+        keep_every: also keep every step that is a multiple of this (None: none).
+        process_group: the group saving and restoring together (default: the world).
+        options: `SaveOptions` of every save.
+        config: JSON recorded in every manifest (unless `save` gets its own).
+        layout: JSON recorded in every manifest: how the run is parallelized.
+        gc_grace_s: an uncommitted step older than this is garbage.
+        policies: more `RetentionPolicy`s; a step any policy keeps is kept.
+        busy: "wait" or "skip": what `save` does while the previous save persists.
+        on_failures: when failed saves stop the run (`SaveFailurePolicy`).
+
+    Raises:
+        ValueError: `busy`, `keep_last` or `keep_every` is invalid.
+        InvalidStorageURLError: `root_url` is not a storage URL.
     """
 
     def __init__(
@@ -310,7 +328,25 @@ class CheckpointManager:
         whether to wait for it or skip this step: skipped, it returns None, and the
         caller's state was not touched. Pass busy="wait" for a save that must happen (the
         last step, a preemption). With "skip" the ranks agree (one small all-gather): a
-        step is skipped on every rank if any rank's previous save is still running."""
+        step is skipped on every rank if any rank's previous save is still running.
+
+        Args:
+            step: the step; the checkpoint goes to `url_of(step)`.
+            state_dict: what to save (as for `ckpt.save`).
+            async_save: persist and commit in the background (default).
+            config: JSON for this step's manifest instead of the manager's.
+            layout: JSON for this step's manifest instead of the manager's.
+            busy: "wait" or "skip" for this save instead of the manager's.
+
+        Returns:
+            The save's `SaveHandle`, or None when the step was skipped.
+
+        Raises:
+            SavesFailingError: the previous save failed and makes
+                `on_failures.max_consecutive` failures in a row.
+            ValueError: `busy` is neither "wait" nor "skip".
+            Any error of `ckpt.save` (a synchronous save's failure, a collective timeout).
+        """
         policy = self.busy if busy is None else busy
         _check_busy(policy)
         prev = self._handle
@@ -353,7 +389,12 @@ class CheckpointManager:
 
     def wait(self) -> None:
         """Block until the save in flight is committed; raise its error (as
-        `SavesFailingError` when it makes `on_failures.max_consecutive` in a row)."""
+        `SavesFailingError` when it makes `on_failures.max_consecutive` in a row).
+
+        Raises:
+            CheckpointError: the save's failure (`CheckpointSaveError`,
+                `CheckpointExistsError`, ...), or `SavesFailingError` as above.
+        """
         if self._handle is not None:
             try:
                 self._handle.wait()
@@ -394,14 +435,23 @@ class CheckpointManager:
     # -- finding ------------------------------------------------------------------------
 
     def committed_steps(self) -> list[int]:
-        """Steps whose record and COMMIT marker both exist (ascending)."""
+        """Steps whose record and COMMIT marker both exist (ascending).
+
+        Raises:
+            StorageError: listing or checking the markers failed.
+        """
         return committed_steps(self.store)
 
     def latest_step(self) -> int | None:
-        """The newest committed step, or None."""
+        """The newest committed step, or None.
+
+        Raises:
+            StorageError: listing or checking the markers failed.
+        """
         return newest_committed_step(self.store)
 
     def url_of(self, step: int) -> str:
+        """The URL of `step`'s checkpoint (committed or not)."""
         return self.store.child(step_dir(step)).url
 
     # -- restoring ----------------------------------------------------------------------
@@ -411,7 +461,25 @@ class CheckpointManager:
         """Load `step` (default: the newest committed one that loads cleanly) into
         `state_dict`; falls back to older committed steps when a newer one is damaged,
         logging which one it used and why. Returns the step restored; `last_load` says
-        what was loaded (with strict=False: what was missing or ignored)."""
+        what was loaded (with strict=False: what was missing or ignored).
+
+        Args:
+            state_dict: the target, filled in place (as for `ckpt.load`).
+            step: this step only, no fallback (default: the newest that loads).
+            strict: as for `ckpt.load`.
+
+        Returns:
+            The step restored.
+
+        Raises:
+            CheckpointNotFoundError: no committed step, or none could be loaded while
+                storage failed too (a retry may succeed).
+            NoLoadableCheckpointError: every committed step is damaged or unsupported.
+            StorageError: listing the steps failed on the coordinator.
+            MissingKeyError, UnexpectedKeyError, ShapeMismatchError, DtypeMismatchError:
+                the state dict does not match (never a reason to fall back).
+            With `step` given: any error of `ckpt.load` for that step.
+        """
         comm = Comm(self.process_group, self.options.collective_timeout_s)
         # Every rank must try the same steps in the same order: the coordinator decides,
         # and only it lists (the others' listings would be thrown away).
@@ -469,7 +537,14 @@ class CheckpointManager:
             "steps aside to start over", url=self.store.url)
 
     def gc(self) -> list[int]:
-        """Apply the retention policies now (coordinator only; storage only)."""
+        """Apply the retention policies now (coordinator only; storage only).
+
+        Returns:
+            The steps deleted.
+
+        Raises:
+            StorageError: listing or deleting failed.
+        """
         protect = {self._handle.step} if self._handle and not self._handle.done() \
             and self._handle.step is not None else set()
         return collect_garbage(self.store, self.policies, self.gc_grace_s, protect)

@@ -139,7 +139,21 @@ def _verify_array(store: Store, m: Manifest, name: str, label: str, array: str,
 def verify(url: str | os.PathLike[str] | Store, *, read_data: bool = True,
            progress: Callable[[int, int, str], None] | None = None) -> VerifyReport:
     """Check the checkpoint at `url`; `read_data=False` skips reading chunk contents.
-    `progress(done, total, tensor)` is called before each tensor is read (a CLI bar)."""
+    `progress(done, total, tensor)` is called before each tensor is read (a CLI bar).
+
+    Args:
+        url: the checkpoint (a `storage` URL or `Store`).
+        read_data: read every chunk and check its crc32c (else: marker, manifest and the
+            existence of every object only).
+        progress: called as `progress(done, total, tensor)` before each tensor.
+
+    Returns:
+        A `VerifyReport`: `ok`, and `problems`, each naming the tensor and the object.
+
+    Raises:
+        InvalidStorageURLError: `url` is not a storage URL. Everything found at `url`
+            (missing marker, damage, storage errors) is reported, not raised.
+    """
     store = open_store(url)
     report = VerifyReport(store.url)
     try:
