@@ -28,6 +28,7 @@ class SaveOptions:
     commit_timeout_s: float = 600.0
     """How long the coordinator waits for every rank's index before giving up."""
     collective_timeout_s: float = 300.0
+    """How long each collective of the save waits for the other ranks of the group."""
 
     def __post_init__(self) -> None:
         if self.compression not in (None, "zstd"):
