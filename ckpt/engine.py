@@ -114,7 +114,8 @@ def save(
         step: recorded in the manifest and the commit marker.
         config: JSON recorded in the manifest (`LoadInfo.config` on load).
         layout: JSON recorded in the manifest: how the run was parallelized.
-        process_group: the group saving together (default: the world; none: one process).
+        process_group: the group saving together (default: the default group, or this
+            process alone when torch.distributed is not initialized).
         options: how the save is planned and persisted (`SaveOptions`).
         hooks: writes of the caller at fixed points of the commit (`ckpt.commit.CommitHooks`),
             run on the coordinator (in the background thread when asynchronous).
