@@ -367,9 +367,9 @@ def _worker(rank: int, world: int, init: str, args: dict, out_q: Any) -> None:
             else:
                 nb = 0
             rec(system, "bytes_written", summed(nb))
-            from ckpt.engine import _STATE
+            from ckpt.resources import resources
 
-            bufs = _STATE.cached.bufs
+            bufs = resources().cached.bufs
             staged = bufs.staging.numel() if bufs.staging is not None else 0
             extra.setdefault("relight_staging_over_shard_bytes", []).append(
                 maxed(staged / (3 * rows * (HIDDEN + 1) * 4 * n / world)))

@@ -160,7 +160,7 @@ def floor_arm(state: dict[str, Any], clock: _Clock, rounds: int = 3) -> dict[str
 def relight_arm(state: dict[str, Any], base: str, clock: _Clock,
                 pipelined: bool) -> dict[str, Any]:
     import ckpt
-    from ckpt import engine
+    from ckpt.resources import resources
 
     nb = _nbytes(state)
     out: dict[str, Any] = {}
@@ -200,7 +200,7 @@ def relight_arm(state: dict[str, Any], base: str, clock: _Clock,
         out["pipelined"] = {"return_s": ret, "staged_s": staged,
                             "total_s": time.perf_counter() - t0}
         _rm(f"{base}-p")
-    engine._STATE.cached = None  # free the staging buffers before the next system runs
+    resources().cached = None  # free the staging buffers before the next system runs
     gc.collect()
     return out
 

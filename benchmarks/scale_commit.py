@@ -61,8 +61,8 @@ def _small_manifest(world: int) -> bytes:
 
 
 def _one(store: Any, n: int, cfg: CommitConfig) -> dict[str, Any]:
-    from ckpt.commit import collect_indexes, index_key
-    from ckpt.manifest import crc32c, publish_commit, read_manifest
+    from ckpt.commit import collect_indexes, index_key, publish_commit
+    from ckpt.manifest import crc32c, read_manifest
 
     attempt = uuid.uuid4().hex[:16]
     ranks = tuple(range(n))

@@ -113,7 +113,7 @@ def relight_inputs(config: str, world: int) -> tuple[list[Any], dict[int, list[A
     return layouts, needs
 
 
-def relight_manifest(plan: Any, world: int) -> tuple[bytes, dict[str, Any]]:
+def relight_manifest(plan: Any, world: int) -> tuple[bytes, Any]:
     """The manifest the coordinator would write for `plan`, with one made-up crc32c per
     inner chunk of every data object (the values do not change its size class)."""
     from ckpt.commit import build_manifest, encode_manifest

@@ -124,10 +124,9 @@ def _entry(store: Store, step: int | None) -> dict[str, Any]:
     e: dict[str, Any] = {"step": step, "url": store.url, "committed": committed}
     if committed:
         try:
-            m = read_manifest(store).raw
-            e.update(bytes=m.get("bytes"), world_size=m.get("world_size"),
-                     layout=m.get("layout"), created_unix=m.get("created_unix"),
-                     tensors=len(m["tensors"]))
+            m = read_manifest(store)
+            e.update(bytes=m.bytes, world_size=m.world_size, layout=m.layout,
+                     created_unix=m.created_unix, tensors=len(m.tensors))
         except CheckpointError as err:
             e["error"] = str(err)
     return e
@@ -159,20 +158,21 @@ def cmd_ls(args: argparse.Namespace) -> int:
 
 def cmd_inspect(args: argparse.Namespace) -> int:
     store = _resolve(args.url, args.step)
-    m = read_manifest(store).raw
+    m = read_manifest(store)
     if args.json:
-        print(json.dumps({k: m[k] for k in m if k != "index"}, indent=1))
+        print(json.dumps({k: v for k, v in m.to_json().items() if k != "index"}, indent=1))
         return EXIT_OK
+    writer = m.writer if isinstance(m.writer, dict) else {}
     print(f"checkpoint {store.url}")
-    print(f"  step {m.get('step')}  created {m.get('created')}  world {m.get('world_size')}  "
-          f"format v{m.get('version')}  writer {m.get('writer', {}).get('version')}")
-    print(f"  layout {json.dumps(m.get('layout'))}")
-    print(f"  config {json.dumps(m.get('config'))[:200]}")
-    print(f"  {len(m['tensors'])} tensors, {m.get('bytes', 0) / 2**20:.1f} MiB; "
-          f"{len(m['values'])} values")
-    for name, t in sorted(m["tensors"].items()):
-        print(f"  {name:<50} {t['dtype']:<9} {str(tuple(t['shape'])):<20} {t['storage']:<7} "
-              f"{t.get('placements', '')}")
+    print(f"  step {m.step}  created {m.created}  world {m.world_size}  "
+          f"format v{m.version}  writer {writer.get('version')}")
+    print(f"  layout {json.dumps(m.layout)}")
+    print(f"  config {json.dumps(m.config)[:200]}")
+    print(f"  {len(m.tensors)} tensors, {(m.bytes or 0) / 2**20:.1f} MiB; "
+          f"{len(m.values)} values")
+    for name, t in sorted(m.tensors.items()):
+        print(f"  {name:<50} {t.dtype:<9} {str(t.shape):<20} {t.storage:<7} "
+              f"{t.placements if t.placements is not None else ''}")
     return EXIT_OK
 
 

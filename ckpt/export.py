@@ -29,15 +29,16 @@ from typing import Any
 
 import torch
 
-from ckpt.engine import _Reader, save
+from ckpt.engine import save
 from ckpt.errors import (
     CheckpointError,
     CheckpointNotFoundError,
     MissingKeyError,
     UnsupportedStateError,
 )
-from ckpt.format import DTYPES, dtype_name, itemsize, numel
-from ckpt.manifest import Manifest, read_manifest
+from ckpt.format import DTYPES, dtype_name
+from ckpt.manifest import Manifest, TensorEntry, read_manifest
+from ckpt.reader import RegionReader
 from storage import Store, open_store
 
 __all__ = [
@@ -58,8 +59,9 @@ Progress = Callable[[int, int, str], None]
 """`progress(done, total, item)`: units done and in all (0: unknown yet), what is at hand."""
 
 
-def _nbytes(t: dict[str, Any]) -> int:
-    return numel(t["shape"]) * itemsize(t["dtype"])
+def _nbytes(t: TensorEntry) -> int:
+    return t.nbytes
+
 
 SAFETENSORS_DTYPES: dict[str, str] = {
     "float32": "F32", "float64": "F64", "float16": "F16", "bfloat16": "BF16",
@@ -78,9 +80,8 @@ def read_tensor(store: Store, m: Manifest, name: str) -> torch.Tensor:
         raise MissingKeyError(f"tensor {name!r} is not in checkpoint {store.url}",
                               url=store.url, tensor=name)
     t = m.tensors[name]
-    shape = tuple(t["shape"])
-    box = ((0,) * len(shape), shape)
-    reader = _Reader(store, m, name, box, DTYPES[t["dtype"]])
+    box = ((0,) * len(t.shape), t.shape)
+    reader = RegionReader(store, m, name, box, DTYPES[t.dtype])
     out = reader.result()
     # The reader's packed-tensor converters close over the reader (a cycle): drop them,
     # or each tensor would live until the cyclic GC runs and memory would hold several.
@@ -125,7 +126,7 @@ def _out_key(m: Manifest, name: str, all_tensors: bool) -> str:
     """The exported key. Model-only exports drop the `model` segment and join the rest
     with `.`, so the file loads into `model.load_state_dict` directly; `--all` keeps the
     path (segments joined with `.`, as DCP and `state_dict()` name them)."""
-    path = m.tensors[name].get("path") or name.split("/")
+    path = m.tensors[name].path or name.split("/")
     segs = [str(s) for s in path]
     if not all_tensors and segs and segs[0] == "model" and len(segs) > 1:
         segs = segs[1:]
@@ -166,7 +167,7 @@ def export_safetensors(url: str | Store, out: str | os.PathLike[str], *,
     for n in names:
         t = m.tensors[n]
         nbytes = _nbytes(t)
-        header[keys[n]] = {"dtype": SAFETENSORS_DTYPES[t["dtype"]], "shape": t["shape"],
+        header[keys[n]] = {"dtype": SAFETENSORS_DTYPES[t.dtype], "shape": list(t.shape),
                            "data_offsets": [offset, offset + nbytes]}
         offset += nbytes
     blob = json.dumps(header, separators=(",", ":")).encode()
@@ -280,10 +281,10 @@ def export_dcp(url: str | Store, out_dir: str | os.PathLike[str], *,
     nested: dict[str, Any] = {}
     key_to_name: dict[str, str] = {}
     for n in names:
-        path: list[Any] = list(m.tensors[n].get("path") or _name_path(n))
+        path: list[Any] = list(m.tensors[n].path or _name_path(n))
         if not all_tensors and path[0] == "model" and len(path) > 1:
             path = [".".join(str(p) for p in path[1:])]
-        placeholder = torch.empty(m.tensors[n]["shape"], dtype=DTYPES[m.tensors[n]["dtype"]],
+        placeholder = torch.empty(m.tensors[n].shape, dtype=DTYPES[m.tensors[n].dtype],
                                   device="meta")
         _set_path(nested, path, placeholder, n)
         key_to_name[".".join(str(p) for p in path)] = n  # DCP's flattened key of the path
@@ -465,9 +466,8 @@ def diff(url_a: str | Store, url_b: str | Store, *,
     for name in common:
         ta, tb = ma.tensors[name], mb.tensors[name]
         done += _nbytes(ta) + _nbytes(tb)
-        if ta["shape"] != tb["shape"] or ta["dtype"] != tb["dtype"]:
-            r.mismatched[name] = (f"{ta['dtype']}{tuple(ta['shape'])} vs "
-                                  f"{tb['dtype']}{tuple(tb['shape'])}")
+        if ta.shape != tb.shape or ta.dtype != tb.dtype:
+            r.mismatched[name] = f"{ta.dtype}{ta.shape} vs {tb.dtype}{tb.shape}"
             continue
         r.tensors.append(_compare(name, read_tensor(sa, ma, name), read_tensor(sb, mb, name)))
         if progress is not None:

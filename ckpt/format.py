@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import itertools
 import math
+from enum import StrEnum
 from typing import Any
 
 import torch
@@ -34,6 +35,19 @@ CHUNK_CRCS = "chunk_crc32c"
 """Manifest (and rank index) field: data object key -> the crc32c of each of its inner
 chunks in storage order, binding every chunk to its place (docs/format.md). Optional:
 checkpoints written before it was added lack it and load without the check."""
+
+
+
+class StorageKind(StrEnum):
+    """How a tensor is stored (the manifest's and the plan's `storage` field)."""
+
+    GRID = "grid"
+    """One zarr array at global shape, chunked on the save-time shard boundaries."""
+    PIECES = "pieces"
+    """One array per distinct piece, at its global offset (an irregular sharding)."""
+    PACKED = "packed"
+    """Byte ranges of a writer's packed uint8 array (small tensors)."""
+
 
 MAX_NUMEL = 1 << 44
 """No single tensor in a manifest may claim more elements than this (16 Ti elements)."""

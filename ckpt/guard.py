@@ -7,7 +7,8 @@ import logging
 from collections.abc import Callable
 from typing import Any
 
-from ckpt.engine import SaveHandle, wait_staged
+from ckpt.handle import SaveHandle
+from ckpt.resources import wait_staged
 
 logger = logging.getLogger(__name__)
 

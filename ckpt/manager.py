@@ -18,11 +18,14 @@ import json
 import logging
 import os
 import time
+from collections.abc import Mapping
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from typing import Any, Protocol
 
+from ckpt.collective import RemoteError, all_or_raise
 from ckpt.comm import Comm
+from ckpt.commit import CommitHooks
 from ckpt.engine import LoadInfo, SaveHandle, SaveOptions, load, save
 from ckpt.errors import (
     CheckpointNotFoundError,
@@ -32,6 +35,7 @@ from ckpt.errors import (
     UnsupportedVersionError,
 )
 from ckpt.format import COMMIT_KEY
+from ckpt.manifest import Manifest
 from storage import StorageError, Store, open_store
 
 logger = logging.getLogger(__name__)
@@ -204,12 +208,62 @@ def collect_garbage(store: Store, policies: list[RetentionPolicy], grace_s: floa
     return deleted
 
 
+@dataclass(frozen=True, slots=True)
+class _StepRecords:
+    """The manager's part of one save's commit protocol (`ckpt.commit.CommitHooks`):
+    the step's records under `steps/` and the GC after its commit."""
+
+    mgr: CheckpointManager
+    step: int
+
+    def hooks(self) -> CommitHooks:
+        return CommitHooks(on_start=self.pending, before_commit=self.record,
+                           on_commit=self.committed)
+
+    def pending(self) -> None:
+        self.mgr.store.put(f"{RECORDS}{self.step:012d}.pending", str(time.time()).encode())
+
+    def record(self, manifest: Manifest) -> None:
+        # Written just before COMMIT, so every rank that sees COMMIT also finds the
+        # record; a record whose COMMIT never came is treated as uncommitted.
+        self.mgr.store.put(f"{RECORDS}{self.step:012d}.json", json.dumps({
+            "step": self.step, "created_unix": manifest.created_unix,
+            "bytes": manifest.bytes, "world_size": manifest.world_size,
+            "layout": manifest.layout}).encode())
+
+    def committed(self, manifest: Manifest) -> None:
+        mgr = self.mgr
+        mgr.store.delete(f"{RECORDS}{self.step:012d}.pending")
+        try:
+            collect_garbage(mgr.store, mgr.policies, mgr.gc_grace_s, protect={self.step})
+        except Exception as e:  # noqa: BLE001 - GC must never fail a committed save
+            logger.warning("gc of %s after step %d failed: %s", mgr.store.url, self.step, e)
+
+
 class CheckpointManager:
     """Saves, retention and restore for one run's checkpoints under `root_url`.
 
     Every rank calls `save`, `restore` (collective); `latest_step` and `wait` are local.
     The coordinator writes the step records and runs GC after each commit, in the
     background save thread, through storage only.
+
+    Args:
+        root_url: the run's checkpoint root (a `storage` URL or `Store`); each step is
+            saved under `step-<step>/`.
+        keep_last: keep the newest this many committed steps (None: no such policy).
+        keep_every: also keep every step that is a multiple of this (None: none).
+        process_group: the group saving and restoring together (default: the world).
+        options: `SaveOptions` of every save.
+        config: JSON recorded in every manifest (unless `save` gets its own).
+        layout: JSON recorded in every manifest: how the run is parallelized.
+        gc_grace_s: an uncommitted step older than this is garbage.
+        policies: more `RetentionPolicy`s; a step any policy keeps is kept.
+        busy: "wait" or "skip": what `save` does while the previous save persists.
+        on_failures: when failed saves stop the run (`SaveFailurePolicy`).
+
+    Raises:
+        ValueError: `busy`, `keep_last` or `keep_every` is invalid.
+        InvalidStorageURLError: `root_url` is not a storage URL.
     """
 
     def __init__(
@@ -274,7 +328,25 @@ class CheckpointManager:
         whether to wait for it or skip this step: skipped, it returns None, and the
         caller's state was not touched. Pass busy="wait" for a save that must happen (the
         last step, a preemption). With "skip" the ranks agree (one small all-gather): a
-        step is skipped on every rank if any rank's previous save is still running."""
+        step is skipped on every rank if any rank's previous save is still running.
+
+        Args:
+            step: the step; the checkpoint goes to `url_of(step)`.
+            state_dict: what to save (as for `ckpt.save`).
+            async_save: persist and commit in the background (default).
+            config: JSON for this step's manifest instead of the manager's.
+            layout: JSON for this step's manifest instead of the manager's.
+            busy: "wait" or "skip" for this save instead of the manager's.
+
+        Returns:
+            The save's `SaveHandle`, or None when the step was skipped.
+
+        Raises:
+            SavesFailingError: the previous save failed and makes
+                `on_failures.max_consecutive` failures in a row.
+            ValueError: `busy` is neither "wait" nor "skip".
+            Any error of `ckpt.save` (a synchronous save's failure, a collective timeout).
+        """
         policy = self.busy if busy is None else busy
         _check_busy(policy)
         prev = self._handle
@@ -307,35 +379,22 @@ class CheckpointManager:
             if self.last_wait_s > 0.001:
                 logger.info("save of step %d waited %.3f s for step %s", step,
                             self.last_wait_s, prev.step)
-        def on_start() -> None:
-            self.store.put(f"{RECORDS}{step:012d}.pending", str(time.time()).encode())
-
-        def before_commit(manifest: dict[str, Any]) -> None:
-            # Written just before COMMIT, so every rank that sees COMMIT also finds the
-            # record; a record whose COMMIT never came is treated as uncommitted.
-            self.store.put(f"{RECORDS}{step:012d}.json", json.dumps({
-                "step": step, "created_unix": manifest.get("created_unix"),
-                "bytes": manifest.get("bytes"), "world_size": manifest.get("world_size"),
-                "layout": manifest.get("layout")}).encode())
-
-        def on_commit(manifest: dict[str, Any]) -> None:
-            self.store.delete(f"{RECORDS}{step:012d}.pending")
-            try:
-                collect_garbage(self.store, self.policies, self.gc_grace_s, protect={step})
-            except Exception as e:  # noqa: BLE001 - GC must never fail a committed save
-                logger.warning("gc of %s after step %d failed: %s", self.store.url, step, e)
-
         self._handle = save(
             state_dict, self.store.child(step_dir(step)), async_save=async_save, step=step,
             config=config if config is not None else self.config,
             layout=layout if layout is not None else self.layout,
-            process_group=self.process_group, options=self.options, on_commit=on_commit,
-            on_start=on_start, before_commit=before_commit)
+            process_group=self.process_group, options=self.options,
+            hooks=_StepRecords(self, step).hooks())
         return self._handle
 
     def wait(self) -> None:
         """Block until the save in flight is committed; raise its error (as
-        `SavesFailingError` when it makes `on_failures.max_consecutive` in a row)."""
+        `SavesFailingError` when it makes `on_failures.max_consecutive` in a row).
+
+        Raises:
+            CheckpointError: the save's failure (`CheckpointSaveError`,
+                `CheckpointExistsError`, ...), or `SavesFailingError` as above.
+        """
         if self._handle is not None:
             try:
                 self._handle.wait()
@@ -376,14 +435,23 @@ class CheckpointManager:
     # -- finding ------------------------------------------------------------------------
 
     def committed_steps(self) -> list[int]:
-        """Steps whose record and COMMIT marker both exist (ascending)."""
+        """Steps whose record and COMMIT marker both exist (ascending).
+
+        Raises:
+            StorageError: listing or checking the markers failed.
+        """
         return committed_steps(self.store)
 
     def latest_step(self) -> int | None:
-        """The newest committed step, or None."""
+        """The newest committed step, or None.
+
+        Raises:
+            StorageError: listing or checking the markers failed.
+        """
         return newest_committed_step(self.store)
 
     def url_of(self, step: int) -> str:
+        """The URL of `step`'s checkpoint (committed or not)."""
         return self.store.child(step_dir(step)).url
 
     # -- restoring ----------------------------------------------------------------------
@@ -393,27 +461,45 @@ class CheckpointManager:
         """Load `step` (default: the newest committed one that loads cleanly) into
         `state_dict`; falls back to older committed steps when a newer one is damaged,
         logging which one it used and why. Returns the step restored; `last_load` says
-        what was loaded (with strict=False: what was missing or ignored)."""
+        what was loaded (with strict=False: what was missing or ignored).
+
+        Args:
+            state_dict: the target, filled in place (as for `ckpt.load`).
+            step: this step only, no fallback (default: the newest that loads).
+            strict: as for `ckpt.load`.
+
+        Returns:
+            The step restored.
+
+        Raises:
+            CheckpointNotFoundError: no committed step, or none could be loaded while
+                storage failed too (a retry may succeed).
+            NoLoadableCheckpointError: every committed step is damaged or unsupported.
+            StorageError: listing the steps failed on the coordinator.
+            MissingKeyError, UnexpectedKeyError, ShapeMismatchError, DtypeMismatchError:
+                the state dict does not match (never a reason to fall back).
+            With `step` given: any error of `ckpt.load` for that step.
+        """
         comm = Comm(self.process_group, self.options.collective_timeout_s)
         # Every rank must try the same steps in the same order: the coordinator decides,
         # and only it lists (the others' listings would be thrown away).
         # A listing that fails is shared too, so no rank is left waiting in the gather.
-        found: dict[str, Any] | None = None
+        found: list[int] | None = None
         failed: Exception | None = None
         if comm.is_coordinator:
             try:
-                found = {"steps": [step] if step is not None else
-                         self.committed_steps()[::-1]}
-            except Exception as e:  # noqa: BLE001 - raised below, after telling the others
-                failed, found = e, {"error": f"{type(e).__name__}: {e}"}
-        found = comm.allgather_json(found, f"the restore from {self.store.url} (every rank "
-                                    "must call CheckpointManager.restore)")[0]  # coordinator's
-        if failed is not None:
-            raise failed
-        if "error" in found:
-            raise StorageError(f"listing the checkpoints under {self.store.url} failed on "
-                               f"the coordinator: {found['error']}", url=self.store.url)
-        candidates = found["steps"]
+                found = [step] if step is not None else self.committed_steps()[::-1]
+            except Exception as e:  # noqa: BLE001 - raised by all_or_raise, on every rank
+                failed = e
+
+        def listing_failed(failures: Mapping[int, RemoteError]) -> BaseException:
+            e = failures[comm.coordinator]
+            return StorageError(f"listing the checkpoints under {self.store.url} failed on "
+                                f"the coordinator: {e['type']}: {e['msg']}", url=self.store.url)
+
+        candidates = all_or_raise(comm, failed, found, f"the restore from {self.store.url} "
+                                  "(every rank must call CheckpointManager.restore)",
+                                  url=self.store.url, remote=listing_failed)[0]  # coordinator's
         if not candidates:
             raise CheckpointNotFoundError(
                 f"no committed checkpoint under {self.store.url}; start from scratch or "
@@ -451,7 +537,14 @@ class CheckpointManager:
             "steps aside to start over", url=self.store.url)
 
     def gc(self) -> list[int]:
-        """Apply the retention policies now (coordinator only; storage only)."""
+        """Apply the retention policies now (coordinator only; storage only).
+
+        Returns:
+            The steps deleted.
+
+        Raises:
+            StorageError: listing or deleting failed.
+        """
         protect = {self._handle.step} if self._handle and not self._handle.done() \
             and self._handle.step is not None else set()
         return collect_garbage(self.store, self.policies, self.gc_grace_s, protect)

@@ -1,16 +1,25 @@
-"""Reading, checking and describing a committed checkpoint's manifest."""
+"""The manifest: what a committed checkpoint holds, as frozen dataclasses.
+
+`Manifest` mirrors `manifest.json` field for field (docs/format.md): one `TensorEntry`
+per tensor, stored in one of three forms (`StorageKind`): a regular grid of save-time
+shards (`GRID`), one array per distinct piece (`PIECES`), or byte ranges of a writer's
+packed array (`PACKED`, each piece a `PieceEntry`). `Manifest.to_json()` is the exact
+JSON the writer encodes (`ckpt.commit.encode_manifest`); `Manifest.from_json(obj, url)`
+checks untrusted JSON before anything is allocated or opened from it and raises typed
+`ckpt.errors` naming the bad field. `read_manifest(store)` reads the one of a committed
+checkpoint, checked against its commit marker.
+"""
 
 from __future__ import annotations
 
 import json
 import logging
-from collections.abc import Callable
-from dataclasses import dataclass
+from collections.abc import Iterator, Mapping
+from dataclasses import dataclass, field
 from typing import Any
 
 from ckpt.errors import (
     AbsurdShapeError,
-    CheckpointExistsError,
     CheckpointNotFoundError,
     ChecksumMismatchError,
     CorruptCheckpointError,
@@ -19,9 +28,9 @@ from ckpt.format import (
     CHUNK_CRCS,
     COMMIT_KEY,
     DTYPES,
-    INDEX_PREFIX,
     MANIFEST_KEY,
     MAX_NUMEL,
+    StorageKind,
     check_path,
     check_shape,
     check_version,
@@ -29,100 +38,256 @@ from ckpt.format import (
     numel,
     zarr_metadata,
 )
-from storage import ObjectNotFoundError, StorageError, Store
+from storage import ObjectNotFoundError, Store
 from storage.checksum import crc32c
 
 logger = logging.getLogger(__name__)
 
-__all__ = ["Manifest", "read_manifest", "crc32c", "publish_commit", "chunk_objects"]
+__all__ = ["Manifest", "PieceEntry", "StorageKind", "TensorEntry", "chunk_objects", "crc32c",
+           "read_commit", "read_manifest", "validate"]
 
 MAX_CHUNKS = 10_000_000
 
+FIELDS = ("format", "version", "writer", "step", "created", "created_unix", "attempt",
+          "compression", "world_size", "ranks", "config", "layout", "tensors", "values",
+          "packed", "packed_inner", "bytes", "index", CHUNK_CRCS)
+"""The manifest's fields, in the order the writer writes them."""
 
-@dataclass
+
+def _ints(v: Any) -> tuple[int, ...]:
+    return tuple(v)
+
+
+@dataclass(frozen=True, slots=True)
+class PieceEntry:
+    """One stored piece of a `PIECES` or `PACKED` tensor: the box it covers, where."""
+
+    offset: tuple[int, ...]
+    shape: tuple[int, ...]
+    array: str
+    """The array holding it: its own (`PIECES`), or a writer's packed array (`PACKED`)."""
+    inner: tuple[int, ...] | None = None
+    """`PIECES`: inner chunk shape of its array."""
+    byte_offset: int | None = None
+    """`PACKED`: where its bytes start in the packed array."""
+
+    def to_json(self) -> dict[str, Any]:
+        out: dict[str, Any] = {"offset": list(self.offset), "shape": list(self.shape),
+                               "array": self.array}
+        if self.byte_offset is not None:
+            out["byte_offset"] = self.byte_offset
+        if self.inner is not None:
+            out["inner"] = list(self.inner)
+        return out
+
+    @classmethod
+    def _from_json(cls, p: Mapping[str, Any]) -> PieceEntry:
+        inner = p.get("inner")
+        return cls(_ints(p["offset"]), _ints(p["shape"]), p["array"],
+                   None if inner is None else _ints(inner), p.get("byte_offset"))
+
+
+@dataclass(frozen=True, slots=True)
+class TensorEntry:
+    """One tensor at its global shape, and how it is stored."""
+
+    shape: tuple[int, ...]
+    dtype: str
+    """A key of `ckpt.format.DTYPES`."""
+    storage: StorageKind
+    path: tuple[Any, ...] | None = None
+    """Its path in the saved state dict (keys and list indices)."""
+    placements: Any = None
+    """How it was placed when saved (`ckpt.layout.describe_placements`), for people."""
+    array: str | None = None
+    """`GRID`: the array at global shape."""
+    chunks: tuple[int, ...] | None = None
+    """`GRID`: the outer chunk (save-time shard) shape."""
+    inner: tuple[int, ...] | None = None
+    """`GRID`: the inner chunk shape."""
+    pieces: tuple[PieceEntry, ...] = ()
+    """`PIECES`, `PACKED`: the pieces that tile it."""
+
+    def to_json(self) -> dict[str, Any]:
+        out: dict[str, Any] = {}
+        if self.path is not None:
+            out["path"] = list(self.path)
+        out.update(shape=list(self.shape), dtype=self.dtype, storage=self.storage.value)
+        if self.placements is not None:
+            out["placements"] = self.placements
+        if self.storage is StorageKind.GRID:
+            assert self.chunks is not None and self.inner is not None
+            out.update(array=self.array, chunks=list(self.chunks), inner=list(self.inner))
+        else:
+            out["pieces"] = [p.to_json() for p in self.pieces]
+        return out
+
+    @classmethod
+    def _from_json(cls, t: Mapping[str, Any]) -> TensorEntry:
+        kind = StorageKind(t["storage"])
+        path = t.get("path")
+        if kind is StorageKind.GRID:
+            return cls(_ints(t["shape"]), t["dtype"], kind,
+                       None if path is None else tuple(path), t.get("placements"),
+                       t["array"], _ints(t["chunks"]), _ints(t["inner"]))
+        return cls(_ints(t["shape"]), t["dtype"], kind, None if path is None else tuple(path),
+                   t.get("placements"), pieces=tuple(PieceEntry._from_json(p)
+                                                     for p in t["pieces"]))
+
+    @property
+    def itemsize(self) -> int:
+        return DTYPES[self.dtype].itemsize
+
+    @property
+    def nbytes(self) -> int:
+        return numel(self.shape) * self.itemsize
+
+
+@dataclass(frozen=True, slots=True)
 class Manifest:
-    url: str
-    raw: dict[str, Any]
-    commit: dict[str, Any]
+    """A checkpoint's `manifest.json`. Fields a checkpoint may lack (written before they
+    existed) are None; `to_json` leaves out what the source lacked."""
 
-    @property
-    def tensors(self) -> dict[str, dict[str, Any]]:
-        return self.raw["tensors"]
+    format: str
+    version: int
+    tensors: Mapping[str, TensorEntry]
+    values: Mapping[str, Any]
+    """JSON values by state-dict name."""
+    writer: Any = None
+    step: int | None = None
+    created: str | None = None
+    created_unix: float | None = None
+    attempt: str | None = None
+    """The save attempt that wrote it: data objects live under `data/<attempt>/`."""
+    compression: str | None = None
+    world_size: int | None = None
+    ranks: list[int] | None = None
+    config: Any = None
+    layout: Any = None
+    packed: Mapping[str, int] = field(default_factory=dict)
+    """Packed array -> its size in bytes."""
+    packed_inner: int = 1
+    """Inner chunk size of the packed arrays."""
+    bytes: int | None = None
+    """Payload bytes of every tensor."""
+    index: Mapping[str, str] | None = None
+    """Rank (as a string) -> its index object."""
+    chunk_crc32c: Mapping[str, list[int | None]] | None = None
+    """Data object -> the crc32c of each inner chunk (None: a checkpoint without them)."""
+    absent: frozenset[str] = frozenset()
+    """Fields of `FIELDS` the source JSON lacked (left out again by `to_json`)."""
+    extra: Mapping[str, Any] = field(default_factory=dict)
+    """Fields this reader does not know, kept as they were."""
 
-    @property
-    def values(self) -> dict[str, Any]:
-        return self.raw["values"]
+    def to_json(self) -> dict[str, Any]:
+        """The manifest as JSON, in the writer's field order."""
+        out: dict[str, Any] = {}
+        for name in FIELDS:
+            if name in self.absent:
+                continue
+            if name == "tensors":
+                out[name] = {n: t.to_json() for n, t in self.tensors.items()}
+            else:
+                v = getattr(self, name)
+                out[name] = dict(v) if isinstance(v, Mapping) else v
+        out.update(self.extra)
+        return out
 
-    @property
-    def step(self) -> int | None:
-        return self.raw.get("step")
+    @classmethod
+    def from_json(cls, m: Any, url: str) -> Manifest:
+        """Check untrusted manifest JSON and build the manifest; raises typed
+        `ckpt.errors` (`UnsupportedVersionError`, `CorruptCheckpointError` and its
+        subclasses) naming the bad field, before anything is allocated from it."""
+        _check_structure(m, url)
+        out = cls(
+            format=m["format"], version=m["version"],
+            tensors={n: TensorEntry._from_json(t) for n, t in m["tensors"].items()},
+            values=m["values"], writer=m.get("writer"), step=m.get("step"),
+            created=m.get("created"), created_unix=m.get("created_unix"),
+            attempt=m.get("attempt"), compression=m.get("compression"),
+            world_size=m.get("world_size"), ranks=m.get("ranks"), config=m.get("config"),
+            layout=m.get("layout"), packed=m.get("packed", {}),
+            packed_inner=m.get("packed_inner", 1), bytes=m.get("bytes"), index=m.get("index"),
+            chunk_crc32c=m.get(CHUNK_CRCS),
+            absent=frozenset(f for f in FIELDS if f not in m),
+            extra={k: v for k, v in m.items() if k not in FIELDS})
+        _check_chunk_crcs(out, m.get(CHUNK_CRCS), url)
+        return out
 
-    def meta_of(self, name: str, piece: dict[str, Any] | None = None) -> dict[str, Any]:
+    def meta_of(self, name: str, piece: PieceEntry | None = None) -> dict[str, Any]:
         """zarr metadata of a tensor's array (grid) or of one of its pieces."""
         t = self.tensors[name]
-        comp = self.raw.get("compression")
+        comp = self.compression
         if piece is None:
-            return zarr_metadata(t["shape"], t["dtype"], t["chunks"], t["inner"], comp)
-        if t["storage"] == "packed":
-            size = self.raw["packed"][piece["array"]]
-            return zarr_metadata([size], "uint8", [size], [self.raw["packed_inner"]], comp)
-        return zarr_metadata(piece["shape"], t["dtype"], piece["shape"], piece["inner"], comp)
+            assert t.chunks is not None and t.inner is not None
+            return zarr_metadata(list(t.shape), t.dtype, list(t.chunks), list(t.inner), comp)
+        if t.storage is StorageKind.PACKED:
+            size = self.packed[piece.array]
+            return zarr_metadata([size], "uint8", [size], [self.packed_inner], comp)
+        assert piece.inner is not None
+        return zarr_metadata(list(piece.shape), t.dtype, list(piece.shape), list(piece.inner),
+                             comp)
 
     def chunk_crcs(self, key: str) -> list[int | None] | None:
         """The crc32c recorded at save for each inner chunk of data object `key`, in
         storage order (None: that chunk is not stored), or None for a checkpoint written
-        before they were recorded (validate() made sure every object has its list)."""
-        crcs = self.raw.get(CHUNK_CRCS)
+        before they were recorded (from_json made sure every object has its list)."""
+        crcs = self.chunk_crc32c
         return None if crcs is None else crcs[key]
+
+    def packed_users(self, array: str) -> list[str]:
+        """The tensors stored in packed array `array`, sorted."""
+        return sorted(n for n, t in self.tensors.items() if t.storage is StorageKind.PACKED
+                      and any(p.array == array for p in t.pieces))
 
     def expected_objects(self) -> dict[str, str]:
         """Every object the checkpoint must hold -> the tensor (or '') it belongs to."""
         out: dict[str, str] = {}
         for name, t in self.tensors.items():
-            if t["storage"] == "grid":
-                out[f"{t['array']}/zarr.json"] = name
+            if t.storage is StorageKind.GRID:
+                out[f"{t.array}/zarr.json"] = name
             else:
-                for p in t["pieces"]:
-                    out[f"{p['array']}/zarr.json"] = name if t["storage"] == "pieces" else ""
-        for key, name, _n in chunk_objects(self.raw):
+                for p in t.pieces:
+                    out[f"{p.array}/zarr.json"] = name if t.storage is StorageKind.PIECES else ""
+        for key, name, _n in chunk_objects(self):
             out.setdefault(key, name)
         return out
 
 
-def _inner_count(shape: list[int], inner: list[int]) -> int:
+def _inner_count(shape: tuple[int, ...] | list[int], inner: tuple[int, ...] | list[int]) -> int:
     n = 1
     for s, i in zip(shape, inner, strict=True):
         n *= -(-s // i)
     return n
 
 
-def chunk_objects(m: dict[str, Any]):
+def chunk_objects(m: Manifest) -> Iterator[tuple[str, str, int]]:
     """(key, tensor or '' for a packed array, inner chunks) of every data object of a
-    validated manifest: one per grid cell, piece array and packed array."""
+    manifest: one per grid cell, piece array and packed array."""
     seen: set[str] = set()
-    for name, t in m["tensors"].items():
-        if t["storage"] == "grid":
-            n = _inner_count(t["chunks"], t["inner"])
-            for k in chunk_keys(t["array"], t["shape"], t["chunks"]):
+    for name, t in m.tensors.items():
+        if t.storage is StorageKind.GRID:
+            assert t.array is not None and t.chunks is not None and t.inner is not None
+            n = _inner_count(t.chunks, t.inner)
+            for k in chunk_keys(t.array, list(t.shape), list(t.chunks)):
                 yield k, name, n
             continue
-        for p in t["pieces"]:
-            arr = p["array"]
-            if t["storage"] == "packed":
-                size, inner, who = [m["packed"][arr]], [m.get("packed_inner", 1)], ""
+        for p in t.pieces:
+            if t.storage is StorageKind.PACKED:
+                size, inner, who = (m.packed[p.array],), (m.packed_inner,), ""
             else:
-                size, inner, who = p["shape"], p["inner"], name
-            for k in chunk_keys(arr, size, size):
+                assert p.inner is not None
+                size, inner, who = p.shape, p.inner, name
+            for k in chunk_keys(p.array, list(size), list(size)):
                 if k not in seen:
                     seen.add(k)
                     yield k, who, _inner_count(size, inner)
 
 
-def _check_chunk_crcs(m: dict[str, Any], url: str) -> None:
+def _check_chunk_crcs(m: Manifest, crcs: Any, url: str) -> None:
     """`chunk_crc32c` (optional: older checkpoints lack it) must list, for every data
     object, one crc32c (an int in [0, 2^32), or null for a chunk not
     stored) per inner chunk: the reader compares each chunk it reads with it."""
-    crcs = m.get(CHUNK_CRCS)
     if crcs is None:
         return
     if not isinstance(crcs, dict):
@@ -133,13 +298,14 @@ def _check_chunk_crcs(m: dict[str, Any], url: str) -> None:
         arr = key[:-2] if key.endswith("/c") else key.rpartition("/c/")[0]
         got[arr] = got.get(arr, 0) + 1
     seen: set[str] = set()
-    for name, t in m["tensors"].items():
-        if t["storage"] == "grid":
-            arrays = {t["array"]: _inner_count(t["shape"], t["chunks"]) if t["shape"] else 1}
+    for name, t in m.tensors.items():
+        if t.storage is StorageKind.GRID:
+            assert t.array is not None and t.chunks is not None
+            arrays = {t.array: _inner_count(t.shape, t.chunks) if t.shape else 1}
         else:
-            arrays = {p["array"]: int(m["packed"].get(p["array"], 0) > 0
-                                      if t["storage"] == "packed" else numel(p["shape"]) > 0)
-                      for p in t["pieces"]}
+            arrays = {p.array: int(m.packed.get(p.array, 0) > 0
+                                   if t.storage is StorageKind.PACKED else numel(p.shape) > 0)
+                      for p in t.pieces}
         for arr, want in arrays.items():
             if arr in seen:  # a packed array several tensors share
                 continue
@@ -200,7 +366,12 @@ def _check_partition(url: str, name: str, shape: list[int],
                    "is damaged", name)
 
 
-def validate(m: dict[str, Any], url: str) -> None:
+def validate(m: Any, url: str) -> None:
+    """Check manifest JSON as every load does (`Manifest.from_json`), without keeping it."""
+    Manifest.from_json(m, url)
+
+
+def _check_structure(m: Any, url: str) -> None:
     """Structural checks before anything is allocated or opened from the manifest."""
     check_version(m, url)
     if not isinstance(m.get("tensors"), dict) or not isinstance(m.get("values"), dict):
@@ -224,7 +395,7 @@ def validate(m: dict[str, Any], url: str) -> None:
             raise _bad(url, f"tensor {name!r} has unknown dtype {t.get('dtype')!r}", name)
         shape = check_shape(t.get("shape"), url, name)
         storage = t.get("storage")
-        if storage == "grid":
+        if storage == StorageKind.GRID:
             check_path(t.get("array"), url, name)
             chunks = check_shape(t.get("chunks"), url, name, "chunks")
             inner_s = check_shape(t.get("inner"), url, name, "inner chunks")
@@ -235,7 +406,7 @@ def validate(m: dict[str, Any], url: str) -> None:
                     f"that do not fit shape {shape}", url=url, tensor=name, obj=MANIFEST_KEY)
             _check_cells(url, name, shape, chunks, "tensor")
             _check_cells(url, name, chunks, inner_s, "shard of tensor")
-        elif storage in ("pieces", "packed"):
+        elif storage in (StorageKind.PIECES, StorageKind.PACKED):
             pieces = t.get("pieces")
             if not isinstance(pieces, list):
                 raise _bad(url, f"tensor {name!r} has no piece list", name)
@@ -252,7 +423,7 @@ def validate(m: dict[str, Any], url: str) -> None:
                         f"checkpoint {url}: tensor {name!r} has a piece at {off} of shape "
                         f"{shp} outside its shape {shape}", url=url, tensor=name,
                         obj=p.get("array"))
-                if storage == "packed":
+                if storage == StorageKind.PACKED:
                     bo = p.get("byte_offset")
                     size = packed.get(p["array"])
                     nb = numel(shp) * DTYPES[t["dtype"]].itemsize
@@ -273,7 +444,6 @@ def validate(m: dict[str, Any], url: str) -> None:
             _check_partition(url, name, shape, boxes)
         else:
             raise _bad(url, f"tensor {name!r} has unknown storage {storage!r}", name)
-    _check_chunk_crcs(m, url)
 
 
 def read_commit(store: Store) -> dict[str, Any]:
@@ -316,64 +486,4 @@ def read_manifest(store: Store) -> Manifest:
     except (ValueError, RecursionError) as e:  # RecursionError: absurdly deep nesting
         raise CorruptCheckpointError(f"{url}/{MANIFEST_KEY} is not valid JSON ({e})", url=url,
                                      obj=MANIFEST_KEY) from None
-    validate(m, url)
-    return Manifest(url, m, commit)
-
-
-def _attempt_copy(attempt: str) -> str:
-    return f"{INDEX_PREFIX}{attempt}/{MANIFEST_KEY}"
-
-
-def _exists_error(url: str, attempt: str) -> CheckpointExistsError:
-    return CheckpointExistsError(
-        f"{url}/{COMMIT_KEY}: another writer committed this checkpoint first (this save, "
-        f"attempt {attempt}, is dropped and changed nothing it had committed); two jobs or "
-        "two runs are saving to the same URL: give each its own checkpoint root",
-        url=url, obj=COMMIT_KEY)
-
-
-def publish_commit(store: Store, attempt: str, raw: bytes, marker: dict[str, Any],
-                   before_commit: Callable[[], None] | None = None) -> None:
-    """Coordinator: publish the manifest `raw`, then create the commit marker `marker`.
-
-    The marker is created exclusively (`put_if_absent`), so of two writers racing on one
-    checkpoint URL (a split brain, two runs sharing a root) exactly one commits and the
-    other raises `CheckpointExistsError`. The manifest is also kept at
-    `index/<attempt>/manifest.json`, so a loser that replaced `manifest.json` after the
-    winner wrote it puts the winner's back, and the winner re-checks it after committing.
-    """
-    url = store.url
-    if store.exists(COMMIT_KEY):
-        raise _exists_error(url, attempt)
-    store.put(_attempt_copy(attempt), raw)
-    store.put(MANIFEST_KEY, raw)
-    if before_commit is not None:
-        before_commit()
-    data = json.dumps(marker).encode()
-    if not store.put_if_absent(COMMIT_KEY, data) and read_commit(store).get("attempt") != attempt:
-        _restore_winner_manifest(store)
-        raise _exists_error(url, attempt)
-    try:
-        if store.get(MANIFEST_KEY) != raw:
-            logger.warning("%s: %s was replaced by a racing writer; restoring this commit's",
-                           url, MANIFEST_KEY)
-            store.put(MANIFEST_KEY, raw)
-    except StorageError as e:  # committed already: a failed check must not fail the save
-        logger.warning("%s: committed, but could not re-check %s: %s", url, MANIFEST_KEY, e)
-
-
-def _restore_winner_manifest(store: Store) -> None:
-    """After losing a commit race: make `manifest.json` the winner's again."""
-    try:
-        commit = read_commit(store)
-        want = commit.get("manifest_crc32c")
-        if crc32c(store.get(MANIFEST_KEY)) == want:
-            return
-        copy = store.get(_attempt_copy(str(commit.get("attempt"))))
-        if crc32c(copy) == want:
-            store.put(MANIFEST_KEY, copy)
-            logger.warning("%s: restored the committed %s after a racing writer replaced it",
-                           store.url, MANIFEST_KEY)
-    except (StorageError, CheckpointNotFoundError, CorruptCheckpointError) as e:
-        logger.warning("%s: could not check %s after losing a commit race: %s", store.url,
-                       MANIFEST_KEY, e)
+    return Manifest.from_json(m, url)

@@ -26,7 +26,7 @@ from dataclasses import dataclass, field
 from typing import Any, ParamSpec, TypeVar
 
 from ckpt.errors import UnsupportedStateError
-from ckpt.format import inner_chunk_shape, itemsize, numel
+from ckpt.format import StorageKind, inner_chunk_shape, itemsize, numel
 
 __all__ = [
     "TensorLayout", "RankLayout", "PieceWrite", "TensorPlan", "SavePlan", "plan_save",
@@ -104,8 +104,7 @@ class TensorPlan:
     shape: tuple[int, ...]
     dtype: str
     placements: str
-    storage: str
-    """"grid", "pieces" or "packed"."""
+    storage: StorageKind
     array: str
     chunks: tuple[int, ...]
     inner: tuple[int, ...]
@@ -246,8 +245,8 @@ def plan_save(
                 pieces.append(PieceWrite(box[0], box[1], w, f"packed/r{w:05d}", off))
                 nb = math.prod(box[1]) * item
                 packed_size[w] = off + ((nb + 15) // 16) * 16
-            tensors[name] = TensorPlan(name, t.path, t.shape, t.dtype, t.placements, "packed",
-                                       "", (), (), tuple(pieces), -1)
+            tensors[name] = TensorPlan(name, t.path, t.shape, t.dtype, t.placements,
+                                       StorageKind.PACKED, "", (), (), tuple(pieces), -1)
             continue
         chunks = _regular_grid(t.shape, boxes)
         if chunks is not None:
@@ -258,14 +257,14 @@ def plan_save(
             meta = min(sorted({p.writer for p in pieces}) or [ranks[0]],
                        key=lambda r: meta_count.get(r, 0))
             meta_count[meta] = meta_count.get(meta, 0) + 1
-            tensors[name] = TensorPlan(name, t.path, t.shape, t.dtype, t.placements, "grid",
-                                       base, chunks, inner, pieces, meta)
+            tensors[name] = TensorPlan(name, t.path, t.shape, t.dtype, t.placements,
+                                       StorageKind.GRID, base, chunks, inner, pieces, meta)
         else:
             pieces = tuple(
                 PieceWrite(b[0], b[1], writer[(name, b)], f"{base}/p{k:05d}")
                 for k, b in enumerate(boxes))
-            tensors[name] = TensorPlan(name, t.path, t.shape, t.dtype, t.placements, "pieces",
-                                       base, (), (), pieces, -1)
+            tensors[name] = TensorPlan(name, t.path, t.shape, t.dtype, t.placements,
+                                       StorageKind.PIECES, base, (), (), pieces, -1)
     write_bytes = {r: 0 for r in ranks}
     for (name, box), w in writer.items():
         write_bytes[w] += math.prod(box[1]) * itemsize(by_name[name].dtype)

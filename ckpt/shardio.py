@@ -120,13 +120,13 @@ class ShardGeometry:
                 for cell in itertools.product(*ranges)]
 
 
-def grid_geometry(t: dict[str, Any], cell: tuple[int, ...], itemsize: int) -> ShardGeometry:
-    """The shard at `cell` of a manifest's grid tensor `t` (an edge shard of an uneven
-    grid gets its `valid` extent)."""
-    chunks = tuple(t["chunks"])
-    valid = tuple(min(c, s - k * c) for s, k, c in zip(t["shape"], cell, chunks, strict=True))
-    return ShardGeometry(chunks, tuple(t["inner"]), itemsize,
-                         None if valid == chunks else valid)
+def grid_geometry(shape: tuple[int, ...], chunks: tuple[int, ...], inner: tuple[int, ...],
+                  cell: tuple[int, ...], itemsize: int) -> ShardGeometry:
+    """The shard at `cell` of a grid tensor of `shape` chunked `chunks` / `inner` (an edge
+    shard of an uneven grid gets its `valid` extent)."""
+    chunks = tuple(chunks)
+    valid = tuple(min(c, s - k * c) for s, k, c in zip(shape, cell, chunks, strict=True))
+    return ShardGeometry(chunks, tuple(inner), itemsize, None if valid == chunks else valid)
 
 
 def direct_ok(shape: tuple[int, ...] | list[int], inner: tuple[int, ...] | list[int],

@@ -28,7 +28,7 @@ from typing import Any
 import numpy as np
 import torch
 
-from ckpt.format import align, itemsize, numel
+from ckpt.format import StorageKind, align, itemsize, numel
 from ckpt.plan import PieceWrite, TensorPlan
 
 logger = logging.getLogger(__name__)
@@ -132,7 +132,7 @@ class Stager:
         if need_copy and bufs.staging is None:
             total = 0
             for t, p, _ in copies:
-                if t.storage != "packed":
+                if t.storage is not StorageKind.PACKED:
                     nb = numel(p.shape) * itemsize(t.dtype)
                     bufs.slots[(t.name, p.offset)] = (total, nb)
                     total = align(total + nb)
@@ -162,7 +162,7 @@ class Stager:
             for t, p, src in self.copies:
                 nb = numel(p.shape) * itemsize(t.dtype)
                 dma = src.device.type != "cpu"
-                if t.storage == "packed":
+                if t.storage is StorageKind.PACKED:
                     assert bufs.packed is not None
                     dst = bufs.packed[p.byte_offset: p.byte_offset + nb]
                     dst.view(src.dtype).view(p.shape).copy_(src, non_blocking=dma)

@@ -22,8 +22,8 @@ from typing import Any
 import numpy as np
 
 from ckpt.errors import CheckpointError
-from ckpt.format import DATA_PREFIX, chunk_keys, itemsize
-from ckpt.manifest import Manifest, read_manifest
+from ckpt.format import DATA_PREFIX, StorageKind, chunk_keys
+from ckpt.manifest import Manifest, PieceEntry, TensorEntry, read_manifest
 from ckpt.shardio import (
     ShardGeometry,
     direct_read_ok,
@@ -75,11 +75,12 @@ def _read_direct(store: Store, m: Manifest, key: str, geo: ShardGeometry, tensor
     region = tuple(slice(0, v) for v in (geo.valid or geo.shape))
     out = np.empty([r.stop for r in region], dtype=f"<u{geo.itemsize}")
     read_shard_region(store, key, geo, region, out, url=store.url, tensor=tensor,
-                      expect=m.chunk_crcs(key), compression=m.raw.get("compression"))
+                      expect=m.chunk_crcs(key), compression=m.compression)
     return out.nbytes
 
 
-def _check_binding(store: Store, m: Manifest, key: str, grid: list[int], tensor: str) -> None:
+def _check_binding(store: Store, m: Manifest, key: str, grid: list[int] | tuple[int, ...],
+                   tensor: str) -> None:
     """An object tensorstore decoded: its stored chunk crcs against the
     manifest's record (the crcs themselves tensorstore checked while decoding)."""
     want = m.chunk_crcs(key)
@@ -92,34 +93,36 @@ def _check_binding(store: Store, m: Manifest, key: str, grid: list[int], tensor:
             raise misplaced(store.url, key, tensor, f"inner chunk {cell}", g, w)
 
 
-def _verify_grid(store: Store, m: Manifest, name: str, t: dict[str, Any]) -> int:
-    item = itemsize(t["dtype"])
-    shape, chunks, inner = t["shape"], t["chunks"], t["inner"]
+def _verify_grid(store: Store, m: Manifest, name: str, t: TensorEntry) -> int:
+    assert t.array is not None and t.chunks is not None and t.inner is not None
+    item = t.itemsize
+    shape, chunks, inner = list(t.shape), list(t.chunks), list(t.inner)
     grid = [c // i for c, i in zip(chunks, inner, strict=True)]
-    direct = direct_read_ok(chunks, inner, m.raw.get("compression"))
-    arr = None if direct else open_array(store, t["array"], m.meta_of(name), read=True).result()
+    direct = direct_read_ok(chunks, inner, m.compression)
+    arr = None if direct else open_array(store, t.array, m.meta_of(name), read=True).result()
     n = 0
-    for key, region in zip(chunk_keys(t["array"], shape, chunks), _regions(shape, chunks),
+    for key, region in zip(chunk_keys(t.array, shape, chunks), _regions(shape, chunks),
                            strict=True):
         if direct:
             cell = tuple(r.start // c for r, c in zip(region, chunks, strict=True))
-            n += _read_direct(store, m, key, grid_geometry(t, cell, item), name)
+            n += _read_direct(store, m, key,
+                              grid_geometry(t.shape, t.chunks, t.inner, cell, item), name)
             continue
         try:
             n += (arr[region] if region else arr).read().result().nbytes
         except Exception as e:  # noqa: BLE001
-            raise map_ts_error(e, store.url, name, t["array"]) from e
+            raise map_ts_error(e, store.url, name, t.array) from e
         _check_binding(store, m, key, grid, name)
     return n
 
 
 def _verify_array(store: Store, m: Manifest, name: str, label: str, array: str,
-                  shape: list[int], inner: list[int], item: int) -> int:
+                  shape: tuple[int, ...], inner: tuple[int, ...], item: int) -> int:
     """One single-shard array: a piece, or a packed array (`name` its first user)."""
-    piece = {"array": array, "shape": shape, "inner": inner}
+    piece = PieceEntry((0,) * len(shape), shape, array, inner=inner)
     n = 0
-    for key in chunk_keys(array, shape, shape):
-        if direct_read_ok(shape, inner, m.raw.get("compression")):
+    for key in chunk_keys(array, list(shape), list(shape)):
+        if direct_read_ok(shape, inner, m.compression):
             n += _read_direct(store, m, key, ShardGeometry(tuple(shape), tuple(inner), item),
                               label)
             continue
@@ -136,7 +139,21 @@ def _verify_array(store: Store, m: Manifest, name: str, label: str, array: str,
 def verify(url: str | os.PathLike[str] | Store, *, read_data: bool = True,
            progress: Callable[[int, int, str], None] | None = None) -> VerifyReport:
     """Check the checkpoint at `url`; `read_data=False` skips reading chunk contents.
-    `progress(done, total, tensor)` is called before each tensor is read (a CLI bar)."""
+    `progress(done, total, tensor)` is called before each tensor is read (a CLI bar).
+
+    Args:
+        url: the checkpoint (a `storage` URL or `Store`).
+        read_data: read every chunk and check its crc32c (else: marker, manifest and the
+            existence of every object only).
+        progress: called as `progress(done, total, tensor)` before each tensor.
+
+    Returns:
+        A `VerifyReport`: `ok`, and `problems`, each naming the tensor and the object.
+
+    Raises:
+        InvalidStorageURLError: `url` is not a storage URL. Everything found at `url`
+            (missing marker, damage, storage errors) is reported, not raised.
+    """
     store = open_store(url)
     report = VerifyReport(store.url)
     try:
@@ -147,7 +164,7 @@ def verify(url: str | os.PathLike[str] | Store, *, read_data: bool = True,
     report.step = m.step
     report.tensors = len(m.tensors)
     try:
-        present = set(store.list(f"{DATA_PREFIX}{m.raw.get('attempt')}/"))
+        present = set(store.list(f"{DATA_PREFIX}{m.attempt}/"))
         present |= set(store.list("index/"))
     except StorageError as e:
         report.add(f"cannot list {store.url}: {e}")
@@ -160,7 +177,7 @@ def verify(url: str | os.PathLike[str] | Store, *, read_data: bool = True,
             report.add(f"missing object {store.url}/{key}"
                        + (f" of tensor {tensor!r}" if tensor else " (packed small tensors)"))
             missing_tensors.add(tensor)
-    for rank, key in (m.raw.get("index") or {}).items():
+    for rank, key in (m.index or {}).items():
         if key not in present:
             report.add(f"missing index object {store.url}/{key} of rank {rank}")
     if not read_data:
@@ -171,27 +188,26 @@ def verify(url: str | os.PathLike[str] | Store, *, read_data: bool = True,
         if name in missing_tensors:
             continue
         try:
-            if t["storage"] == "grid":
+            if t.storage is StorageKind.GRID:
                 report.bytes += _verify_grid(store, m, name, t)
-            elif t["storage"] == "pieces":
-                for p in t["pieces"]:
-                    report.bytes += _verify_array(store, m, name, name, p["array"],
-                                                  p["shape"], p["inner"], itemsize(t["dtype"]))
+            elif t.storage is StorageKind.PIECES:
+                for p in t.pieces:
+                    assert p.inner is not None
+                    report.bytes += _verify_array(store, m, name, name, p.array, p.shape,
+                                                  p.inner, t.itemsize)
         except CheckpointError as e:
             report.add(str(e))
         except Exception as e:  # noqa: BLE001
             report.add(f"tensor {name!r}: {type(e).__name__}: {e}")
-    for arr_path in m.raw.get("packed", {}):
+    for arr_path, size in m.packed.items():
         if f"{arr_path}/zarr.json" not in present:
             continue
-        users = sorted(n for n, t in m.tensors.items() if t["storage"] == "packed"
-                       and any(p["array"] == arr_path for p in t["pieces"]))
+        users = m.packed_users(arr_path)
         first = next(iter(users), "")
         label = ", ".join(users[:3]) + ("..." if len(users) > 3 else "")
         try:
             report.bytes += _verify_array(store, m, first, label, arr_path,
-                                          [m.raw["packed"][arr_path]],
-                                          [m.raw.get("packed_inner", 1)], 1)
+                                          (size,), (m.packed_inner,), 1)
         except CheckpointError as e:
             report.add(str(e))
         except Exception as e:  # noqa: BLE001

@@ -34,6 +34,20 @@ def open_store(
 
     When `RELIGHT_FAULT_PLAN` is set (chaos runs), the store is wrapped in a
     fault-injecting store following that plan.
+
+    Args:
+        url: a path, a `file://`, `s3://` or `memory://` URL, or a `Store`.
+        retry: the retry policy for transient errors (default: `RetryPolicy()`).
+        s3: S3 settings (default: from the environment, with `s3_overrides`).
+        **s3_overrides: fields of `S3Settings` (e.g. `endpoint_url=`, `region=`) over the
+            environment's, when `s3` is not given.
+
+    Returns:
+        The `Store` (nothing is contacted yet: opening costs no request).
+
+    Raises:
+        InvalidStorageURLError: the URL is empty, of an unknown scheme, or lacks a bucket.
+        FaultPlanError: `RELIGHT_FAULT_PLAN` is set but not a valid fault plan.
     """
     if isinstance(url, Store):
         return url

@@ -208,7 +208,7 @@ def crash_save(root: str, tensors: list[dict[str, Any]], mesh: list[int],
     """Commit step 1, then save step 2 during which `victim` is SIGKILLed: in the middle
     of persisting ("persist") or, as coordinator, right before the marker ("commit").
     Survivors must see the save fail."""
-    import ckpt.engine as eng
+    import ckpt.writer as eng
 
     rank = dist.get_rank()
     opts = ckpt.SaveOptions(commit_timeout_s=timeout_s)

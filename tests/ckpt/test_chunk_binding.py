@@ -142,8 +142,8 @@ def test_zstd_checkpoint_loads_through_the_direct_reader(tmp_path) -> None:
     ckpt.load(got, store)
     assert all(torch.equal(got[k], v) for k, v in _state(1).items())
     # A region that starts mid-chunk: the reader decodes whole chunks and copies parts.
-    from ckpt.engine import _Reader
     from ckpt.manifest import read_manifest
+    from ckpt.reader import RegionReader as _Reader
     region = _Reader(store, read_manifest(store), "a", ((5, 7), (50, 30)), torch.float32)
     assert torch.equal(region.result(), _state(1)["a"][5:55, 7:37])
 
@@ -225,7 +225,7 @@ def test_malformed_record_is_typed_error(saved, case) -> None:
 def test_save_missing_a_record_does_not_commit(tmp_path, monkeypatch) -> None:
     """The coordinator validates the manifest it built: a rank that recorded no crcs
     fails the save instead of committing a checkpoint every load would refuse."""
-    import ckpt.engine as eng
+    import ckpt.writer as eng
 
     monkeypatch.setattr(eng._SaveJob, "_bind_stored_objects",
                         lambda self: self.chunk_crcs.clear())

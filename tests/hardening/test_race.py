@@ -13,9 +13,9 @@ import pytest
 
 import ckpt
 import storage
+from ckpt.commit import publish_commit
 from ckpt.format import COMMIT_KEY, MANIFEST_KEY
 from ckpt.manager import step_dir
-from ckpt.manifest import publish_commit
 
 from ._util import assert_bitwise, local_store, make_state, snapshot, tally, zeros_like
 
@@ -122,7 +122,7 @@ SECOND_WRITER = textwrap.dedent("""
 def test_two_processes_race_through_the_manager(tmp_path, monkeypatch) -> None:
     """A real second process saves the same step while this one is between its manifest
     and its COMMIT: the other process wins, this save fails typed, nothing is lost."""
-    import ckpt.engine
+    import ckpt.commit
 
     root = storage.open_store(tmp_path / "run")
     mgr = ckpt.CheckpointManager(root, gc_grace_s=0.0)
@@ -138,7 +138,7 @@ def test_two_processes_race_through_the_manager(tmp_path, monkeypatch) -> None:
                            timeout=120, cwd=str(Path(__file__).resolve().parents[2]))
         publish_commit(store, attempt, raw, marker, before)
 
-    monkeypatch.setattr(ckpt.engine, "publish_commit", publish_after_other)
+    monkeypatch.setattr(ckpt.commit, "publish_commit", publish_after_other)
     h = mgr.save(2, make_state(10), async_save=True)
     with pytest.raises(ckpt.CheckpointExistsError):
         h.wait()

@@ -12,8 +12,8 @@ import pytest
 import torch
 
 import ckpt
-import ckpt.engine
 import storage
+from ckpt.resources import resources
 
 from ._util import assert_bitwise, local_store, tally
 
@@ -40,7 +40,7 @@ def slow_manager(tmp_path, busy: str) -> ckpt.CheckpointManager:
 def staging_buffers() -> set[int]:
     """Addresses of the host buffers the engine keeps between saves (whatever its
     internals call them: every tensor held by its cached plan, one level down)."""
-    cached = ckpt.engine._STATE.cached
+    cached = resources().cached
     found = set()
     for obj in (cached, *vars(cached).values()):
         for v in getattr(obj, "__dict__", {}).values():

@@ -1,0 +1,83 @@
+"""One exception-robust collective: catch locally, all-gather, raise on every rank.
+
+A rank that fails before a collective must still make it, or the others wait for it
+until their timeout. So each step that may fail on some ranks only runs as
+
+    error = None
+    try:
+        payload = local_work()
+    except Exception as e:
+        error = e
+    payloads = all_or_raise(comm, error, payload, what, url=url)
+
+`all_or_raise` all-gathers (error, payload) from every rank; the failing rank raises its
+own exception, every other rank raises one built from the first failure (by default
+the same type when it is a `ckpt.errors.CheckpointError` or a `storage.StorageError`,
+so that a retryable storage failure stays retryable on every rank), and when no rank
+failed every rank gets every rank's payload. Errors cross ranks as JSON (type name and
+message), never pickled.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Mapping
+from typing import Any
+
+import ckpt.errors as ckpt_errors
+import storage.errors as storage_errors
+from ckpt.comm import Comm
+from ckpt.errors import CheckpointError, CorruptCheckpointError
+from storage import StorageError
+
+__all__ = ["RemoteError", "all_or_raise", "encode_error", "rebuild_error"]
+
+RemoteError = dict[str, str]
+"""A failure as it crosses ranks: {"type": class name, "msg": str(exception)}."""
+
+
+def encode_error(e: BaseException) -> RemoteError:
+    return {"type": type(e).__name__, "msg": str(e)}
+
+
+def rebuild_error(e: RemoteError, rank: int, url: str | None) -> BaseException:
+    """Another rank's error as the same type: a storage failure stays a `StorageError`
+    (retryable), damage a `CheckpointError`; anything else becomes a
+    `CorruptCheckpointError` naming the original type."""
+    msg = f"rank {rank}: {e['msg']}"
+    cls = getattr(ckpt_errors, e["type"], None)
+    if isinstance(cls, type) and issubclass(cls, CheckpointError):
+        return cls(msg, url=url)
+    cls = getattr(storage_errors, e["type"], None)
+    if isinstance(cls, type) and issubclass(cls, StorageError):
+        return cls(msg, url=url)
+    return CorruptCheckpointError(f"rank {rank}: {e['type']}: {e['msg']}", url=url)
+
+
+def _first_rebuilt(url: str | None) -> Callable[[Mapping[int, RemoteError]], BaseException]:
+    def build(failures: Mapping[int, RemoteError]) -> BaseException:
+        rank = next(iter(failures))
+        return rebuild_error(failures[rank], rank, url)
+    return build
+
+
+def all_or_raise(comm: Comm, error: BaseException | None, payload: Any = None,
+                 what: str = "a checkpoint collective", *, url: str | None = None,
+                 remote: Callable[[Mapping[int, RemoteError]], BaseException] | None = None,
+                 ) -> list[Any]:
+    """All-gather `payload` (JSON) and `error` from every rank of `comm`; every rank
+    calls, whether its own step failed or not.
+
+    Raises `error` on the rank that has one; on the others, when any rank failed,
+    `remote(failures)` (failures: global rank -> `RemoteError`, in group order; default:
+    the first failure rebuilt as its own type by `rebuild_error`). Otherwise returns the
+    payloads in group order. `what` names the step in a `CollectiveError` on timeout.
+    """
+    gathered = comm.allgather_json(
+        {"err": encode_error(error) if error is not None else None,
+         "data": payload if error is None else None}, what)
+    if error is not None:
+        raise error
+    failures = {r: g["err"] for r, g in zip(comm.ranks, gathered, strict=True) if g["err"]}
+    if failures:
+        raise (remote or _first_rebuilt(url))(failures)
+    return [g["data"] for g in gathered]

@@ -1,0 +1,155 @@
+"""What the engine keeps per process between saves and loads: one `EngineResources`
+object, reached through `resources()`.
+
+It holds the save in flight (a process runs one save at a time), the cached save plan
+with its reusable staging buffers, the thread pools of direct shard reads, and the
+lock that serializes chunk decoding. At interpreter exit it lets an async save still
+in flight commit (see `EngineResources.finish_at_exit`).
+"""
+
+from __future__ import annotations
+
+import atexit
+import logging
+import sys
+import threading
+import time
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass, field
+from typing import Any
+
+from ckpt.handle import SaveHandle
+from ckpt.plan import SavePlan
+from ckpt.staging import StagingBuffers
+from storage import Store
+
+logger = logging.getLogger(__name__)
+
+__all__ = ["CachedPlan", "EngineResources", "READ_THREADS", "resources", "wait_inflight",
+           "wait_staged"]
+
+READ_THREADS = {False: 2, True: 8}
+"""Direct-read threads per process, for local stores (files, memory: a read is a copy
+in the kernel, CPU work, and ranks share the cores) and remote ones (S3: requests wait
+on the network, so more in flight hide latency)."""
+
+
+@dataclass
+class CachedPlan:
+    """The save plan of the last layout seen, and the staging buffers it reuses."""
+
+    key: tuple[Any, ...]
+    """Every rank's layout digest and the group's ranks: a new key means a new plan."""
+    plan: SavePlan
+    bufs: StagingBuffers = field(default_factory=StagingBuffers)
+
+
+class EngineResources:
+    """The engine's process-wide state. One instance per process (`resources()`);
+    tests and benchmarks read `cached` (the staging buffers) and may set it to None to
+    free them."""
+
+    def __init__(self) -> None:
+        self.inflight: SaveHandle | None = None
+        """This process's latest save (done or not)."""
+        self.cached: CachedPlan | None = None
+        self.crashed = False
+        """The main thread died of an uncaught exception (see `note_crashes`)."""
+        self._hooked = False
+        self._pool_lock = threading.Lock()
+        self._read_pools: dict[bool, ThreadPoolExecutor] = {}
+        self.decode_lock = threading.Lock()
+        """One thread per process checks and copies fetched chunks (CPU); fetches overlap."""
+
+    def read_pool(self, store: Store) -> ThreadPoolExecutor:
+        """Threads for direct shard reads, shared by every load of this process."""
+        remote = store.location.scheme not in ("file", "memory")
+        with self._pool_lock:
+            if remote not in self._read_pools:
+                self._read_pools[remote] = ThreadPoolExecutor(
+                    max_workers=READ_THREADS[remote], thread_name_prefix="ckpt-read")
+            return self._read_pools[remote]
+
+    def note_crashes(self) -> None:
+        """Chain `sys.excepthook` once (at the first async save) to note an uncaught
+        exception, so that exit does not wait for a save that may never commit."""
+        if self._hooked:
+            return
+        self._hooked = True
+        previous = sys.excepthook
+
+        def hook(tp: type[BaseException], value: BaseException, tb: Any) -> None:
+            self.crashed = True
+            previous(tp, value, tb)
+
+        sys.excepthook = hook
+
+    def wait_staged(self) -> float:
+        """Wait until the latest save no longer reads the state; seconds waited."""
+        h = self.inflight
+        return 0.0 if h is None else h.wait_staged()
+
+    def wait_inflight(self) -> float:
+        """Wait for the save in flight (if any); returns seconds waited."""
+        h = self.inflight
+        if h is None or h.done():
+            return 0.0
+        t0 = time.perf_counter()
+        h._done.wait()
+        return time.perf_counter() - t0
+
+    def finish_at_exit(self) -> None:
+        """At interpreter exit, let the async save in flight commit instead of dying with
+        its (daemon) thread, and say so: the script forgot `wait()`. Not when the process
+        dies of an uncaught exception (a fault: its peers may be gone, the commit may
+        never come, and a supervisor waits for this process to exit before restarting)."""
+        h = self.inflight
+        if h is None or h._done.is_set():
+            return
+        if self.crashed:
+            logger.warning("exiting on an uncaught exception while the async save of step %s "
+                           "to %s is still running: not waiting for it (it stays uncommitted)",
+                           h.step, h.url)
+            return
+        limit = h._exit_wait_s
+        logger.warning("the async save of step %s to %s is still running at interpreter "
+                       "exit; waiting up to %.0f s for it to commit (call "
+                       "CheckpointManager.wait() or handle.wait() before the script ends)",
+                       h.step, h.url, limit)
+        if not h._done.wait(limit):
+            logger.error("the save of step %s to %s did not finish within %.0f s: the process "
+                         "exits and leaves it uncommitted", h.step, h.url, limit)
+        elif h._error is not None:
+            logger.error("the save of step %s to %s failed: %s", h.step, h.url, h._error)
+        else:
+            logger.warning("the save of step %s to %s committed before exit", h.step, h.url)
+
+
+_RESOURCES = EngineResources()
+
+
+def resources() -> EngineResources:
+    """This process's `EngineResources`."""
+    return _RESOURCES
+
+
+def wait_staged() -> float:
+    """Wait until this process's latest save no longer reads the state (pipelined
+    staging); returns seconds waited. Returns at once when nothing is staging."""
+    return _RESOURCES.wait_staged()
+
+
+def wait_inflight() -> float:
+    """Wait for this process's save in flight (if any); returns seconds waited."""
+    return _RESOURCES.wait_inflight()
+
+
+# Before `concurrent.futures` refuses new work at shutdown (the save's thread pools would
+# fail with "cannot schedule new futures after interpreter shutdown"): threading's exit
+# hooks run newest first, ahead of `atexit`, and the executors registered theirs when
+# this module imported them.
+_register = getattr(threading, "_register_atexit", None)
+if _register is not None:
+    _register(_RESOURCES.finish_at_exit)
+else:  # pragma: no cover - CPython < 3.9
+    atexit.register(_RESOURCES.finish_at_exit)

@@ -1,0 +1,295 @@
+"""One rank's half of a save: persist its objects, record its index, take part in the
+commit (`ckpt.commit`).
+
+`_SaveJob.run` runs in the save's background thread (async save) or in the caller's
+(sync save). Asynchronous, it never touches a process group: ranks meet through storage
+(index objects, the commit marker). Synchronous, it may use the collectives of `comm`
+instead of polling.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from collections import deque
+from concurrent.futures import ThreadPoolExecutor
+from typing import Any
+
+import numpy as np
+import torch
+
+from ckpt.collective import all_or_raise
+from ckpt.comm import Comm
+from ckpt.commit import (
+    CommitHooks,
+    build_manifest,
+    commit,
+    exists_error,
+    wait_for_commit,
+    wait_for_indexes,
+    write_index,
+    write_index_error,
+)
+from ckpt.errors import CheckpointError, CheckpointSaveError
+from ckpt.format import (
+    CHUNK_CRCS,
+    COMMIT_KEY,
+    DATA_PREFIX,
+    StorageKind,
+    chunk_key,
+    inner_chunk_shape,
+    itemsize,
+    zarr_metadata,
+)
+from ckpt.handle import SaveHandle
+from ckpt.manifest import Manifest
+from ckpt.options import SaveOptions
+from ckpt.plan import SavePlan, TensorPlan
+from ckpt.shardio import ShardGeometry, direct_ok, encode_shard, stored_crcs
+from ckpt.staging import Stager
+from ckpt.tsio import open_array, put_metadata, to_numpy
+from storage import Store
+
+logger = logging.getLogger(__name__)
+
+__all__ = ["PERSIST_THREADS"]
+
+PERSIST_THREADS = 8
+"""Objects a rank publishes concurrently. Encoding (a copy and a crc32c pass) runs in
+one thread per rank: ranks share a host's cores, and more CPU-bound threads than cores
+only add switching (measured: 4 ranks x 8 encoding threads on 2 cores made sync saves
+several times slower than one encoder per rank)."""
+
+
+class _SaveJob:
+    """Persist, index and commit one rank's part of a save; `run()` once."""
+
+    def __init__(self, store: Store, plan: SavePlan, attempt: str, rank: int,
+                 staged: dict[tuple[str, tuple[int, ...]], torch.Tensor],
+                 packed: np.ndarray | None, values: dict[str, Any], opts: SaveOptions,
+                 meta: dict[str, Any], handle: SaveHandle, hooks: CommitHooks, pre: str,
+                 stager: Stager | None = None) -> None:
+        self.store, self.plan, self.attempt, self.rank = store, plan, attempt, rank
+        self.staged, self.packed, self.values, self.opts = staged, packed, values, opts
+        self.meta, self.handle, self.hooks, self.pre = meta, handle, hooks, pre
+        self.stager = stager
+        """Pipelined staging: the copy this thread makes before persisting."""
+        self.data = f"{DATA_PREFIX}{attempt}"
+        self.t0 = time.perf_counter()
+        self.chunk_crcs: dict[str, list[int | None]] = {}
+        """Data object key -> crc32c of each inner chunk (the manifest's CHUNK_CRCS)."""
+        self.ts_objects: dict[str, int] = {}
+        """Data object key -> inner chunk count of the objects tensorstore wrote."""
+
+    # -- persist ---------------------------------------------------------------------
+
+    def _meta_of(self, t: TensorPlan, piece_shape: tuple[int, ...] | None) -> dict[str, Any]:
+        comp = self.opts.compression
+        if piece_shape is None:
+            return zarr_metadata(list(t.shape), t.dtype, list(t.chunks), list(t.inner), comp)
+        inner = inner_chunk_shape(piece_shape, itemsize(t.dtype), self.opts.inner_bytes)
+        return zarr_metadata(list(piece_shape), t.dtype, list(piece_shape), list(inner), comp)
+
+    def persist(self) -> int:
+        """Write this rank's shard objects and zarr.json files; returns payload bytes.
+        Whole uncompressed shards go straight to storage (`ckpt.shardio`), the rest
+        (zstd, partial edge shards, 0-d arrays) through tensorstore, whose objects are
+        noted in `ts_objects` for `_bind_stored_objects`."""
+        comp = self.opts.compression
+        futures = []
+        direct: list[tuple[str, np.ndarray, ShardGeometry]] = []
+        nbytes = ts_bytes = 0
+        opened: dict[str, Any] = {}
+        metas: list[tuple[str, dict[str, Any]]] = []
+        for t, p in self.plan.writes_of(self.rank):
+            if t.storage is StorageKind.PACKED:
+                continue
+            arr = self.staged[(t.name, p.offset)]
+            size = arr.numel() * arr.element_size()
+            nbytes += size
+            if t.storage is StorageKind.GRID:
+                path = f"{self.data}/{t.array}"
+                key = chunk_key(path, [o // c for o, c in zip(p.offset, t.chunks, strict=True)])
+                geo = ShardGeometry(tuple(t.chunks), tuple(t.inner), itemsize(t.dtype))
+                if tuple(p.shape) == tuple(t.chunks) and direct_ok(t.chunks, t.inner, comp):
+                    direct.append((key, to_numpy(arr), geo))
+                    continue
+                meta = self._meta_of(t, None)
+                if path not in opened:
+                    opened[path] = open_array(self.store, path, meta, read=False).result()
+                region = tuple(slice(o, o + s) for o, s in zip(p.offset, p.shape, strict=True))
+                store_arr = opened[path][region] if region else opened[path]
+            else:
+                path = f"{self.data}/{p.array}"
+                meta = self._meta_of(t, p.shape)
+                metas.append((path, meta))
+                key = chunk_key(path, (0,) * len(p.shape))
+                geo = ShardGeometry(tuple(p.shape),
+                                    tuple(meta["codecs"][0]["configuration"]["chunk_shape"]),
+                                    itemsize(t.dtype))
+                if direct_ok(geo.shape, geo.inner, comp):
+                    direct.append((key, to_numpy(arr), geo))
+                    continue
+                store_arr = open_array(self.store, path, meta, read=False).result()
+            futures.append(store_arr.write(to_numpy(arr)))
+            ts_bytes += size
+            if size:  # an empty array has no chunk objects
+                self.ts_objects[key] = geo.n_chunks
+        for t in self.plan.tensors.values():
+            if t.storage is StorageKind.GRID and t.meta_writer == self.rank:
+                metas.append((f"{self.data}/{t.array}", self._meta_of(t, None)))
+        if self.packed is not None:
+            path = f"{self.data}/packed/r{self.rank:05d}"
+            size = self.packed.shape[0]
+            meta = zarr_metadata([size], "uint8", [size], [self.plan.packed_inner], comp)
+            metas.append((path, meta))
+            nbytes += size
+            key, geo = chunk_key(path, (0,)), ShardGeometry((size,), (self.plan.packed_inner,), 1)
+            if direct_ok(geo.shape, geo.inner, comp):
+                direct.append((key, self.packed, geo))
+            else:
+                arr = open_array(self.store, path, meta, read=False).result()
+                futures.append(arr.write(self.packed))
+                ts_bytes += size
+                self.ts_objects[key] = geo.n_chunks
+        # Objects are independent: publish them concurrently (atomic, not yet flushed)
+        # while tensorstore finishes its chunks (it fsyncs each one itself), then make
+        # them all durable with one sync: the rank's index, put after this returns,
+        # never names an object a power cut could lose.
+        batch = self.store.deferred()
+        with ThreadPoolExecutor(max_workers=PERSIST_THREADS,
+                                thread_name_prefix="ckpt-put") as pool:
+            done = [pool.submit(put_metadata, batch, path, meta) for path, meta in metas]
+            pending: deque[Any] = deque()
+            for key, a, geo in direct:
+                while len(pending) >= PERSIST_THREADS:  # bounds the memory of encoded objects
+                    pending.popleft().result()
+                pending.append(pool.submit(batch.put, key, encode_shard(
+                    a, geo, self.chunk_crcs.setdefault(key, []))))
+            for f in futures:
+                f.result()
+            for d in (*done, *pending):
+                d.result()
+        batch.sync()
+        if futures:  # tensorstore's bytes do not pass through Store.put
+            self.store.stats.record_write(ts_bytes, ops=len(futures))
+        return nbytes
+
+    def _bind_stored_objects(self) -> None:
+        """Record the chunk crc32c of the objects tensorstore wrote (zstd, edge shards,
+        0-d arrays): read each back whole and take the crcs from its index, no pass over
+        the data (the direct path recorded its own while encoding)."""
+        todo = self.ts_objects
+        if not todo:
+            return
+
+        def read(key: str) -> None:
+            self.chunk_crcs[key] = stored_crcs(self.store.get(key), todo[key],
+                                               url=self.store.url, key=key, tensor="")
+        with ThreadPoolExecutor(max_workers=min(PERSIST_THREADS, len(todo)),
+                                thread_name_prefix="ckpt-bind") as pool:
+            for f in [pool.submit(read, k) for k in todo]:
+                f.result()
+
+    # -- commit ----------------------------------------------------------------------
+
+    def _manifest(self, indexes: dict[int, dict[str, Any]]) -> Manifest:
+        return build_manifest(self.plan, self.attempt, self.data, indexes,
+                              inner_bytes=self.opts.inner_bytes,
+                              compression=self.opts.compression, meta=self.meta)
+
+    def _commit(self, indexes: dict[int, dict[str, Any]]) -> None:
+        """Coordinator: manifest, then the commit marker, then the post-commit hook."""
+        manifest = commit(self.store, self.attempt, lambda: self._manifest(indexes),
+                          self.hooks, rank=self.rank, pre=self.pre)
+        logger.info("%s committed %s (%d tensors, %.3f s)", self.pre, self.store.url,
+                    len(manifest.tensors), time.perf_counter() - self.t0)
+
+    def _stage(self) -> None:
+        assert self.stager is not None
+        t0 = time.perf_counter()
+        try:
+            self.staged, self.packed = self.stager.run()
+        finally:
+            self.handle.stage_s = time.perf_counter() - t0
+            self.handle._mark_staged()
+            self.stager = None  # drop the references to the live tensors
+
+    def _persist_and_index(self, check_exists: bool = False) -> BaseException | None:
+        try:
+            if self.stager is not None:  # first: the caller waits for it, not for storage
+                self._stage()
+            if check_exists and self.store.exists(COMMIT_KEY):
+                raise exists_error(self.store.url)
+            if self.hooks.on_start is not None and self.rank == self.plan.coordinator:
+                self.hooks.on_start()
+            nbytes = self.persist()
+            self._bind_stored_objects()
+            self.handle.bytes_written = nbytes
+            write_index(self.store, self.attempt, self.rank, nbytes, self.values,
+                        self.chunk_crcs)
+            return None
+        except BaseException as e:  # noqa: BLE001 - reported by the caller
+            logger.error("%s persisting to %s failed: %s", self.pre, self.store.url, e)
+            write_index_error(self.store, self.attempt, self.rank, e, self.pre)
+            return e
+
+    def _run_sync(self, comm: Comm) -> None:
+        """Synchronous save: the foreground thread may use collectives instead of polling."""
+        local = self._persist_and_index()
+        url = self.store.url
+
+        def failed(failures: dict[int, Any]) -> BaseException:
+            msgs = {r: f"{e['type']}: {e['msg']}" for r, e in failures.items()}
+            return CheckpointSaveError(
+                f"save to {url} failed on rank(s) {sorted(msgs)}: {msgs}", url=url,
+                failures=msgs)
+
+        status = all_or_raise(comm, local, {"values": self.values, CHUNK_CRCS: self.chunk_crcs},
+                              f"the synchronous save to {url} (every rank's write)",
+                              url=url, remote=failed)
+        err: BaseException | None = None
+        if comm.is_coordinator:
+            try:
+                self._commit(dict(zip(comm.ranks, status, strict=True)))
+            except BaseException as e:  # noqa: BLE001 - shared below, then raised
+                err = e
+
+        def not_committed(failures: dict[int, Any]) -> BaseException:
+            msg = failures[comm.coordinator]["msg"]
+            return CheckpointSaveError(
+                f"save to {url}: the coordinator failed to commit: {msg}", url=url,
+                failures={comm.coordinator: msg})
+
+        all_or_raise(comm, err, None, f"the commit of the synchronous save to {url}",
+                     url=url, remote=not_committed)
+
+    def _run_async(self) -> None:
+        local = self._persist_and_index(check_exists=True)
+        if local is not None:
+            raise local
+        if self.rank == self.plan.coordinator:
+            self._commit(wait_for_indexes(self.store, self.attempt, self.plan.ranks,
+                                          self.opts.commit_timeout_s))
+        else:
+            wait_for_commit(self.store, self.attempt, self.opts.commit_timeout_s)
+
+    def run(self, comm: Comm | None = None) -> None:
+        error: BaseException | None = None
+        try:
+            if comm is not None:
+                self._run_sync(comm)
+            else:
+                self._run_async()
+        except BaseException as e:  # noqa: BLE001 - surfaced through the handle
+            if not isinstance(e, CheckpointError):
+                err = CheckpointSaveError(
+                    f"save to {self.store.url} failed on rank {self.rank}: "
+                    f"{type(e).__name__}: {e}", url=self.store.url,
+                    failures={self.rank: str(e)})
+                err.__cause__ = e
+                e = err
+            logger.error("%s save to %s failed: %s", self.pre, self.store.url, e)
+            error = e
+        self.handle.total_s = time.perf_counter() - self.t0 + self.handle.stall_s
+        self.handle._finish(error)

@@ -1,0 +1,86 @@
+"""The typed manifest against the on-disk format: `data/manifest-v1.json` is the manifest
+the writer produced for one plan holding all three storage kinds (grid, pieces, packed),
+with the clock, the attempt and the torch version fixed; the writer must keep producing
+exactly these bytes, and reading them back must give them again."""
+
+from __future__ import annotations
+
+import json
+import zlib
+from pathlib import Path
+
+import pytest
+import torch
+
+import ckpt.commit
+from ckpt.commit import build_manifest, encode_manifest
+from ckpt.errors import CorruptCheckpointError
+from ckpt.format import CHUNK_CRCS, StorageKind
+from ckpt.manifest import Manifest, chunk_objects
+from ckpt.plan import RankLayout, TensorLayout, plan_save
+
+GOLDEN = Path(__file__).parent / "data" / "manifest-v1.json"
+ATTEMPT = "0123456789abcdef"
+META = {"step": 3, "config": {"lr": 0.1}, "layout": {"dp": 4}}
+
+
+def _t(name: str, shape, pieces, dtype: str = "float32") -> TensorLayout:
+    return TensorLayout(name, ("model", name), tuple(shape), dtype, "Shard(0)",
+                        tuple((tuple(o), tuple(s)) for o, s in pieces))
+
+
+def _plan():
+    grid_rows = [(0, 3), (3, 3), (6, 3), (9, 1)]  # a regular grid with a partial edge
+    piece_rows = [(0, 3), (3, 2), (5, 3), (8, 2)]  # no regular grid: pieces
+    layouts = [RankLayout(r, (_t("grid", (10, 1000), [((o, 0), (n, 1000))]),
+                              _t("pieces", (10, 1000), [((p, 0), (m, 1000))], "bfloat16"),
+                              _t("small", (8,), [((0,), (8,))], "int64"),
+                              _t("scalar", (), [((), ())])), ("step",))
+               for r, ((o, n), (p, m)) in enumerate(zip(grid_rows, piece_rows, strict=True))]
+    return plan_save(layouts, (0, 1, 2, 3), pack_bytes=1024)
+
+
+def test_writer_produces_the_golden_bytes(monkeypatch) -> None:
+    monkeypatch.setattr(ckpt.commit.time, "time", lambda: 1700000000.25)
+    monkeypatch.setattr(torch, "__version__", "TORCH")
+    plan, data = _plan(), f"data/{ATTEMPT}"
+    bare = build_manifest(plan, ATTEMPT, data, {}, inner_bytes=4096, compression=None,
+                          meta=META)
+    crcs = {k: [(zlib.crc32(k.encode()) + i) % (1 << 32) for i in range(n)]
+            for k, _, n in chunk_objects(bare)}
+    indexes = {r: {"values": {"step": 3} if r == 0 else {},
+                   CHUNK_CRCS: crcs if r == 0 else {}} for r in range(4)}
+    m = build_manifest(plan, ATTEMPT, data, indexes, inner_bytes=4096, compression=None,
+                       meta=META)
+    assert {t.storage for t in m.tensors.values()} == set(StorageKind)
+    assert encode_manifest(m) == GOLDEN.read_bytes()
+
+
+def test_golden_reads_back_to_the_same_bytes() -> None:
+    raw = GOLDEN.read_bytes()
+    m = Manifest.from_json(json.loads(raw), "golden://")
+    assert encode_manifest(m) == raw
+    g, p, s = m.tensors["grid"], m.tensors["pieces"], m.tensors["small"]
+    assert (g.storage, g.chunks, g.shape, g.path) == (StorageKind.GRID, (3, 1000), (10, 1000),
+                                                      ("model", "grid"))
+    assert p.storage is StorageKind.PIECES and [x.offset for x in p.pieces] == [
+        (0, 0), (3, 0), (5, 0), (8, 0)]
+    assert s.storage is StorageKind.PACKED and s.pieces[0].byte_offset is not None
+    assert m.values == {"step": 3} and m.step == 3
+
+
+def test_checkpoint_without_chunk_crcs_reads_back_unchanged() -> None:
+    """A checkpoint written before `chunk_crc32c` existed: the field stays absent."""
+    obj = json.loads(GOLDEN.read_bytes())
+    del obj[CHUNK_CRCS]
+    m = Manifest.from_json(obj, "golden://")
+    assert m.chunk_crcs(next(iter(m.expected_objects()))) is None
+    assert m.to_json() == obj and list(m.to_json()) == list(obj)
+
+
+def test_unknown_storage_kind_is_a_typed_error_naming_the_tensor() -> None:
+    obj = json.loads(GOLDEN.read_bytes())
+    obj["tensors"]["grid"]["storage"] = "tiles"
+    with pytest.raises(CorruptCheckpointError, match="unknown storage 'tiles'") as e:
+        Manifest.from_json(obj, "golden://")
+    assert e.value.tensor == "grid"
