@@ -7,14 +7,17 @@ the loss of any member). Keys, all under `{prefix}/{job}/replicas/`:
 
 | key | value (JSON) | lifetime |
 | --- | --- | --- |
-| `groups/{group}` | `{"store": [host, port], "ready", "since"}` | the group's lease |
+| `groups/{group}` | `{"store": [host, port], "ready", "since", "at"}` | the group's lease |
 | `quorum` | `{"id", "members"}`: the groups that train together now | the job |
 | `votes/{quorum id}/{step}/{group}` | `"ok"` or `"fail"` | two steps |
 
 **Quorum.** Before a step a group calls `agree()`: if the `quorum` key names exactly the
 live, ready groups it is the quorum; otherwise the group proposes the next one (id + 1)
 with a compare-and-swap on the key's `mod_revision`, and whoever loses re-reads. Every
-group therefore trains step `s` in the same quorum. Cross-group collectives of quorum `n`
+group therefore trains step `s` in the same quorum. Before building a new quorum's
+process group, each member enters it (`at` in its key) and waits for the others
+(`confirm`): a quorum replaced meanwhile is dropped at once instead of after a
+collective timeout. Cross-group collectives of quorum `n`
 run on a process group built from a fresh store prefix (`quorum/{n}/`), so a group that
 still holds quorum `n - 1` can never meet a newer quorum's collectives (the fence on the
 data path).
@@ -359,6 +362,30 @@ class QuorumClient:
                 return tuple(sorted({*voters, self.group}))
             self.client.wait_for_change(self.root + "votes/", snap.revision, remaining)
             snap = self.snapshot()
+
+    def confirm(self, quorum: Quorum, timeout: float) -> bool:
+        """Enter `quorum` (a new one) and wait, up to `timeout`, until every member has
+        entered it too, before anyone builds its process group. False when the quorum
+        was replaced meanwhile: two groups may propose one after the other (the second
+        saw a joiner the first did not), and a group that built the first would wait out
+        the collective timeout on peers that went on to the second. True when all are in,
+        or when a member is gone or the wait ran out (the build then fails at once, or
+        within its own timeout)."""
+        self._doc["at"] = quorum.id
+        self._publish()
+        deadline = time.monotonic() + timeout
+        while True:
+            snap = self.snapshot()
+            if snap.quorum is None or snap.quorum.revision != quorum.revision:
+                return False
+            docs = [snap.groups.get(m) for m in quorum.members]
+            if all(d is not None and d.get("at") == quorum.id for d in docs) or any(
+                    d is None for d in docs):
+                return True
+            remaining = deadline - time.monotonic()
+            if remaining <= 0:
+                return True
+            self.client.wait_for_change(self.root, snap.revision, remaining)
 
     def vote(self, quorum: Quorum, step: int, ok: bool) -> bool:
         """Cast this group's vote for `(quorum, step)`. False: fenced out (this group's

@@ -210,8 +210,17 @@ class ReplicaManager:
         doc: dict[str, Any] | None = None
         if self.quorum_client is not None:
             try:
-                quorum, snap = self.quorum_client.agree(failed=self._failed,
-                                                        min_groups=self.settings.min_groups)
+                failed = self._failed
+                while True:
+                    quorum, snap = self.quorum_client.agree(
+                        failed=failed, min_groups=self.settings.min_groups)
+                    failed = None
+                    # A new quorum: wait for its members to enter it, or re-agree at once
+                    # when a newer one replaced it.
+                    if quorum.size == 1 or quorum.id == self._pg_quorum or (
+                            self.quorum_client.confirm(
+                                quorum, self.settings.collective_timeout_s)):
+                        break
                 store = (self.quorum_client.store_of(snap, quorum.host)
                          if quorum.size > 1 else None)
                 doc = _quorum_doc(quorum, store)

@@ -78,3 +78,30 @@ def test_groups_without_the_state_wait_for_a_slow_holder(etcd_server) -> None:
     assert got == [q2] and q2.members == ("a", "b") and q2.healing == ("b",)
     for c in (a, b2):
         c.leave()
+
+
+def test_a_member_drops_a_quorum_replaced_before_everyone_entered(etcd_server) -> None:
+    job, a, b, q0 = _two_groups(etcd_server.endpoint)
+    # b's group restarts and asks to heal: b2's agree proposes q1 (a, b healing).
+    b.leave()
+    b2 = _client(etcd_server.endpoint, job, "b")
+    b2.join(("127.0.0.1", 3), ready=False, heal=True)
+    q1, _ = b2.agree()
+    # A third group asks to heal before `a` read q1: at its step boundary `a` sees both
+    # joiners and proposes q2 right after.
+    c = _client(etcd_server.endpoint, job, "c")
+    c.join(("127.0.0.1", 4), ready=False, heal=True)
+    q2, _ = a.agree()
+    assert q2.id == q1.id + 1 and q2.members == ("a", "b", "c")
+    # b2 entered q1 and waits for a: the replacement shows at once, not after the timeout.
+    assert b2.confirm(q1, timeout=30.0) is False
+    assert b2.agree()[0] == q2 and c.agree()[0] == q2
+    # Everyone enters q2: each member's confirm returns once all three are in.
+    got: list = []
+    threads = [_run(lambda x=x: x.confirm(q2, timeout=30.0), got) for x in (b2, c)]
+    assert a.confirm(q2, timeout=30.0) is True
+    for t in threads:
+        t.join(30)
+    assert got == [True, True]
+    for x in (a, b2, c):
+        x.leave()
