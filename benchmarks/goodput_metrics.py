@@ -113,8 +113,9 @@ def pauses(records: Iterable[Record], fault_times: Sequence[float],
             if not recs:
                 continue
             median = statistics.median(float(r["step_time_s"]) for r in recs)
-            gaps = [float(b["time"]) - float(a["time"]) for a, b in zip(recs, recs[1:])
-                    if t < float(b["time"]) <= t + window_s]
+            times = [float(r["time"]) for r in recs]
+            gaps = [b - a for a, b in zip(times, times[1:], strict=False)
+                    if t < b <= t + window_s]
             if gaps:
                 p = max(gaps) - median
                 worst = p if worst is None else max(worst, p)
