@@ -12,12 +12,14 @@ and torchft's in its own environment) and the tests use them as they are.
 
 from __future__ import annotations
 
+import json
 import statistics
 from collections.abc import Collection, Hashable, Iterable, Mapping, Sequence
+from pathlib import Path
 from typing import Any
 
 __all__ = ["MetricsError", "fleet_goodput", "heal_times", "kept_steps", "pauses",
-           "window_start"]
+           "read_records", "window_start"]
 
 Record = Mapping[str, Any]
 _FIELDS = ("group", "step", "time", "step_time_s", "participants")
@@ -25,6 +27,23 @@ _FIELDS = ("group", "step", "time", "step_time_s", "participants")
 
 class MetricsError(ValueError):
     """A record lacks a field the figures need, or a figure's input is out of range."""
+
+
+def read_records(path: str | Path) -> list[dict[str, Any]]:
+    """The JSON objects of a JSON-lines file, one a line; a missing file is none. A line
+    that does not parse (cut by a kill mid-write) is left out."""
+    p = Path(path)
+    if not p.exists():
+        return []
+    out = []
+    for line in p.read_text().splitlines():
+        try:
+            r = json.loads(line)
+        except ValueError:
+            continue
+        if isinstance(r, dict):
+            out.append(r)
+    return out
 
 
 def _check(records: Iterable[Record]) -> list[Record]:

@@ -62,6 +62,7 @@ from benchmarks.goodput_metrics import (  # noqa: E402
     heal_times,
     kept_steps,
     pauses,
+    read_records,
     window_start,
 )
 
@@ -170,6 +171,8 @@ def worker(args: argparse.Namespace) -> int:
     from runtime.data import BatchPlan, build_corpus
     from runtime.model import build_model
 
+    events = Path(args.out) / "events.jsonl"
+    _append(events, {"group": args.group, "event": "imported", "time": time.time()})
     logging.basicConfig(level=logging.INFO if args.verbose else logging.WARNING,
                         format="%(asctime)s %(name)s %(levelname)s %(message)s")
     torch.set_num_threads(1)
@@ -215,6 +218,7 @@ def worker(args: argparse.Namespace) -> int:
         replica_id=f"relight_bench_{gid}", hostname="127.0.0.1",
         checkpoint_transport=transport)
     metrics = out / "metrics.jsonl"
+    _append(events, {"group": gid, "event": "manager", "time": time.time()})
     if args.go:
         (out / "ready" / str(gid)).touch()
         go = Path(args.go)
@@ -358,27 +362,15 @@ class Fleet:
                 pass
 
 
-def _read_records(path: Path) -> list[dict[str, Any]]:
-    if not path.exists():
-        return []
-    out = []
-    for line in path.read_text().splitlines():
-        try:
-            out.append(json.loads(line))
-        except ValueError:
-            continue  # a line cut by a kill mid-write
-    return out
-
-
 def _first_commit(path: Path) -> float | None:
-    recs = _read_records(path)
+    recs = read_records(path)
     return min((r["time"] for r in recs), default=None)
 
 
 def run(args: argparse.Namespace, schedule: list[Fault]) -> dict[str, Any]:
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
-    for name in ("metrics.jsonl", "heals.jsonl", "summary.json"):
+    for name in ("metrics.jsonl", "heals.jsonl", "events.jsonl", "summary.json"):
         (out / name).unlink(missing_ok=True)
     shutil.rmtree(out / "ready", ignore_errors=True)
     (out / "ready").mkdir()
@@ -449,12 +441,13 @@ def run(args: argparse.Namespace, schedule: list[Fault]) -> dict[str, Any]:
     finally:
         fleet.stop_all()
     load_after = os.getloadavg()
-    return summarize(_read_records(metrics), _read_records(out / "heals.jsonl"), fired,
-                     fleet.started, args, first, load_before, load_after)
+    return summarize(read_records(metrics), read_records(out / "heals.jsonl"),
+                     read_records(out / "events.jsonl"), fired, fleet.started, args, first,
+                     load_before, load_after)
 
 
 def summarize(records: list[dict[str, Any]], heals: list[dict[str, Any]],
-              fired: list[dict[str, Any]], started: dict[int, float],
+              events: list[dict[str, Any]], fired: list[dict[str, Any]], started: dict[int, float],
               args: argparse.Namespace, first: float, load_before: tuple[float, ...],
               load_after: tuple[float, ...]) -> dict[str, Any]:
     start = window_start(records)
@@ -469,6 +462,22 @@ def summarize(records: list[dict[str, Any]], heals: list[dict[str, Any]],
     pause = pauses(in_window, [f["time"] for f in kills], survivors, PAUSE_WINDOW_S)
     heal = heal_times(in_window, {g: started[g] for g in replaced if g in started})
     step_times = [r["step_time_s"] for r in steps]
+    replacements = []
+    for g in replaced:
+        t0 = started.get(g)
+        if t0 is None:
+            continue
+        ev = {e["event"]: round(e["time"] - t0, 3) for e in events if e["group"] == g}
+        got = [h for h in heals if h["group"] == g]
+        replacements.append({
+            "group": g, "victim": replaced[g]["victim"],
+            "imported_s": ev.get("imported"), "manager_s": ev.get("manager"),
+            "first_step_s": None if heal.get(g) is None else round(heal[g], 3),
+            "recv_s": got[0]["recv_s"] if got else None,
+            "recv_bytes": got[0]["bytes"] if got else None,
+            "healed_at_step": got[0]["step"] if got else None,
+            "killed_before_first_step": (heal.get(g) is None
+                                         and any(f.get("victim") == g for f in kills))})
     return {
         "arm": "torchft",
         "groups": args.groups,
@@ -486,6 +495,7 @@ def summarize(records: list[dict[str, Any]], heals: list[dict[str, Any]],
         "rejoins_s": [None if v is None else round(v, 3) for v in heal.values()],
         "heal_times_s": {str(g): (None if v is None else round(v, 3))
                          for g, v in heal.items()},
+        "replacements": replacements,
         "heals": heals,
         "participants_seen": sorted({r["participants"] for r in steps}),
         "final_loss": steps[-1]["loss"] if steps else None,
