@@ -3,7 +3,9 @@
 A record is one committed (kept) training step as one group saw it: a mapping with at
 least ``group`` (any hashable id), ``step`` (the global step number), ``time`` (unix time
 the step was committed), ``step_time_s`` (how long the step took) and ``participants``
-(the replica groups whose gradients the step holds). Several groups record the same step;
+(the replica groups whose gradients the step holds), and optionally ``quorum_s`` (the part
+of ``step_time_s`` spent waiting for the step's quorum, which is not training: after a
+fault it holds the whole reconfiguration). Several groups record the same step;
 a step redone after a rollback (the restart path) is recorded again, later.
 
 Pure functions over plain data: no torch, no torchft, so every arm's runner (Relight's,
@@ -77,8 +79,8 @@ def fleet_goodput(records: Iterable[Record], start: float | None, duration_s: fl
                   fleet_size: int) -> float:
     """Share of the fleet's group-seconds in ``[start, start + duration_s]`` spent in steps
     that were kept: the sum over kept steps committed in the window of
-    ``step_time_s * participants``, over ``duration_s * fleet_size``. ``start`` None: the
-    window opens when the first kept step began (`window_start`).
+    ``(step_time_s - quorum_s) * participants``, over ``duration_s * fleet_size``.
+    ``start`` None: the window opens when the first kept step began (`window_start`).
 
     A step's time counts only from the previous kept step's commit (or the window's
     start) on: the kept record of a step may come from another group than its
@@ -99,7 +101,8 @@ def fleet_goodput(records: Iterable[Record], start: float | None, duration_s: fl
     for r in recs:
         t = float(r["time"])
         if start < t <= end:
-            busy += max(0.0, min(float(r["step_time_s"]), t - prev)) * int(r["participants"])
+            work = float(r["step_time_s"]) - float(r.get("quorum_s") or 0.0)
+            busy += max(0.0, min(work, t - prev)) * int(r["participants"])
         prev = max(prev, t)
     return busy / (duration_s * fleet_size)
 

@@ -31,7 +31,7 @@ group (a new process, a new replica id) starts and heals from the live peers thr
 torchft's checkpoint transport and the `Manager`'s ``load_state_dict`` callback.
 
 Outputs in ``--out``: ``metrics.jsonl`` (one record per committed step per group:
-group, step, time, step_time_s, participants, loss), ``heals.jsonl`` (per heal the
+group, step, time, step_time_s, quorum_s, participants, loss), ``heals.jsonl`` (per heal the
 bytes received and the receive time), ``summary.json`` (also printed), and one log per
 process under ``logs/``.
 """
@@ -216,7 +216,7 @@ def worker(args: argparse.Namespace) -> int:
         timeout=timedelta(seconds=args.timeout), rank=0, world_size=1,
         store_addr="127.0.0.1", store_port=store.port, lighthouse_addr=args.lighthouse,
         replica_id=f"relight_bench_{gid}", hostname="127.0.0.1",
-        checkpoint_transport=transport)
+        checkpoint_transport=transport, quorum_retries=args.quorum_retries)
     metrics = out / "metrics.jsonl"
     _append(events, {"group": gid, "event": "manager", "time": time.time()})
     if args.go:
@@ -229,8 +229,9 @@ def worker(args: argparse.Namespace) -> int:
             t0 = time.perf_counter()
             manager.start_quorum()
             opt.zero_grad(set_to_none=True)
-            n = manager.num_participants()
+            n = manager.num_participants()  # waits for the quorum (and a heal's transfer)
             rank = manager.participating_rank()
+            quorum_s = time.perf_counter() - t0
             local_loss = torch.zeros(1)
             if rank is not None and manager.is_participating():
                 plan = BatchPlan(global_batch=gb, micro_batch=mb, dp=1, dp_rank=0,
@@ -257,7 +258,8 @@ def worker(args: argparse.Namespace) -> int:
             _append(metrics, {"group": gid, "step": manager.current_step(),
                               "time": time.time(),
                               "step_time_s": round(time.perf_counter() - t0, 5),
-                              "participants": n, "loss": float(flat[-1])})
+                              "quorum_s": round(quorum_s, 5), "participants": n,
+                              "loss": float(flat[-1])})
     finally:
         manager.shutdown(wait=False)
     return 0
@@ -327,7 +329,7 @@ class Fleet:
         cmd = [sys.executable, str(Path(__file__).resolve()), "--worker", "--group", str(gid),
                "--out", str(self.out), "--lighthouse", f"http://127.0.0.1:{self.lighthouse_port}",
                "--steps", str(a.steps), "--timeout", str(a.timeout),
-               "--pg-timeout", str(a.pg_timeout)]
+               "--pg-timeout", str(a.pg_timeout), "--quorum-retries", str(a.quorum_retries)]
         if go is not None:
             cmd += ["--go", str(go)]
         if a.verbose:
@@ -533,6 +535,9 @@ def main(argv: list[str] | None = None) -> int:
                    help="torchft Manager timeout (collectives, commit vote, heal), seconds")
     p.add_argument("--pg-timeout", type=float, default=5.0,
                    help="ProcessGroupGloo timeout, seconds (train_ddp.py's)")
+    p.add_argument("--quorum-retries", type=int, default=0,
+                   help="torchft Manager quorum_retries: lighthouse quorum calls retried "
+                        "before a group gives up (torchft's default 0)")
     p.add_argument("--start-timeout", type=float, default=300.0)
     p.add_argument("--verbose", action="store_true", help="torchft's INFO logs in logs/")
     p.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)

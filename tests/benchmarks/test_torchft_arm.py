@@ -50,6 +50,12 @@ def test_goodput_counts_participants_and_only_the_window() -> None:
     assert fleet_goodput(records, 0.0, 8.0, 2) == pytest.approx(6 / 16)
 
 
+def test_a_steps_wait_for_its_quorum_is_not_goodput() -> None:
+    # step 2 waited 4 s of its 5 s for a new quorum after a fault
+    records = [rec("a", 1, 1.0, participants=2), {**rec("a", 2, 6.0, 5.0, 1), "quorum_s": 4.0}]
+    assert fleet_goodput(records, 0.0, 6.0, 2) == pytest.approx((2 + 1) / 12)
+
+
 def test_a_rolled_back_step_counts_once_as_its_redo() -> None:
     records = [rec("job", 1, 1.0, participants=1), rec("job", 2, 2.0, participants=1),
                rec("job", 2, 10.0, step_time_s=2.0, participants=1)]
