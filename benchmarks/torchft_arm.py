@@ -269,6 +269,22 @@ def worker(args: argparse.Namespace) -> int:
 # The orchestrator: lighthouse, groups, faults, summary. No torch here.
 
 
+def _die_with_parent() -> None:
+    """In the child before exec: SIGKILL it when the arm dies, even by SIGKILL (a caller's
+    timeout), where no ``finally`` runs. Each child has a session of its own, so nothing
+    else would reach it (Linux; elsewhere the ``finally`` is all there is)."""
+    try:
+        import ctypes
+
+        ctypes.CDLL(None, use_errno=True).prctl(1, signal.SIGKILL)  # PR_SET_PDEATHSIG
+    except (OSError, AttributeError):
+        pass
+
+
+def _raise_on_term(signum: int, frame: Any) -> None:
+    raise SystemExit(128 + signum)
+
+
 def _free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
@@ -308,6 +324,7 @@ class Fleet:
         try:
             return subprocess.Popen(cmd, stdout=fh, stderr=subprocess.STDOUT,
                                     stdin=subprocess.DEVNULL, start_new_session=True,
+                                    preexec_fn=_die_with_parent,
                                     env={**os.environ, "PYTHONPATH": str(ROOT)})
         finally:
             fh.close()
@@ -560,6 +577,7 @@ def main(argv: list[str] | None = None) -> int:
             schedule = []
     except (OSError, ValueError) as e:
         p.error(f"--schedule: {e}")
+    signal.signal(signal.SIGTERM, _raise_on_term)  # so that the fleet is stopped
     summary = run(args, schedule)
     summary["schedule"] = [vars_(f) for f in schedule]
     text = json.dumps(summary, indent=1)
