@@ -1,0 +1,154 @@
+"""Goodput figures from step records, the same for every arm of `benchmarks.goodput`.
+
+A record is one committed (kept) training step as one group saw it: a mapping with at
+least ``group`` (any hashable id), ``step`` (the global step number), ``time`` (unix time
+the step was committed), ``step_time_s`` (how long the step took) and ``participants``
+(the replica groups whose gradients the step holds), and optionally ``quorum_s`` (the part
+of ``step_time_s`` spent waiting for the step's quorum, which is not training: after a
+fault it holds the whole reconfiguration). Several groups record the same step;
+a step redone after a rollback (the restart path) is recorded again, later.
+
+Pure functions over plain data: no torch, no torchft, so every arm's runner (Relight's,
+and torchft's in its own environment) and the tests use them as they are.
+"""
+
+from __future__ import annotations
+
+import json
+import statistics
+from collections.abc import Collection, Hashable, Iterable, Mapping, Sequence
+from pathlib import Path
+from typing import Any
+
+__all__ = ["MetricsError", "fleet_goodput", "heal_times", "kept_steps", "pauses",
+           "read_records", "window_start"]
+
+Record = Mapping[str, Any]
+_FIELDS = ("group", "step", "time", "step_time_s", "participants")
+
+
+class MetricsError(ValueError):
+    """A record lacks a field the figures need, or a figure's input is out of range."""
+
+
+def read_records(path: str | Path) -> list[dict[str, Any]]:
+    """The JSON objects of a JSON-lines file, one a line; a missing file is none. A line
+    that does not parse (cut by a kill mid-write) is left out."""
+    p = Path(path)
+    if not p.exists():
+        return []
+    out = []
+    for line in p.read_text().splitlines():
+        try:
+            r = json.loads(line)
+        except ValueError:
+            continue
+        if isinstance(r, dict):
+            out.append(r)
+    return out
+
+
+def _check(records: Iterable[Record]) -> list[Record]:
+    out = list(records)
+    for i, r in enumerate(out):
+        missing = [f for f in _FIELDS if f not in r]
+        if missing:
+            raise MetricsError(f"step record {i} lacks {', '.join(missing)}: {dict(r)!r}")
+    return out
+
+
+def window_start(records: Iterable[Record]) -> float | None:
+    """When the first kept step began (its commit time less its step time); None if none."""
+    recs = _check(records)
+    return min((float(r["time"]) - float(r["step_time_s"]) for r in recs), default=None)
+
+
+def kept_steps(records: Iterable[Record]) -> list[Record]:
+    """One record per step number, the latest committed: where groups record the same step
+    any one stands for it, and where a step was redone after a rollback only the redo was
+    kept. Sorted by step."""
+    last: dict[int, Record] = {}
+    for r in _check(records):
+        s = int(r["step"])
+        if s not in last or float(r["time"]) >= float(last[s]["time"]):
+            last[s] = r
+    return [last[s] for s in sorted(last)]
+
+
+def fleet_goodput(records: Iterable[Record], start: float | None, duration_s: float,
+                  fleet_size: int) -> float:
+    """Share of the fleet's group-seconds in ``[start, start + duration_s]`` spent in steps
+    that were kept: the sum over kept steps committed in the window of
+    ``(step_time_s - quorum_s) * participants``, over ``duration_s * fleet_size``.
+    ``start`` None: the window opens when the first kept step began (`window_start`).
+
+    A step's time counts only from the previous kept step's commit (or the window's
+    start) on: the kept record of a step may come from another group than its
+    neighbours', and groups commit a step at slightly different times, so the raw step
+    times of consecutive kept records can overlap; counted whole, a run without faults
+    would score above 1."""
+    if duration_s <= 0:
+        raise MetricsError(f"duration_s must be > 0, got {duration_s}")
+    if fleet_size < 1:
+        raise MetricsError(f"fleet_size must be >= 1, got {fleet_size}")
+    recs = kept_steps(records)
+    if start is None:
+        start = window_start(recs)
+        if start is None:
+            return 0.0
+    end = start + duration_s
+    busy, prev = 0.0, start
+    for r in recs:
+        t = float(r["time"])
+        if start < t <= end:
+            work = float(r["step_time_s"]) - float(r.get("quorum_s") or 0.0)
+            busy += max(0.0, min(work, t - prev)) * int(r["participants"])
+        prev = max(prev, t)
+    return busy / (duration_s * fleet_size)
+
+
+def _by_group(records: Iterable[Record]) -> dict[Hashable, list[Record]]:
+    out: dict[Hashable, list[Record]] = {}
+    for r in records:
+        out.setdefault(r["group"], []).append(r)
+    for recs in out.values():
+        recs.sort(key=lambda r: float(r["time"]))
+    return out
+
+
+def pauses(records: Iterable[Record], fault_times: Sequence[float],
+           survivors: Sequence[Collection[Hashable]], window_s: float = 30.0
+           ) -> list[float | None]:
+    """The survivors' pause per fault: the longest gap between consecutive kept steps of a
+    surviving group that ends within ``window_s`` after the fault (the gap across the
+    fault included), less that group's median step time; the largest over the fault's
+    survivors. ``survivors[i]`` are the groups that outlived fault ``i`` (neither its
+    victim nor a replacement). None where no survivor committed a step in the window."""
+    if len(survivors) != len(fault_times):
+        raise MetricsError(f"{len(fault_times)} faults but {len(survivors)} survivor sets")
+    groups = _by_group(_check(records))
+    out: list[float | None] = []
+    for t, alive in zip(fault_times, survivors, strict=True):
+        worst: float | None = None
+        for g in alive:
+            recs = groups.get(g, [])
+            if not recs:
+                continue
+            median = statistics.median(float(r["step_time_s"]) for r in recs)
+            times = [float(r["time"]) for r in recs]
+            gaps = [b - a for a, b in zip(times, times[1:], strict=False)
+                    if t < b <= t + window_s]
+            if gaps:
+                p = max(gaps) - median
+                worst = p if worst is None else max(worst, p)
+        out.append(worst)
+    return out
+
+
+def heal_times(records: Iterable[Record], started: Mapping[Hashable, float]
+               ) -> dict[Hashable, float | None]:
+    """For each replacement group (id -> unix time its process started), the time from its
+    start to its first kept step; None where it committed none."""
+    groups = _by_group(_check(records))
+    return {g: (float(groups[g][0]["time"]) - t0 if g in groups else None)
+            for g, t0 in started.items()}
