@@ -22,6 +22,7 @@ BENCHMARKS: dict[str, str] = {
     "recovery": "kill -> first step after resume vs torchrun c10d + DCP",
     "data": "token-dataset preparation throughput and the loader's cost per step",
     "scale": "planning, manifest, commit, rendezvous at 64..16,384 simulated ranks vs DCP",
+    "goodput": "healing in place vs the restart path vs torchft, same failures (MTBF)",
 }
 
 

@@ -325,6 +325,11 @@ class Cluster:
     def schedule(self, delay_s: float, action: Callable[[], None], label: str) -> None:
         self._timers.append((time.monotonic() + delay_s, label, action))
 
+    def pending_follow_ups(self) -> bool:
+        """Whether a follow-up is still due (a replacement node, etcd coming back): a run
+        whose every node is gone goes on while one is."""
+        return bool(self._timers)
+
     def run_due(self) -> None:
         self._drop_lost_memory()
         now = time.monotonic()
@@ -675,7 +680,7 @@ class _Watch:
                     self.recoveries.remove(rc)
             self.cluster.run_due()
             self._fire(now)
-            if self.cluster.all_exited():
+            if self.cluster.all_exited() and not self.cluster.pending_follow_ups():
                 codes = self.cluster.exit_codes()
                 kept = {i: c for i, c in codes.items() if not self.cluster.nodes[i].removed}
                 detail = f"agents exited {kept}" + (

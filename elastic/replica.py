@@ -89,6 +89,8 @@ class StepStats:
     """What the last step cost: time in the quorum protocol, the reduction, the vote."""
 
     quorum_s: float = 0.0
+    rebuild_s: float = 0.0
+    """Building a new quorum's process group, and the heal of its joiners."""
     allreduce_s: float = 0.0
     commit_s: float = 0.0
     rebuilt: bool = False
@@ -233,7 +235,9 @@ class ReplicaManager:
         self.stats = StepStats(quorum_s=time.monotonic() - t0)
         self.quorum, self._ok, self._failed = quorum, True, None
         if quorum.id != self._pg_quorum:
+            t1 = time.monotonic()
             self._rebuild(quorum, doc["store"])
+            self.stats.rebuild_s = time.monotonic() - t1
         return quorum
 
     def _rebuild(self, quorum: Quorum, leader_store: list[Any] | None) -> None:

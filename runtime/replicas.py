@@ -119,6 +119,7 @@ class ReplicaTraining:
         rec: dict[str, Any] = {
             "replica_group": self.group, "quorum": q.id if q else None,
             "quorum_size": q.size if q else None, "quorum_s": round(st.quorum_s, 4),
+            "rebuild_s": round(st.rebuild_s, 4),
             "cross_group_reduce_s": round(st.allreduce_s, 4),
             "commit_s": round(st.commit_s, 4), "abandoned_steps": self.abandoned}
         healed = self.manager.heal_stats

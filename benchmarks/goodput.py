@@ -1,0 +1,287 @@
+"""Goodput benchmark: healing in place against the restart path and torchft, on the same
+job and the same failure schedule, in one run.
+
+    relight bench goodput --json OUT.json [--groups 4] [--duration 150] [--mtbf 60 15]
+                          [--arms heal restart torchft] [--torchft-python PATH]
+
+The job: the tiny transformer (`configs/tiny.toml`, two layers), a global batch of 24
+samples that stays the same whatever the number of live groups, `--groups` groups of
+`--ranks` gloo ranks on this machine. The failures: whole groups (nodes) SIGKILLed at
+times drawn from an exponential distribution of mean `--mtbf` seconds (the same draws,
+by `--seed`, for every arm), each replaced `--replace-after` seconds later, as a fleet's
+autoscaler would. Each arm runs `--duration` seconds from its first step.
+
+Arms:
+
+- `heal`: Relight's replica groups (`replica.job`, each group its own `relight run`):
+  survivors keep training, a replacement heals from a live group's memory;
+- `restart`: Relight's restart path: one job over every node (`relight run`, etcd
+  rendezvous, FSDP over all ranks, warm starts): a lost node restarts every worker,
+  which resume from the newest checkpoint, and again when the replacement joins;
+- `torchft`: torchft's own Manager and lighthouse (`benchmarks/torchft_arm.py`, run
+  with the interpreter of its own environment, `scripts/torchft-env.sh`; skipped with a
+  note when none is found).
+
+Reported per arm and MTBF, every figure by the same functions
+(`benchmarks.goodput_metrics`) from each arm's per-step records: fleet goodput (the
+share of the fleet's group-seconds in the window spent training in steps that were
+kept: each kept step's time, less its time in the quorum protocol, times the groups
+that trained it), the survivors' pause per fault (the longest gap between a surviving
+group's steps within 30 s after the fault, less its median step time; for the restart
+arm, the one job's gap) and the heal time of each replacement (its process start -> its
+first step), with the machine's load average before and after. The Relight arms run
+through the chaos harness (`chaos.runner`), which also checks the heal arm's
+invariants (survivors never restart, replicas identical, heals read no storage).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import shutil
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from dataclasses import asdict, dataclass
+from pathlib import Path
+from typing import Any
+
+from benchmarks.goodput_metrics import fleet_goodput, heal_times, pauses, window_start
+from chaos.faults import FaultKind, draw_mtbf_schedule
+
+ROOT = Path(__file__).resolve().parents[1]
+ARMS = ("heal", "restart", "torchft")
+TORCHFT_ENV = "RELIGHT_TORCHFT_PYTHON"
+
+__all__ = ["GoodputConfig", "main", "run_arm", "schedule"]
+
+
+@dataclass(frozen=True, slots=True)
+class GoodputConfig:
+    groups: int = 4
+    """Replica groups (nodes) of the fleet."""
+    ranks: int = 1
+    """Ranks per group."""
+    duration_s: float = 150.0
+    """Window measured, from each arm's first step."""
+    replace_after_s: float = 10.0
+    """A lost group's replacement starts this long after the fault."""
+    seed: int = 0
+    interval: int = 20
+    """Steps between storage checkpoints (every arm but torchft keeps them)."""
+
+
+def schedule(mtbf_s: float, cfg: GoodputConfig) -> list[float]:
+    """Fault times (seconds after the first step) inside the window: exponential gaps of
+    mean `mtbf_s`, the same for every arm. None in the last 20 s, where a fault's cost
+    would fall outside the window."""
+    count = max(1, int(4 * cfg.duration_s / mtbf_s))
+    draws = draw_mtbf_schedule([FaultKind.KILL_NODE], count, mtbf_s, 0.0, cfg.seed)
+    return [t for t, _ in draws if t < cfg.duration_s - 20.0]
+
+
+def _scenario(arm: str, times: list[float], cfg: GoodputConfig) -> dict[str, Any]:
+    replica = arm == "heal"
+    overrides: dict[str, Any] = {
+        "model.n_layers": 2, "data.global_batch_size": 24, "data.micro_batch_size": 2,
+        "train.log_every": 50, "train.watchdog_timeout_s": 300.0,
+        "train.collective_timeout_s": 30.0}
+    if replica:
+        overrides.update({"replica.lease_ttl_s": 5.0, "replica.collective_timeout_s": 15.0})
+    return {
+        "name": f"goodput-{arm}", "seed": cfg.seed, "target_step": 1_000_000,
+        "deadline_s": cfg.duration_s + 600.0, "run_for_s": cfg.duration_s,
+        "cluster": {"nodes": cfg.groups, "ranks_per_node": cfg.ranks, "min_nodes": 1,
+                    "max_nodes": cfg.groups, "max_restarts": 1000, "monitor_interval_s": 0.2,
+                    "replica_groups": replica, "lease_ttl_s": 0 if replica else 3},
+        "training": {"config": "configs/tiny.toml", "overrides": overrides},
+        "storage": {"kind": "local"},
+        "checkpoint": {"interval": cfg.interval},
+        "verify": {"reference": False, "compare_weights": False},
+        "faults": [{"kind": "kill_node", "at_time_s": t, "replace_after_s": cfg.replace_after_s}
+                   for t in times],
+    }
+
+
+def _records(metrics: Path, replica: bool, ranks: int) -> list[dict[str, Any]]:
+    """The run's step records as the goodput metrics take them: `participants` is the
+    number of groups that trained the step, `quorum_s` the step's time in the quorum
+    protocol."""
+    out = []
+    for line in metrics.read_text().splitlines():
+        try:
+            r = json.loads(line)
+        except ValueError:
+            continue
+        if "step" not in r or "step_time_s" not in r:
+            continue
+        participants = r.get("quorum_size") if replica else r.get("world_size", 0) // ranks
+        # Time in the quorum protocol (agreeing, building a new quorum's process group,
+        # healing a joiner) is part of the step's time but trains nothing.
+        protocol = (r.get("quorum_s") or 0.0) + (r.get("rebuild_s") or 0.0)
+        out.append({"group": r.get("replica_group", "job"), "step": r["step"],
+                    "time": r["time"], "step_time_s": r["step_time_s"],
+                    "participants": participants, "quorum_s": protocol})
+    return out
+
+
+def _relight_arm(arm: str, times: list[float], cfg: GoodputConfig, out: Path
+                 ) -> dict[str, Any]:
+    from chaos.runner import run_scenario
+    from chaos.scenario import parse_scenario
+
+    result = run_scenario(parse_scenario(_scenario(arm, times, cfg)), out)
+    rep = result.report
+    records = _records(out / "chaos" / "metrics.jsonl", arm == "heal", cfg.ranks)
+    first = window_start(records) if records else None
+    kills = [f for f in rep["faults"] if f["ok"] and f["kind"] == FaultKind.KILL_NODE.value]
+    # When each replacement's agent started (the harness's follow-up actions).
+    actions = json.loads((out / "chaos" / "actions.json").read_text())
+    started_at = {a["action"]: a["time"] for a in actions if a.get("ok")}
+    started: dict[str, float] = {}
+    for f in kills:
+        new = f["detail"].get("replacement")
+        t0 = started_at.get(f"replacement for node {f['node']}")
+        if new is not None and t0 is not None:
+            started[f"node-{new}"] = t0
+    if arm == "heal":
+        groups = {r["group"] for r in records}
+        survivors = [sorted(g for g in groups if g != f"node-{f['node']}" and g not in started)
+                     for f in kills]
+        heals = heal_times(records, started)
+    else:
+        # One job: every rank restarts, and the replacement joins through a restart.
+        survivors = [["job"] for _ in kills]
+        heals = {}
+    summary = {
+        "fleet_goodput": (round(fleet_goodput(records, first, cfg.duration_s, cfg.groups), 4)
+                          if first is not None else None),
+        "faults": len(kills),
+        "pauses_s": [p for p in pauses(records, [f["time"] for f in kills], survivors)
+                     if p is not None],
+        "rejoins_s": [round(v, 3) for v in heals.values() if v is not None],
+        "steps": len({r["step"] for r in records}),
+        "report": str(out / "report.json"),
+    }
+    if arm == "heal":
+        summary["invariants_broken"] = [
+            i["name"] for i in rep["invariants"] if not i["ok"] and i["number"] >= 8]
+    return summary
+
+
+def _torchft_python(explicit: str | None) -> str | None:
+    for candidate in (explicit, os.environ.get(TORCHFT_ENV), str(ROOT / ".venv-torchft" /
+                                                                  "bin" / "python"),
+                      "/work/venv-torchft/bin/python"):
+        if candidate and Path(candidate).is_file():
+            return candidate
+    return None
+
+
+def _torchft_arm(times: list[float], cfg: GoodputConfig, out: Path, python: str | None
+                 ) -> dict[str, Any]:
+    if python is None:
+        return {"skipped": f"no torchft environment: run scripts/torchft-env.sh or set "
+                           f"${TORCHFT_ENV}"}
+    out.mkdir(parents=True, exist_ok=True)
+    sched = out / "schedule.json"
+    sched.write_text(json.dumps([{"time_s": t, "kind": "kill_group",
+                                  "replace_after_s": cfg.replace_after_s} for t in times]))
+    proc = subprocess.run(
+        [python, str(ROOT / "benchmarks" / "torchft_arm.py"), "--groups", str(cfg.groups),
+         "--duration", str(cfg.duration_s), "--schedule", str(sched), "--out", str(out),
+         "--seed", str(cfg.seed)],
+        cwd=ROOT, env={**os.environ, "PYTHONPATH": str(ROOT)}, capture_output=True,
+        text=True, timeout=cfg.duration_s + 600)
+    if proc.returncode != 0:
+        return {"error": f"torchft arm exited {proc.returncode}: {proc.stderr[-2000:]}"}
+    summary = json.loads((out / "summary.json").read_text())
+    # Its own figures come from the same functions (benchmarks.goodput_metrics).
+    summary["faults"] = summary.get("faults_fired")
+    summary["pauses_s"] = [p for p in summary.get("pauses_s", []) if p is not None]
+    summary["rejoins_s"] = [v for v in summary.get("rejoins_s", []) if v is not None]
+    return summary
+
+
+def run_arm(arm: str, mtbf_s: float, cfg: GoodputConfig, out: Path,
+            torchft_python: str | None = None) -> dict[str, Any]:
+    """One arm at one MTBF; the machine's load average before and after."""
+    times = schedule(mtbf_s, cfg)
+    load0 = os.getloadavg()
+    t0 = time.monotonic()
+    if arm == "torchft":
+        summary = _torchft_arm(times, cfg, out, torchft_python)
+    else:
+        summary = _relight_arm(arm, times, cfg, out)
+    summary.update(arm=arm, mtbf_s=mtbf_s, fault_times_s=times,
+                   wall_s=round(time.monotonic() - t0, 1),
+                   loadavg_before=[round(x, 1) for x in load0],
+                   loadavg_after=[round(x, 1) for x in os.getloadavg()])
+    for key in ("pauses_s", "rejoins_s"):
+        values = summary.get(key) or []
+        summary[key.replace("_s", "_median_s")] = (round(statistics.median(values), 2)
+                                                   if values else None)
+    return summary
+
+
+def _table(results: list[dict[str, Any]]) -> str:
+    rows = ["| MTBF s | arm | faults | fleet goodput | survivors' pause median s | "
+            "heal time median s | load before / after |",
+            "| ---: | --- | ---: | ---: | ---: | ---: | --- |"]
+    for r in results:
+        if "skipped" in r or "error" in r:
+            rows.append(f"| {r['mtbf_s']:g} | {r['arm']} | - | - | - | - | "
+                        f"{r.get('skipped') or r.get('error', '')[:80]} |")
+            continue
+        g = r.get("fleet_goodput")
+        rows.append(
+            f"| {r['mtbf_s']:g} | {r['arm']} | {r.get('faults', '-')} | "
+            f"{'-' if g is None else f'{g:.3f}'} | {r.get('pauses_median_s', '-')} | "
+            f"{r.get('rejoins_median_s', '-')} | {r['loadavg_before'][0]} / "
+            f"{r['loadavg_after'][0]} |")
+    return "\n".join(rows)
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(prog="relight bench goodput", description=__doc__,
+                                formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--json", help="write the results here")
+    p.add_argument("--groups", type=int, default=4)
+    p.add_argument("--ranks", type=int, default=1)
+    p.add_argument("--duration", type=float, default=150.0)
+    p.add_argument("--mtbf", type=float, nargs="+", default=[60.0, 15.0])
+    p.add_argument("--replace-after", type=float, default=10.0)
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--arms", nargs="+", choices=ARMS, default=list(ARMS))
+    p.add_argument("--torchft-python", help="interpreter of the torchft environment")
+    p.add_argument("--out", help="keep every arm's run directory here")
+    args = p.parse_args(argv)
+    if args.groups < 2:
+        p.error("--groups must be >= 2: a fleet of one group cannot heal in place")
+    cfg = GoodputConfig(groups=args.groups, ranks=args.ranks, duration_s=args.duration,
+                        replace_after_s=args.replace_after, seed=args.seed)
+    base = Path(args.out) if args.out else Path(tempfile.mkdtemp(prefix="relight-goodput-"))
+    python = _torchft_python(args.torchft_python)
+    results = []
+    try:
+        for mtbf in args.mtbf:
+            for arm in args.arms:
+                print(f"goodput: arm {arm}, MTBF {mtbf:g} s ...", file=sys.stderr, flush=True)
+                results.append(run_arm(arm, mtbf, cfg, base / f"mtbf{mtbf:g}-{arm}", python))
+                print(_table(results[-1:]).splitlines()[-1], file=sys.stderr, flush=True)
+    finally:
+        if not args.out:
+            shutil.rmtree(base, ignore_errors=True)
+    doc = {"config": asdict(cfg), "mtbf_s": args.mtbf, "results": results,
+           "machine": {"cpus": os.cpu_count()}}
+    if args.json:
+        Path(args.json).write_text(json.dumps(doc, indent=1))
+    print(_table(results))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
