@@ -31,7 +31,7 @@ systems (ABBA order over `--rounds`), and each figure is the median over rounds:
   read back into the tensors, stall_s = a copy into preallocated buffers; "floor_ratios" are
   floor / system (1.0: the system runs at the floor, so no format could beat it by more).
 
-The "extra" section has figures the issue does not name (direct vs broadcast reads
+The "extra" section has supporting figures (direct vs broadcast reads
 of replicated regions, staging buffer size, objects per checkpoint).
 """
 

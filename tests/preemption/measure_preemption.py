@@ -1,4 +1,4 @@
-"""Figures for docs/preemption.md (not a test; run by hand, it takes minutes):
+"""Figures for docs/preemption.md and benchmarks/results/ (not a test; run by hand, minutes):
 
     .venv/bin/python -m tests.preemption.measure_preemption --json /tmp/preempt.json
 
