@@ -90,7 +90,9 @@ def _scenario(arm: str, times: list[float], cfg: GoodputConfig) -> dict[str, Any
         "train.log_every": 50, "train.watchdog_timeout_s": 300.0,
         "train.collective_timeout_s": 30.0}
     if replica:
-        overrides.update({"replica.lease_ttl_s": 5.0, "replica.collective_timeout_s": 15.0})
+        # digest_every = 1: check 9 (replicas bitwise identical) compares every step.
+        overrides.update({"replica.lease_ttl_s": 5.0, "replica.collective_timeout_s": 15.0,
+                          "replica.digest_every": 1})
     return {
         "name": f"goodput-{arm}", "seed": cfg.seed, "target_step": 1_000_000,
         "deadline_s": cfg.duration_s + 600.0, "run_for_s": cfg.duration_s,
