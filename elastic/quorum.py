@@ -42,7 +42,7 @@ import json
 import logging
 import time
 from collections import deque
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 from elastic.etcd_client import (
@@ -112,6 +112,10 @@ class Snapshot:
     votes: dict[tuple[int, int], dict[str, str]]
     """`(quorum id, step)` -> `{group: "ok" | "fail"}`."""
     revision: int
+    written: dict[str, int] = field(default_factory=dict)
+    """Each live group's key: the revision it was last written at."""
+    voted: dict[tuple[int, int], int] = field(default_factory=dict)
+    """`(quorum id, step)` -> the revision of its last vote."""
 
     @property
     def ready(self) -> tuple[str, ...]:
@@ -128,11 +132,14 @@ class Snapshot:
         groups: dict[str, dict[str, Any]] = {}
         quorum: Quorum | None = None
         votes: dict[tuple[int, int], dict[str, str]] = {}
+        written: dict[str, int] = {}
+        voted: dict[tuple[int, int], int] = {}
         for kv in kvs:
             rel = kv.key[len(root):]
             try:
                 if rel.startswith("groups/"):
                     groups[rel[len("groups/"):]] = kv.json()
+                    written[rel[len("groups/"):]] = kv.mod_revision
                 elif rel == "quorum":
                     doc = kv.json()
                     quorum = Quorum(int(doc["id"]), tuple(str(m) for m in doc["members"]),
@@ -141,10 +148,12 @@ class Snapshot:
                 elif rel.startswith("votes/"):
                     qid, step, group = rel[len("votes/"):].split("/", 2)
                     votes.setdefault((int(qid), int(step)), {})[group] = kv.value.decode()
+                    at = (int(qid), int(step))
+                    voted[at] = max(voted.get(at, 0), kv.mod_revision)
             except (ValueError, KeyError, TypeError) as exc:
                 raise QuorumError(f"replica key {kv.key} holds no valid value ({exc}); "
                                   f"delete it or use a new job id") from None
-        return cls(groups, quorum, votes, revision)
+        return cls(groups, quorum, votes, revision, written, voted)
 
 
 def decide_votes(snap: Snapshot, quorum: Quorum, step: int) -> bool | None:
@@ -182,6 +191,12 @@ class QuorumClient:
         self.timeout = timeout
         self.failover_grace_s = failover_grace_s
         self._last_quorum: int | None = None
+        self._admit_before: int | None = None
+        """The revision of the last vote of the step this group last saw commit: groups
+        that asked to join before it are taken in at the next step boundary, later ones
+        one step later. Every member saw the same votes, so every member takes in the
+        same joiners at the same boundary (no member runs the old quorum's step while
+        another waits in the new one)."""
         self._lease: int | None = None
         self._keeper: LeaseKeeper | None = None
         self._doc: dict[str, Any] = {}
@@ -309,7 +324,10 @@ class QuorumClient:
                     continue
                 proposal = self._proposal(current.id + 1, members, snap)
             else:
-                entitled = self._entitled(current, snap)
+                if (current is not None and self.group in snap.healing
+                        and self.group in current.healing):
+                    return current, snap  # the members took this joiner in
+                entitled = self._entitled(current, snap, self._admit_before)
                 # A group asking to heal enters only a quorum that names it as healing: a
                 # restarted group still listed in the quorum it fell out of holds no state.
                 if current is not None and current.members == entitled and all(
@@ -336,15 +354,22 @@ class QuorumClient:
                                   f"{self.timeout:.0f}s under {self.root}")
 
     @staticmethod
-    def _entitled(current: Quorum | None, snap: Snapshot) -> tuple[str, ...]:
+    def _entitled(current: Quorum | None, snap: Snapshot,
+                  admit_before: int | None = None) -> tuple[str, ...]:
         """Who may train next: every ready group at the start; later the current
-        members still alive and ready, ready groups that joined after it formed, and
-        groups asking to heal."""
+        members still alive and ready, and the groups that ask to come in (ready ones
+        that joined after it formed, ones asking to heal) if they asked before
+        revision `admit_before` (None: whenever)."""
         if current is None:
             return snap.ready
+
+        def asked_in_time(g: str) -> bool:
+            return admit_before is None or snap.written.get(g, 0) < admit_before
+
         ready = [g for g in snap.ready if g in current.members
-                 or snap.groups[g].get("since", -1) >= current.id]
-        return tuple(sorted({*ready, *snap.healing}))
+                 or (snap.groups[g].get("since", -1) >= current.id and asked_in_time(g))]
+        joiners = [g for g in snap.healing if g in current.members or asked_in_time(g)]
+        return tuple(sorted({*ready, *joiners}))
 
     @staticmethod
     def _proposal(qid: int, members: tuple[str, ...], snap: Snapshot) -> Quorum:
@@ -414,6 +439,7 @@ class QuorumClient:
             snap = self.snapshot()
             verdict = decide_votes(snap, quorum, step)
             if verdict is not None:
+                self._admit_before = snap.voted.get((quorum.id, step)) if verdict else None
                 return verdict
             remaining = deadline - time.monotonic()
             if remaining <= 0:
