@@ -41,14 +41,19 @@ def _two_groups(endpoint: str) -> tuple[str, QuorumClient, QuorumClient, Quorum]
     return job, a, b, q0
 
 
+def _restarted(endpoint: str, job: str, b: QuorumClient) -> QuorumClient:
+    """b's workers die and its agent starts new ones: the same group id registers again,
+    this time asking to heal, while the quorum key still names it as a member."""
+    b.leave()
+    b2 = _client(endpoint, job, "b")
+    b2.join(("127.0.0.1", 3), ready=False, heal=True)
+    return b2
+
+
 def test_a_restarted_group_heals_in_a_new_quorum_not_the_one_it_fell_out_of(
         etcd_server) -> None:
     job, a, b, q0 = _two_groups(etcd_server.endpoint)
-    # b's workers die and its agent starts new ones: the same group id registers again,
-    # this time asking to heal, while the quorum key still names it as a member.
-    b.leave()
-    b2 = _client(etcd_server.endpoint, job, "b")
-    b2.join(("127.0.0.1", 3), ready=False, heal=True)
+    b2 = _restarted(etcd_server.endpoint, job, b)
     q, _ = b2.agree()
     assert q.id > q0.id, "the restarted group took the quorum it fell out of"
     assert q.members == ("a", "b") and q.healing == ("b",) and q.host == "a"
@@ -58,9 +63,7 @@ def test_a_restarted_group_heals_in_a_new_quorum_not_the_one_it_fell_out_of(
 
 def test_groups_without_the_state_wait_for_a_slow_holder(etcd_server) -> None:
     job, a, b, q0 = _two_groups(etcd_server.endpoint)
-    b.leave()
-    b2 = _client(etcd_server.endpoint, job, "b")
-    b2.join(("127.0.0.1", 3), ready=False, heal=True)
+    b2 = _restarted(etcd_server.endpoint, job, b)
     q1, _ = b2.agree()
     assert q1.healing == ("b",)
     # The heal of q1's first step fails: b votes fail at once and re-forms; a, which
@@ -83,9 +86,7 @@ def test_groups_without_the_state_wait_for_a_slow_holder(etcd_server) -> None:
 def test_a_member_drops_a_quorum_replaced_before_everyone_entered(etcd_server) -> None:
     job, a, b, q0 = _two_groups(etcd_server.endpoint)
     # b's group restarts and asks to heal: b2's agree proposes q1 (a, b healing).
-    b.leave()
-    b2 = _client(etcd_server.endpoint, job, "b")
-    b2.join(("127.0.0.1", 3), ready=False, heal=True)
+    b2 = _restarted(etcd_server.endpoint, job, b)
     q1, _ = b2.agree()
     # A third group asks to heal before `a` read q1: at its step boundary `a` sees both
     # joiners and proposes q2 right after.
