@@ -43,6 +43,7 @@ def test_growth_exponent() -> None:
     assert growth_exponent(xs, [1.0, None, None]) is None
 
 
+@pytest.mark.long  # the whole harness at small sizes; its pure parts run in CI above
 def test_harness_writes_tables_and_plots(tmp_path) -> None:
     md, js = tmp_path / "out.md", tmp_path / "out.json"
     rc = scale.main(["--quick", "--cap", "300", "--parts", "plan", "--configs", "8b-fsdp",

@@ -38,6 +38,7 @@ def test_main_writes_metrics_per_step(rank_pool: RankPool, tmp_path: Path) -> No
 
 
 @pytest.mark.multirank
+@pytest.mark.long  # plain torchrun; CI runs the same entry point under relight run
 def test_torchrun_entry_point(tmp_path: Path) -> None:
     path = tmp_path / "m.jsonl"
     env = dict(os.environ, OMP_NUM_THREADS="1")
@@ -91,7 +92,9 @@ def test_main_reports_a_bad_layout_with_status_2(rank_pool: RankPool) -> None:
 
 
 @pytest.mark.multirank
-@pytest.mark.parametrize("busy", ["skip", "wait"])
+# "wait" (the default policy, which every save of every other test goes through) in the
+# long tier: CI keeps the slow-storage run of "skip".
+@pytest.mark.parametrize("busy", ["skip", pytest.param("wait", marks=pytest.mark.long)])
 def test_checkpoint_busy_policy_on_slow_storage(rank_pool: RankPool, tmp_path: Path,
                                                 busy: str) -> None:
     """Storage slower than the interval: "skip" drops saves while one persists (training
