@@ -49,7 +49,13 @@ from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any
 
-from benchmarks.goodput_metrics import fleet_goodput, heal_times, pauses, window_start
+from benchmarks.goodput_metrics import (
+    fleet_goodput,
+    heal_times,
+    pauses,
+    read_records,
+    window_start,
+)
 from chaos.faults import FaultKind, draw_mtbf_schedule
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -113,11 +119,7 @@ def _records(metrics: Path, replica: bool, ranks: int) -> list[dict[str, Any]]:
     number of groups that trained the step, `quorum_s` the step's time in the quorum
     protocol."""
     out = []
-    for line in metrics.read_text().splitlines():
-        try:
-            r = json.loads(line)
-        except ValueError:
-            continue
+    for r in read_records(metrics):
         if "step" not in r or "step_time_s" not in r:
             continue
         participants = r.get("quorum_size") if replica else r.get("world_size", 0) // ranks
