@@ -57,7 +57,7 @@ from elastic.etcd_client import (
 
 logger = logging.getLogger(__name__)
 
-__all__ = ["Quorum", "QuorumClient", "QuorumError", "Snapshot", "decide_votes"]
+__all__ = ["Entry", "Quorum", "QuorumClient", "QuorumError", "Snapshot", "decide_votes"]
 
 
 class QuorumError(RuntimeError):
@@ -78,6 +78,10 @@ class Quorum:
     healing: tuple[str, ...] = ()
     """Members that join without the current state: they receive it from a healthy
     member's memory before the quorum's first step (`elastic.heal`)."""
+    out: tuple[tuple[str, int], ...] = ()
+    """Live groups kept out, each with the revision its key had when it was: a group
+    that was named in a quorum but never entered it. It is entitled again once it
+    writes its key anew (it asks again), or never, if its key just expires."""
 
     def rank(self, group: str) -> int:
         return self.members.index(group)
@@ -97,9 +101,31 @@ class Quorum:
         before the quorum's first step)."""
         return (self.healthy or self.members)[0]
 
+    def kept_out(self, snap: Snapshot, group: str) -> bool:
+        """Whether `group` is kept out of quorums after this one: it did not enter
+        this one and has not written its key since."""
+        return any(g == group and snap.written.get(g) == rev for g, rev in self.out)
+
     def to_json(self) -> bytes:
         return json.dumps({"id": self.id, "members": list(self.members),
-                           "healing": list(self.healing)}).encode()
+                           "healing": list(self.healing),
+                           "out": {g: rev for g, rev in self.out}}).encode()
+
+
+@dataclass(frozen=True, slots=True)
+class Entry:
+    """How entering a new quorum went (`QuorumClient.confirm`)."""
+
+    replaced: bool = False
+    """A newer quorum replaced it meanwhile: agree again."""
+    absent: tuple[str, ...] = ()
+    """Members that did not enter within the wait, or whose key is gone: agree again,
+    without them."""
+
+    @property
+    def complete(self) -> bool:
+        """Every member entered: build the quorum's process group."""
+        return not self.replaced and not self.absent
 
 
 @dataclass(frozen=True, slots=True)
@@ -144,7 +170,9 @@ class Snapshot:
                     doc = kv.json()
                     quorum = Quorum(int(doc["id"]), tuple(str(m) for m in doc["members"]),
                                     kv.mod_revision,
-                                    tuple(str(m) for m in doc.get("healing", [])))
+                                    tuple(str(m) for m in doc.get("healing", [])),
+                                    tuple((str(g), int(r))
+                                          for g, r in doc.get("out", {}).items()))
                 elif rel.startswith("votes/"):
                     qid, step, group = rel[len("votes/"):].split("/", 2)
                     votes.setdefault((int(qid), int(step)), {})[group] = kv.value.decode()
@@ -271,6 +299,7 @@ class QuorumClient:
         return Snapshot.parse(kvs, self.root, revision)
 
     def agree(self, *, failed: tuple[Quorum, int] | None = None,
+              absent: tuple[Quorum, tuple[str, ...]] | None = None,
               min_groups: int = 1) -> tuple[Quorum, Snapshot]:
         """The quorum to train the next step in.
 
@@ -279,8 +308,10 @@ class QuorumClient:
         After `failed = (quorum, step)` was abandoned, the survivors wait up to
         `failover_grace_s` for every member's vote on that step and re-form with the
         groups that voted: a member that did not (dead, or frozen past the grace) is
-        out, and can come back only by healing and joining again. The first quorum
-        waits for `min_groups` ready groups.
+        out, and can come back only by healing and joining again. After `absent =
+        (quorum, groups)`, groups that were named in a new quorum but did not enter it
+        (`confirm`), the others re-form without them; those stay out until they write
+        their key again. The first quorum waits for `min_groups` ready groups.
         """
         deadline = time.monotonic() + self.timeout
         while True:
@@ -299,6 +330,11 @@ class QuorumClient:
                     "behind the others'; it must heal from a live group and join again")
             if (current is not None and self.group not in current.members
                     and any(m in snap.groups for m in current.members)):
+                if current.kept_out(snap, self.group):
+                    # Named in a quorum it did not enter in time (it was still starting):
+                    # ask again, to be taken in at the members' next step boundary.
+                    self._publish()
+                    continue
                 # A joiner waits for the members to take it in at their next step
                 # boundary: replacing the quorum now would fence out the step they are
                 # in the middle of.
@@ -322,7 +358,24 @@ class QuorumClient:
                                           f"{holders} formed no quorum within "
                                           f"{self.timeout:.0f}s under {self.root}")
                     continue
-                proposal = self._proposal(current.id + 1, members, snap)
+                proposal = self._proposal(current.id + 1, members, snap, current)
+            elif absent is not None and current is not None and current.id == absent[0].id:
+                members = tuple(m for m in current.members
+                                if m not in absent[1] and m in snap.groups)
+                absent_now = absent
+                absent = None
+                if not any(m not in current.healing for m in members):
+                    # Only joiners entered; a group holding the state is named but silent.
+                    # They cannot go on without it: wait for its key to change or expire.
+                    self.client.wait_for_change(self.root + "groups/", snap.revision,
+                                                self.lease_ttl)
+                    if time.monotonic() > deadline:
+                        raise QuorumError(f"replica group {self.group}: groups holding the "
+                                          f"state {list(current.healthy)} did not enter "
+                                          f"quorum {current.id} within {self.timeout:.0f}s")
+                    continue
+                proposal = self._proposal(current.id + 1, members, snap, current,
+                                          absent_now[1])
             else:
                 if (current is not None and self.group in snap.healing
                         and self.group in current.healing):
@@ -342,7 +395,8 @@ class QuorumClient:
                             f"replica group {self.group}: {len(entitled)} of {min_groups} "
                             f"groups ready after {self.timeout:.0f}s under {self.root}")
                     continue
-                proposal = self._proposal(current.id + 1 if current else 0, entitled, snap)
+                proposal = self._proposal(current.id + 1 if current else 0, entitled, snap,
+                                          current)
             self.requests += 1
             if self.client.cas(self.root + "quorum", current.revision if current else 0,
                                proposal.to_json()):
@@ -364,7 +418,8 @@ class QuorumClient:
             return snap.ready
 
         def asked_in_time(g: str) -> bool:
-            return admit_before is None or snap.written.get(g, 0) < admit_before
+            return not current.kept_out(snap, g) and (
+                admit_before is None or snap.written.get(g, 0) < admit_before)
 
         ready = [g for g in snap.ready if g in current.members
                  or (snap.groups[g].get("since", -1) >= current.id and asked_in_time(g))]
@@ -372,9 +427,15 @@ class QuorumClient:
         return tuple(sorted({*ready, *joiners}))
 
     @staticmethod
-    def _proposal(qid: int, members: tuple[str, ...], snap: Snapshot) -> Quorum:
+    def _proposal(qid: int, members: tuple[str, ...], snap: Snapshot,
+                  current: Quorum | None, absent: tuple[str, ...] = ()) -> Quorum:
         healing = tuple(m for m in members if m in snap.healing)
-        return Quorum(qid, tuple(sorted(members)), 0, healing)
+        # Who stays out: the current quorum's list, less groups that asked again or are
+        # gone, plus the newly absent (at their key's revision now).
+        out = {g: rev for g, rev in (current.out if current else ())
+               if snap.written.get(g) == rev}
+        out.update({g: snap.written[g] for g in absent if g in snap.written})
+        return Quorum(qid, tuple(sorted(members)), 0, healing, tuple(sorted(out.items())))
 
     def _survivors(self, quorum: Quorum, step: int, snap: Snapshot) -> tuple[str, ...]:
         """Members of `quorum` that voted on `step` within the grace, and are alive."""
@@ -388,28 +449,37 @@ class QuorumClient:
             self.client.wait_for_change(self.root + "votes/", snap.revision, remaining)
             snap = self.snapshot()
 
-    def confirm(self, quorum: Quorum, timeout: float) -> bool:
+    def confirm(self, quorum: Quorum, timeout: float) -> Entry:
         """Enter `quorum` (a new one) and wait, up to `timeout`, until every member has
-        entered it too, before anyone builds its process group. False when the quorum
-        was replaced meanwhile: two groups may propose one after the other (the second
-        saw a joiner the first did not), and a group that built the first would wait out
-        the collective timeout on peers that went on to the second. True when all are in,
-        or when a member is gone or the wait ran out (the build then fails at once, or
-        within its own timeout)."""
+        entered it too, before anyone builds its process group.
+
+        Replaced: two groups may propose one after the other (the second saw a joiner
+        the first did not), and a group that built the first would wait out the
+        collective timeout on peers that went on to the second. Absent: a member whose
+        key is gone, or one still alive that did not enter within `timeout` (a joiner
+        that registered but is still starting, a process that died under a lease not
+        yet expired); building with it would cost the whole collective timeout, and
+        then the same again with the next quorum that still names it."""
         self._doc["at"] = quorum.id
         self._publish()
         deadline = time.monotonic() + timeout
         while True:
             snap = self.snapshot()
             if snap.quorum is None or snap.quorum.revision != quorum.revision:
-                return False
-            docs = [snap.groups.get(m) for m in quorum.members]
-            if all(d is not None and d.get("at") == quorum.id for d in docs) or any(
-                    d is None for d in docs):
-                return True
+                return Entry(replaced=True)
+            docs = {m: snap.groups.get(m) for m in quorum.members}
+            gone = tuple(m for m, d in docs.items() if d is None)
+            waiting = tuple(m for m, d in docs.items()
+                            if d is not None and d.get("at") != quorum.id)
             remaining = deadline - time.monotonic()
-            if remaining <= 0:
-                return True
+            if not gone and not waiting:
+                return Entry()
+            if gone or remaining <= 0:
+                absent = gone or waiting
+                logger.warning("[replica %s] quorum %d: %s did not enter it (%s)", self.group,
+                               quorum.id, list(absent),
+                               "key gone" if gone else f"not within {timeout:.0f}s")
+                return Entry(absent=absent)
             self.client.wait_for_change(self.root, snap.revision, remaining)
 
     def vote(self, quorum: Quorum, step: int, ok: bool) -> bool:

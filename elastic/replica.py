@@ -188,17 +188,28 @@ class ReplicaManager:
                              "where the state healed from a live group lands")
         self.healing = heal
         self.heal_stats: HealStats | None = None
+        self._joined = False
         if self.quorum_client is not None:
             self._store = dist.TCPStore(settings.host, 0, is_master=True,
                                         wait_for_workers=False, timeout=timeout)
-            self.quorum_client.join((settings.host, self._store.port), ready=not heal,
-                                    heal=heal)
+            if not heal:
+                self._join()
         self.quorum: Quorum | None = None
         self._pg: dist.ProcessGroup | None = None
         self._pg_quorum = -1
         self._failed: tuple[Quorum, int] | None = None
         self._ok = True
         self.stats = StepStats()
+
+    def _join(self) -> None:
+        """Register the group. A group that heals registers at its first `start_step`,
+        not before: its key asks the members to take it in at their next step boundary,
+        and it must then be there to enter (the trainer builds its pipeline and opens
+        its checkpoints in between); a group that holds the state registers at once."""
+        assert self.quorum_client is not None and self._store is not None
+        self.quorum_client.join((self.settings.host, self._store.port),
+                                ready=not self.healing, heal=self.healing)
+        self._joined = True
 
     @property
     def requests(self) -> int:
@@ -212,17 +223,24 @@ class ReplicaManager:
         doc: dict[str, Any] | None = None
         if self.quorum_client is not None:
             try:
-                failed = self._failed
+                if not self._joined:
+                    self._join()
+                failed, absent = self._failed, None
                 while True:
                     quorum, snap = self.quorum_client.agree(
-                        failed=failed, min_groups=self.settings.min_groups)
-                    failed = None
-                    # A new quorum: wait for its members to enter it, or re-agree at once
-                    # when a newer one replaced it.
-                    if quorum.size == 1 or quorum.id == self._pg_quorum or (
-                            self.quorum_client.confirm(
-                                quorum, self.settings.collective_timeout_s)):
+                        failed=failed, absent=absent, min_groups=self.settings.min_groups)
+                    failed = absent = None
+                    if quorum.size == 1 or quorum.id == self._pg_quorum:
                         break
+                    # A new quorum: wait for its members to enter it; re-agree at once
+                    # when a newer one replaced it, or without the members that did not
+                    # come in.
+                    entry = self.quorum_client.confirm(quorum,
+                                                       self.settings.collective_timeout_s)
+                    if entry.complete:
+                        break
+                    if entry.absent:
+                        absent = (quorum, entry.absent)
                 store = (self.quorum_client.store_of(snap, quorum.host)
                          if quorum.size > 1 else None)
                 doc = _quorum_doc(quorum, store)
