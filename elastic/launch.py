@@ -352,11 +352,13 @@ def _start_warm(args: argparse.Namespace, positional: list[str], run_dir: Path) 
     preload = [*DEFAULT_PRELOAD, *([argv[1]] if argv[0] == "-m" else [])]
     # AF_UNIX paths are short: the socket lives in its own temp dir, not the run dir.
     sock = Path(tempfile.mkdtemp(prefix="relight-warm-")) / "s.sock"
-    server = WarmServer(sock, preload, log_path=run_dir / "warm.log").start()
+    # Not waited for: it imports while this agent joins the rendezvous.
+    server = WarmServer(sock, preload, log_path=run_dir / "warm.log").start(wait=False)
     client = client_command(str(sock), argv)
     args.no_python, args.module = True, False
     args.training_script, args.training_script_args = client[0], client[1:]
-    print(f"relight run: warm starts through {sock} ({', '.join(preload)} imported once)",
+    print(f"relight run: warm starts through {sock} ({', '.join(preload)} imported once, "
+          "while the rendezvous runs)",
           file=sys.stderr, flush=True)
     return server
 

@@ -10,6 +10,13 @@ directory and stdio to the server over a UNIX socket; the server forks a child t
 becomes the worker (`runpy`, as `python -m module` or `python script.py` would run it)
 and reports its pid and, when it ends, its exit status, which the client exits with.
 
+The agent does not wait for the server: it starts it and goes on to its rendezvous while
+the server imports (seconds on a loaded node, which a replacement would otherwise add to
+its time to the first step). A client that comes first waits for the socket while the
+server lives; if the server failed (its imports raised, or it died), the client starts
+its worker cold instead (`exec` of the same command), so a broken server costs a warm
+start, never the worker.
+
 What the agent does to the client reaches the worker:
 - SIGTERM, SIGINT, SIGHUP, SIGUSR1, SIGUSR2 are forwarded to the worker;
 - SIGKILL of the client (torchrun's last resort, a chaos kill) closes the socket, and the
@@ -66,17 +73,32 @@ class WarmStartError(RuntimeError):
 
 # -- the server ---------------------------------------------------------------------------
 
+def _failed_marker(socket_path: str) -> Path:
+    return Path(socket_path).parent / "server.failed"
+
+
+def _pid_file(socket_path: str) -> Path:
+    return Path(socket_path).parent / "server.pid"
+
+
 def serve(socket_path: str, preload: Sequence[str]) -> None:
     """Import `preload`, then fork a worker for every client on `socket_path` until
-    SIGTERM. Never returns in a forked child."""
-    for name in preload:
-        importlib.import_module(name)
-    if "storage" in preload:
-        # botocore's one-time client set-up, done here once instead of in every worker's
-        # first S3 operation (no thread or connection outlives it: safe to fork after).
-        from storage.settings import warm_s3_sdk
+    SIGTERM. Never returns in a forked child. If an import fails, say so next to the
+    socket (clients then start cold) and raise."""
+    try:
+        for name in preload:
+            importlib.import_module(name)
+        if "storage" in preload:
+            # botocore's one-time client set-up, done here once instead of in every
+            # worker's first S3 operation (no thread or connection outlives it: safe to
+            # fork after).
+            from storage.settings import warm_s3_sdk
 
-        warm_s3_sdk()
+            warm_s3_sdk()
+    except BaseException as exc:
+        with contextlib.suppress(OSError):
+            _failed_marker(socket_path).write_text(f"{type(exc).__name__}: {exc}\n")
+        raise
     with contextlib.suppress(FileNotFoundError):
         os.unlink(socket_path)
     listener = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
@@ -211,10 +233,47 @@ def _die_with_client(conn: socket.socket) -> None:
 
 # -- the client ---------------------------------------------------------------------------
 
-def run(socket_path: str, argv: Sequence[str], connect_timeout_s: float = 60.0) -> int:
+def _server_failed(socket_path: str) -> str | None:
+    """Why the server that `socket_path` belongs to can no longer serve (its imports
+    failed, or its process is gone), or None while it may still come up."""
+    marker = _failed_marker(socket_path)
+    if marker.exists():
+        return f"its imports failed: {marker.read_text(errors='replace').strip()}"
+    try:
+        pid = int(_pid_file(socket_path).read_text())
+    except (OSError, ValueError):
+        return None  # not started by a WarmServer here: only the timeout applies
+    try:
+        # The server is the agent's child: once dead it is a zombie until reaped.
+        state = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0]
+    except (OSError, IndexError):
+        state = "" if _pid_alive(pid) else "X"
+    return f"its process {pid} is gone" if state in ("Z", "X") else None
+
+
+def _pid_alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        pass  # another user's process of that pid
+    return True
+
+
+def _start_cold(argv: Sequence[str], why: str) -> None:
+    """Become the worker: exec `python argv` in this process (never returns)."""
+    print(f"relight warm start: the warm server cannot start this worker ({why}); "
+          "starting it cold", file=sys.stderr, flush=True)
+    os.execv(sys.executable, [sys.executable, *argv])
+
+
+def run(socket_path: str, argv: Sequence[str], connect_timeout_s: float = 300.0) -> int:
     """Start `argv` (`-m module ...` or `script.py ...`) in a worker forked by the server
     at `socket_path`, with this process's environment, directory and stdio; forward
-    signals to it; return its exit status (128 + n if signal n ended it)."""
+    signals to it; return its exit status (128 + n if signal n ended it). Waits up to
+    `connect_timeout_s` for a server still importing; a server that failed makes this
+    process the worker, started cold."""
     conn = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
     deadline = time.monotonic() + connect_timeout_s
     while True:
@@ -222,6 +281,10 @@ def run(socket_path: str, argv: Sequence[str], connect_timeout_s: float = 60.0) 
             conn.connect(socket_path)
             break
         except (FileNotFoundError, ConnectionRefusedError) as exc:
+            why = _server_failed(socket_path)
+            if why is not None:
+                conn.close()
+                _start_cold(argv, why)
             if time.monotonic() > deadline:
                 raise WarmStartError(f"no warm server on {socket_path} after "
                                      f"{connect_timeout_s:.0f} s: {exc}") from exc
@@ -306,10 +369,14 @@ class WarmServer:
         self.env = env
         self._proc: Any = None
 
-    def start(self, timeout_s: float = 300.0) -> WarmServer:
+    def start(self, timeout_s: float = 300.0, *, wait: bool = True) -> WarmServer:
+        """Start the server; with `wait`, return once it serves (its imports done), else
+        at once (clients wait for it, and start cold if it fails)."""
         import subprocess
 
         Path(self.socket_path).parent.mkdir(parents=True, exist_ok=True)
+        with contextlib.suppress(FileNotFoundError):
+            _failed_marker(self.socket_path).unlink()
         log = open(self.log_path, "ab") if self.log_path else subprocess.DEVNULL  # noqa: SIM115
         self._proc = subprocess.Popen(
             [sys.executable, "-m", "elastic.warm", "serve", "--socket", self.socket_path,
@@ -318,6 +385,12 @@ class WarmServer:
             start_new_session=True, env=self.env)
         if log is not subprocess.DEVNULL:
             log.close()
+        pid_file = _pid_file(self.socket_path)
+        tmp = pid_file.with_name(f".{pid_file.name}.tmp")
+        tmp.write_text(str(self._proc.pid))
+        os.replace(tmp, pid_file)
+        if not wait:
+            return self
         deadline = time.monotonic() + timeout_s
         while not os.path.exists(self.socket_path):
             if self._proc.poll() is not None:

@@ -121,3 +121,35 @@ def test_server_exits_when_its_agent_is_killed(tmp_path) -> None:
     finally:
         if agent.poll() is None:
             agent.kill()
+
+
+def test_a_server_that_fails_to_import_starts_its_workers_cold(tmp_path) -> None:
+    """The agent does not wait for its server; if the server's imports fail, a client
+    already waiting becomes the worker itself instead of failing it."""
+    srv = WarmServer(tmp_path / "s.sock", ["relight_no_such_module"],
+                     log_path=tmp_path / "server.log").start(wait=False)
+    try:
+        client = _start(srv, tmp_path, "exit3")
+        out, err = client.communicate(timeout=120)
+        assert client.returncode == 3, err
+        (rec,) = _records(tmp_path)
+        assert rec["pid"] == client.pid, "the worker was not the client process itself"
+        assert not rec["torch_preloaded"]
+        assert "starting it cold" in err and "relight_no_such_module" in err
+        assert "worker says hi on stdout (exit3)" in out
+    finally:
+        srv.stop()
+
+
+def test_a_client_waits_for_a_server_still_importing(tmp_path) -> None:
+    srv = WarmServer(tmp_path / "s.sock", ["torch"],
+                     log_path=tmp_path / "server.log").start(wait=False)
+    try:
+        client = _start(srv, tmp_path, "exit0")  # before the socket exists
+        out, err = client.communicate(timeout=120)
+        assert client.returncode == 0, err
+        (rec,) = _records(tmp_path)
+        assert rec["torch_preloaded"] and rec["pid"] != client.pid
+        assert "starting it cold" not in err
+    finally:
+        srv.stop()
