@@ -42,13 +42,16 @@ import uuid
 from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING
 
 from elastic.etcd_server import EtcdServer, EtcdServerError
-from elastic.rendezvous import BACKEND_NAME, EVENTS_ENV, RDZV_ROUND_ENV, release_leases
 
 if TYPE_CHECKING:
     from elastic.agent_metrics import AgentMetrics
+    from elastic.warm import WarmServer
+
+# Nothing at module level imports torch: `main` starts the warm-start server first, so
+# that the server's imports and this agent's own (torch, torchrun) run side by side.
 
 __all__ = ["LaunchError", "TrainingHints", "main", "shutdown_timeout_s", "split_command",
            "training_hints"]
@@ -220,14 +223,19 @@ def main(argv: Sequence[str] | None = None) -> int:
     except LaunchError as exc:
         print(f"relight run: {exc}", file=sys.stderr)
         return 2
-    args = _parser().parse_args(opts + positional)
-    if args.standalone:
-        print("relight run: --standalone is torchrun's c10d shortcut; relight run starts "
-              "its own etcd when --rdzv-endpoint is not given: drop --standalone",
-              file=sys.stderr)
-        return 2
-    with _scoped_process_state():
-        return _launch(args, opts, positional)
+    warm = _start_warm(opts, positional)
+    try:
+        args = _parser().parse_args(opts + positional)
+        if args.standalone:
+            print("relight run: --standalone is torchrun's c10d shortcut; relight run starts "
+                  "its own etcd when --rdzv-endpoint is not given: drop --standalone",
+                  file=sys.stderr)
+            return 2
+        with _scoped_process_state():
+            return _launch(args, opts, positional, warm)
+    finally:
+        if warm is not None:
+            warm.stop()
 
 
 _RESTORED_SIGNALS = (signal.SIGTERM, signal.SIGINT, signal.SIGHUP, signal.SIGQUIT)
@@ -238,6 +246,8 @@ def _scoped_process_state() -> Iterator[None]:
     """`main()` may be called in-process (tests, scripts): what a launch changes in the
     process (the events and round variables, the signal handlers torchrun and this
     module install, the `elastic` logger's handler) is put back when it returns."""
+    from elastic.rendezvous import EVENTS_ENV, RDZV_ROUND_ENV
+
     saved_env = {k: os.environ.get(k) for k in (EVENTS_ENV, RDZV_ROUND_ENV)}
     saved_signals = {s: signal.getsignal(s) for s in _RESTORED_SIGNALS}
     log = logging.getLogger("elastic")
@@ -258,7 +268,10 @@ def _scoped_process_state() -> Iterator[None]:
         log.propagate = saved_log[2]
 
 
-def _launch(args: argparse.Namespace, opts: Sequence[str], positional: list[str]) -> int:
+def _launch(args: argparse.Namespace, opts: Sequence[str], positional: list[str],
+            warm: WarmServer | None) -> int:
+    from elastic.rendezvous import BACKEND_NAME, EVENTS_ENV, release_leases
+
     if not _given(opts, "--rdzv-backend", "--rdzv_backend"):
         args.rdzv_backend = BACKEND_NAME
     hints = training_hints(positional, args.preemption_grace_s)
@@ -302,14 +315,9 @@ def _launch(args: argparse.Namespace, opts: Sequence[str], positional: list[str]
                               sigval=signal.Signals(signum))
 
     metrics = None
-    warm = None
     try:
-        if args.warm_start:
-            try:
-                warm = _start_warm(args, positional, run_dir)
-            except (LaunchError, OSError, RuntimeError) as exc:
-                print(f"relight run: cold starts (warm starts unavailable: {exc}; "
-                      "--no-warm-start silences this)", file=sys.stderr)
+        if warm is not None and args.warm_start:
+            _use_warm(args, warm, positional, run_dir)
         if args.metrics_port is not None:
             try:
                 metrics = _start_metrics(args, hints)
@@ -333,34 +341,57 @@ def _launch(args: argparse.Namespace, opts: Sequence[str], positional: list[str]
     finally:
         if metrics is not None:
             metrics.close()
-        if warm is not None:
-            warm.stop()
         if etcd is not None:
             etcd.stop()
 
 
-def _start_warm(args: argparse.Namespace, positional: list[str], run_dir: Path) -> Any:
-    """Start the node's fork server and point torchrun's workers at its client."""
+def _start_warm(opts: Sequence[str], positional: list[str]) -> WarmServer | None:
+    """Start the node's fork server, unless `--no-warm-start`; None (and one line on
+    stderr) when the command cannot be warm-started. Not waited for: it imports while
+    this agent imports torchrun and joins the rendezvous."""
     import tempfile
 
-    from elastic.warm import DEFAULT_PRELOAD, WarmServer, client_command
+    from elastic.warm import DEFAULT_PRELOAD, WarmServer
 
+    if _given(opts, "--no-warm-start"):
+        return None
     if positional[0] == "--no-python":
-        raise LaunchError("it needs a Python command (python -m module ... or "
-                          "python script.py ...)")
-    argv = ["-m", *positional[1:]] if positional[0] == "--module" else list(positional)
+        print("relight run: cold starts (warm starts unavailable: it needs a Python command "
+              "(python -m module ... or python script.py ...); --no-warm-start silences "
+              "this)", file=sys.stderr)
+        return None
+    argv = _python_argv(positional)
     preload = [*DEFAULT_PRELOAD, *([argv[1]] if argv[0] == "-m" else [])]
     # AF_UNIX paths are short: the socket lives in its own temp dir, not the run dir.
     sock = Path(tempfile.mkdtemp(prefix="relight-warm-")) / "s.sock"
-    # Not waited for: it imports while this agent joins the rendezvous.
-    server = WarmServer(sock, preload, log_path=run_dir / "warm.log").start(wait=False)
-    client = client_command(str(sock), argv)
+    try:
+        return WarmServer(sock, preload, log_path=sock.parent / "warm.log").start(wait=False)
+    except (OSError, RuntimeError) as exc:
+        print(f"relight run: cold starts (warm starts unavailable: {exc}; --no-warm-start "
+              "silences this)", file=sys.stderr)
+        return None
+
+
+def _python_argv(positional: list[str]) -> list[str]:
+    """The interpreter's arguments of a Python training command (torchrun's positionals)."""
+    return ["-m", *positional[1:]] if positional[0] == "--module" else list(positional)
+
+
+def _use_warm(args: argparse.Namespace, warm: WarmServer, positional: list[str],
+              run_dir: Path) -> None:
+    """Point torchrun's workers at the fork server's client; its log shows in the run dir."""
+    from elastic.warm import client_command
+
+    client = client_command(warm.socket_path, _python_argv(positional))
     args.no_python, args.module = True, False
     args.training_script, args.training_script_args = client[0], client[1:]
-    print(f"relight run: warm starts through {sock} ({', '.join(preload)} imported once, "
-          "while the rendezvous runs)",
+    link = run_dir / "warm.log"
+    with contextlib.suppress(OSError):
+        link.unlink(missing_ok=True)
+        link.symlink_to(Path(warm.socket_path).parent / "warm.log")
+    print(f"relight run: warm starts through {warm.socket_path} "
+          f"({', '.join(warm.preload)} imported once, while the agent starts)",
           file=sys.stderr, flush=True)
-    return server
 
 
 def _start_metrics(args: argparse.Namespace, hints: TrainingHints) -> AgentMetrics:

@@ -164,3 +164,15 @@ def test_usage_errors(capsys) -> None:
     assert main(["--standalone", "--", "true"]) == 2
     assert "--standalone" in capsys.readouterr().err
     assert main(["--", "python", "-X", "dev", "t.py"]) == 2
+
+
+def test_the_agent_starts_its_warm_server_before_importing_torch() -> None:
+    """The fork server imports torch and the training module while the agent imports its
+    own (torchrun): `elastic.launch` must not import torch before `main` starts it."""
+    res = subprocess.run([sys.executable, "-c", (
+        "import sys, elastic.launch; "
+        "print(sorted(m for m in sys.modules if m == 'torch' or m.startswith('torch.')))")],
+        env={**os.environ, "PYTHONPATH": str(ROOT)}, capture_output=True, text=True,
+        timeout=120, cwd=ROOT)
+    assert res.returncode == 0, res.stderr
+    assert res.stdout.strip() == "[]", f"imported before the warm server starts: {res.stdout}"
