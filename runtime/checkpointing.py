@@ -233,7 +233,7 @@ class Checkpointer:
 
     def _note_restored_commit(self, step: int) -> None:
         """The restored checkpoint is the newest commit until this run commits one."""
-        from ckpt.manager import list_records
+        from ckpt.root_layout import list_records
 
         try:
             rec = list_records(self.manager.store).get(step)
