@@ -86,14 +86,20 @@ class TierStats:
     served: dict[str, int] = field(default_factory=lambda: {"local": 0, "peer": 0,
                                                                   "persistent": 0})
     """Bytes of data objects served per tier."""
+    copied_bytes: int = 0
+    """Bytes this process copied into the local tier."""
+    skipped_budget: int = 0
+    """Objects not copied because they did not fit the budget."""
+    evicted_steps: int = 0
+    """Steps dropped from the local tier."""
+    copy_errors: int = 0
+    """Copies into the local tier that failed (each costs a tier miss only)."""
     misses: dict[str, int] = field(default_factory=dict)
     """Data object reads the local tier could not serve, by reason."""
-    copied_bytes: int = 0
-    skipped_budget: int = 0
-    evicted_steps: int = 0
-    copy_errors: int = 0
     peer_copied_bytes: int = 0
+    """Bytes pushed to peers' replica servers."""
     peer_copy_errors: int = 0
+    """Pushes to a peer that failed or were refused."""
     _lock: threading.Lock = field(default_factory=threading.Lock, repr=False, compare=False)
 
     def serve(self, tier: str, nbytes: int) -> None:
