@@ -124,8 +124,9 @@ def worker(args: argparse.Namespace, t_top: float) -> None:
 
         store: Any = ckpt_root
         if os.environ.get(LOCAL_TIER_ENV):  # benchmarks/tiers.py: the node-local tier on
+            from ckpt.local_tier import local_tier_dir
+            from ckpt.tiered import TieredStore
             from storage import open_store
-            from storage.tiered import TieredStore, local_tier_dir
 
             store = open_store(ckpt_root)
             store = TieredStore(store, local_tier_dir(os.environ[LOCAL_TIER_ENV], store.url),

@@ -9,7 +9,7 @@ which restores and steps again. Arms, run one after the other in one invocation:
 
 - `baseline`: torchrun + c10d + DCP (fsspec on S3), as in `benchmarks.recovery`;
 - `relight`: torchrun + relight-etcd + `ckpt.CheckpointManager` on S3;
-- `tiers`: the same, its store fronted by `storage.tiered.TieredStore` with the local
+- `tiers`: the same, its store fronted by `ckpt.tiered.TieredStore` with the local
   tier in a tmpfs directory (`/dev/shm` when there is one), so the restarted workers
   read the data objects from node memory and only manifests and markers from S3.
 
@@ -51,8 +51,9 @@ def restore_only(args: argparse.Namespace, s3: Any, local: str) -> dict[str, Any
     import torch
 
     import ckpt
+    from ckpt.local_tier import local_tier_dir
+    from ckpt.tiered import TieredStore
     from storage import open_store
-    from storage.tiered import TieredStore, local_tier_dir
 
     os.environ.update(s3.env())
     url = s3.url(f"tiers-restore/{Path(local).name}")

@@ -3,15 +3,15 @@ save is in flight, a chunk of the newest committed checkpoint to damage, whether
 checkpoint verifies, and the final state of a run as plain tensors for comparison.
 
 All of it goes through `storage` and the public `ckpt` API (`ckpt.verify`, `ckpt.load`,
-the manifest reader); the checkpoint layout under a manager root (one prefix per step,
-`COMMIT` written last, `index/<attempt>/r<rank>.json` per rank) is the engine's, read here
-and nowhere else in `chaos/`.
+the manifest reader); the names under a manager root (one prefix per step and the step
+records: `ckpt.root_layout`; in a step, `COMMIT` written last and
+`index/<attempt>/r<rank>.json` per rank: `ckpt.format`) are the checkpoint layer's, read
+here and nowhere else in `chaos/`.
 """
 
 from __future__ import annotations
 
 import logging
-import re
 import time
 from dataclasses import dataclass
 from typing import Any
@@ -23,16 +23,15 @@ import torch
 import ckpt
 from chaos.verifier import WeightsComparison
 from ckpt.export import iter_tensors
+from ckpt.format import COMMIT_KEY, DATA_PREFIX, INDEX_PREFIX, MANIFEST_KEY
 from ckpt.manifest import read_commit, read_manifest
+from ckpt.root_layout import RECORDS, parse_record_key, step_of_dir
 from storage import StorageError, Store
 
 logger = logging.getLogger(__name__)
 
 __all__ = ["CheckpointProbe", "StepDir", "compare_final_states"]
 
-COMMIT = "COMMIT"
-MANIFEST = "manifest.json"
-_STEP_RE = re.compile(r"(\d+)$")
 PENDING_MAX_AGE_S = 60.0
 
 
@@ -70,18 +69,18 @@ class CheckpointProbe:
             if "/" not in key:
                 continue
             prefix, rest = key.split("/", 1)
-            m = _STEP_RE.search(prefix)
-            if not m:
+            step = step_of_dir(prefix)
+            if step is None:
                 continue
-            d = per.setdefault(prefix, {"step": int(m.group(1)), "commit": False,
+            d = per.setdefault(prefix, {"step": step, "commit": False,
                                         "manifest": False, "idx": {}})
-            if rest == COMMIT:
+            if rest == COMMIT_KEY:
                 d["commit"] = True
-            elif rest == MANIFEST:
+            elif rest == MANIFEST_KEY:
                 d["manifest"] = True
-            elif rest.startswith(("index/", "data/")):
+            elif rest.startswith((INDEX_PREFIX, DATA_PREFIX)):
                 attempt = rest.split("/")[1]
-                n = 1 if rest.startswith("index/") and rest.endswith(".json") and (
+                n = 1 if rest.startswith(INDEX_PREFIX) and rest.endswith(".json") and (
                     ".error" not in rest) else 0
                 d["idx"][attempt] = d["idx"].get(attempt, 0) + n
         out: dict[int, StepDir] = {}
@@ -114,7 +113,7 @@ class CheckpointProbe:
             try:
                 attempt = read_commit(self.store.child(prefix)).get("attempt")
             except (StorageError, ckpt.CheckpointError) as exc:
-                logger.debug("cannot read %s/%s: %s", prefix, COMMIT, exc)
+                logger.debug("cannot read %s/%s: %s", prefix, COMMIT_KEY, exc)
                 return None  # not cached: read again at the next poll
             self._commit_attempts[prefix] = None if attempt is None else str(attempt)
         return self._commit_attempts[prefix]
@@ -124,20 +123,20 @@ class CheckpointProbe:
         manager's `steps/<step>.pending` record holds the start time)."""
         out = set()
         try:
-            keys = self.store.list("steps/")
+            keys = self.store.list(RECORDS)
         except StorageError:
             return out
         now = time.time()
         for key in keys:
-            stem = key.rsplit("/", 1)[-1]
-            if not stem.endswith(".pending") or not stem[:-8].isdigit():
+            parsed = parse_record_key(key)
+            if parsed is None or parsed[1] != "pending":
                 continue
             try:
                 started = float(self.store.get(key).decode() or 0.0)
             except (StorageError, ValueError):
                 continue
             if now - started < max_age_s:
-                out.add(int(stem[:-8]))
+                out.add(parsed[0])
         return out
 
     def committed_steps(self) -> list[int]:

@@ -58,11 +58,11 @@ from chaos.verifier import (
     WeightsComparison,
     verify,
 )
+from ckpt.local_tier import TIER_NODE_ENV, local_tier_dir
 from elastic.etcd_server import EtcdCluster, EtcdServer, free_port
 from runtime.replicas import GROUP_ENV
 from storage import Store, corrupt_object, open_store
 from storage.fault_env import ENV_VAR, write_plan_file
-from storage.tiered import TIER_NODE_ENV, local_tier_dir
 
 logger = logging.getLogger(__name__)
 

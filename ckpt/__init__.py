@@ -8,6 +8,9 @@ any mesh, stateful objects, JSON values) as zarr v3 arrays through tensorstore, 
     ckpt.load(state_dict, url)
     ckpt.verify(url).ok
     mgr = ckpt.CheckpointManager(root_url, keep_last=3)
+    root = ckpt.open_checkpoint_root(root_url, ckpt.TierOptions(local_dir="/dev/shm/relight",
+                                                                budget_bytes=4 << 30))
+    mgr = ckpt.CheckpointManager(root.store)   # restores read the node-local tier first
 """
 
 from ckpt.engine import LoadInfo, SaveHandle, SaveOptions, load, save, wait_staged
@@ -40,6 +43,7 @@ from ckpt.manager import (
     RetentionPolicy,
     SaveFailurePolicy,
 )
+from ckpt.tiers import CheckpointRoot, TierOptions, open_checkpoint_root
 from ckpt.verify import VerifyReport, verify
 
 __all__ = [
@@ -48,6 +52,7 @@ __all__ = [
     "CheckpointExistsError",
     "CheckpointManager",
     "CheckpointNotFoundError",
+    "CheckpointRoot",
     "CheckpointSaveError",
     "ChecksumMismatchError",
     "CollectiveError",
@@ -66,6 +71,7 @@ __all__ = [
     "SavesFailingError",
     "ShapeMismatchError",
     "StateDictMismatchError",
+    "TierOptions",
     "UnexpectedKeyError",
     "UnsafePathError",
     "UnsupportedStateError",
@@ -73,6 +79,7 @@ __all__ = [
     "VerifyReport",
     "guard_optimizer",
     "load",
+    "open_checkpoint_root",
     "save",
     "verify",
     "wait_staged",

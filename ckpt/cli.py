@@ -20,8 +20,9 @@ from typing import Any
 from ckpt.errors import CheckpointError, CheckpointNotFoundError
 from ckpt.export import diff, export_dcp, export_safetensors, import_dcp
 from ckpt.format import COMMIT_KEY, MANIFEST_KEY
-from ckpt.manager import KeepEvery, KeepLast, collect_garbage, list_records, step_dir
+from ckpt.manager import KeepEvery, KeepLast, collect_garbage
 from ckpt.manifest import read_manifest
+from ckpt.root_layout import list_records, step_dir
 from ckpt.verify import verify
 from storage import StorageError, Store, open_store
 

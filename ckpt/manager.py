@@ -1,15 +1,7 @@
 """`CheckpointManager`: when to save, what to keep, what to restore.
 
-Layout under the root URL:
-
-    step-000000000100/          one checkpoint (see ckpt.format), committed by its COMMIT
-    steps/000000000100.json     the manager's record of a step (written just before COMMIT)
-    steps/000000000100.pending  written when a save starts; removed after commit
-
-The records let `latest_step()` and GC find checkpoints with one small listing instead
-of listing every chunk. A step counts as committed only when its record exists *and* its
-COMMIT marker does (the record is written first, so every rank that sees COMMIT finds
-it); GC deletes COMMIT first, so a half-deleted step is never loaded.
+The layout under the root URL (step prefixes, the manager's step records, what counts as
+committed) is `ckpt.root_layout`'s.
 """
 
 from __future__ import annotations
@@ -19,7 +11,6 @@ import logging
 import os
 import time
 from collections.abc import Mapping
-from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from typing import Any, Protocol
 
@@ -34,17 +25,21 @@ from ckpt.errors import (
     SavesFailingError,
     UnsupportedVersionError,
 )
-from ckpt.format import COMMIT_KEY
 from ckpt.manifest import Manifest
+from ckpt.root_layout import (
+    commit_key,
+    committed_steps,
+    list_records,
+    newest_committed_step,
+    pending_key,
+    record_key,
+    step_dir,
+)
 from storage import StorageError, Store, open_store
 
 logger = logging.getLogger(__name__)
 
-__all__ = ["CheckpointManager", "RetentionPolicy", "KeepLast", "KeepEvery", "SaveFailurePolicy",
-           "step_dir"]
-
-RECORDS = "steps/"
-
+__all__ = ["CheckpointManager", "RetentionPolicy", "KeepLast", "KeepEvery", "SaveFailurePolicy"]
 
 BUSY_POLICIES = ("wait", "skip")
 
@@ -52,10 +47,6 @@ BUSY_POLICIES = ("wait", "skip")
 def _check_busy(busy: str) -> None:
     if busy not in BUSY_POLICIES:
         raise ValueError(f"CheckpointManager busy must be one of {BUSY_POLICIES}, got {busy!r}")
-
-
-def step_dir(step: int) -> str:
-    return f"step-{step:012d}"
 
 
 class RetentionPolicy(Protocol):
@@ -109,74 +100,6 @@ class SaveFailurePolicy:
                              f"{self.max_consecutive}")
 
 
-@dataclass
-class StepRecord:
-    step: int
-    committed: bool
-    created: float
-    record: bool = False
-    """A commit record exists (its COMMIT may still be missing after a crash)."""
-
-
-def _is_committed(store: Store, step: int) -> bool:
-    return store.exists(f"{step_dir(step)}/{COMMIT_KEY}")
-
-
-def list_records(store: Store) -> dict[int, StepRecord]:
-    """Steps the manager knows about: committed records win over pending ones."""
-    out: dict[int, StepRecord] = {}
-    for key in store.list(RECORDS):
-        base = key[len(RECORDS):]
-        stem, _, ext = base.partition(".")
-        if not stem.isdigit():
-            continue
-        step = int(stem)
-        if ext == "json":
-            created = 0.0
-            try:
-                created = float(json.loads(store.get(key)).get("created_unix", 0.0))
-            except (StorageError, ValueError, AttributeError):
-                pass
-            committed = _is_committed(store, step)
-            out[step] = StepRecord(step, committed, created, record=True)
-        elif ext == "pending" and step not in out:
-            created = 0.0
-            try:
-                created = float(store.get(key).decode() or 0.0)
-            except (StorageError, ValueError):
-                pass
-            out.setdefault(step, StepRecord(step, False, created))
-    return out
-
-
-def _recorded_steps(store: Store) -> list[int]:
-    """Steps with a commit record, newest first (one listing; COMMIT not checked)."""
-    steps = []
-    for key in store.list(RECORDS):
-        stem, _, ext = key[len(RECORDS):].partition(".")
-        if ext == "json" and stem.isdigit():
-            steps.append(int(stem))
-    return sorted(steps, reverse=True)
-
-
-def committed_steps(store: Store) -> list[int]:
-    """Steps whose record and COMMIT marker both exist (ascending): one listing, then the
-    markers' existence checks side by side (each is a round trip to object storage, and a
-    restart waits for them)."""
-    recorded = _recorded_steps(store)
-    if len(recorded) <= 1:
-        return [s for s in recorded if _is_committed(store, s)]
-    with ThreadPoolExecutor(min(8, len(recorded)), thread_name_prefix="relight-ls") as pool:
-        found = list(pool.map(lambda s: _is_committed(store, s), recorded))
-    return sorted(s for s, ok in zip(recorded, found, strict=True) if ok)
-
-
-def newest_committed_step(store: Store) -> int | None:
-    """The newest committed step, checking markers from the newest record down: one
-    listing and, normally, one existence check."""
-    return next((s for s in _recorded_steps(store) if _is_committed(store, s)), None)
-
-
 def collect_garbage(store: Store, policies: list[RetentionPolicy], grace_s: float,
                     protect: set[int] | None = None) -> list[int]:
     """Delete committed steps no policy keeps (never the newest) and stale pending ones
@@ -193,15 +116,14 @@ def collect_garbage(store: Store, policies: list[RetentionPolicy], grace_s: floa
     for step, rec in sorted(records.items()):
         if step in keep:
             continue
-        d = step_dir(step)
         if rec.committed:
             # COMMIT first: from here on nothing loads it, even if we die half-way.
-            store.delete(f"{d}/{COMMIT_KEY}")
+            store.delete(commit_key(step))
         elif now - rec.created < grace_s:
             continue
-        store.delete(f"{RECORDS}{step:012d}.json")
-        store.delete_prefix(d)
-        store.delete(f"{RECORDS}{step:012d}.pending")
+        store.delete(record_key(step))
+        store.delete_prefix(step_dir(step))
+        store.delete(pending_key(step))
         deleted.append(step)
         logger.info("gc %s: deleted step %d (%s)", store.url, step,
                     "retention" if rec.committed else "stale, never committed")
@@ -221,19 +143,19 @@ class _StepRecords:
                            on_commit=self.committed)
 
     def pending(self) -> None:
-        self.mgr.store.put(f"{RECORDS}{self.step:012d}.pending", str(time.time()).encode())
+        self.mgr.store.put(pending_key(self.step), str(time.time()).encode())
 
     def record(self, manifest: Manifest) -> None:
         # Written just before COMMIT, so every rank that sees COMMIT also finds the
         # record; a record whose COMMIT never came is treated as uncommitted.
-        self.mgr.store.put(f"{RECORDS}{self.step:012d}.json", json.dumps({
+        self.mgr.store.put(record_key(self.step), json.dumps({
             "step": self.step, "created_unix": manifest.created_unix,
             "bytes": manifest.bytes, "world_size": manifest.world_size,
             "layout": manifest.layout}).encode())
 
     def committed(self, manifest: Manifest) -> None:
         mgr = self.mgr
-        mgr.store.delete(f"{RECORDS}{self.step:012d}.pending")
+        mgr.store.delete(pending_key(self.step))
         try:
             collect_garbage(mgr.store, mgr.policies, mgr.gc_grace_s, protect={self.step})
         except Exception as e:  # noqa: BLE001 - GC must never fail a committed save

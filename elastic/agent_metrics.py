@@ -122,7 +122,7 @@ class AgentMetrics:
 
     def poll_checkpoint(self) -> int | None:
         """List the commit records once; update the checkpoint series. Returns the step."""
-        from ckpt.manager import list_records
+        from ckpt.root_layout import list_records
         from storage import open_store
 
         if self._store is None:

@@ -13,7 +13,6 @@ it never reaches into the model or the optimizer itself.
 from __future__ import annotations
 
 import os
-import secrets
 import time
 from collections.abc import Callable
 from typing import Any
@@ -73,8 +72,9 @@ class Checkpointer:
         self.restore_io: dict[str, Any] | None = None
         """Bytes the restore read from the persistent store (all of them: data, manifests,
         markers) and, with a local tier, what each tier served."""
-        self._peer_server: Any = None
-        """This node's replica server (`storage.peer`), run by the node's first rank."""
+        self.root: Any = None
+        """`ckpt.CheckpointRoot` once opened: the store stack, the tiers when configured
+        (None without `checkpoint.url`)."""
         self._pending: tuple[Any, float] | None = None
         """(handle, unix time the save began) of the save not yet seen finished."""
         self.last_commit_unix: float | None = None
@@ -83,9 +83,8 @@ class Checkpointer:
 
     def close(self) -> None:
         """Stop this node's replica server, if this rank runs it."""
-        if self._peer_server is not None:
-            self._peer_server.close()
-            self._peer_server = None
+        if self.root is not None:
+            self.root.close()
 
     @property
     def commit_age_s(self) -> float | None:
@@ -103,8 +102,9 @@ class Checkpointer:
             return
         import ckpt  # the checkpoint engine; imported lazily so the runtime works without it
 
+        self.root = ckpt.open_checkpoint_root(c.url, self._tier_options())
         self.manager = ckpt.CheckpointManager(
-            self._checkpoint_store(), keep_last=c.keep_last, config=config_to_dict(self.cfg),
+            self.root.store, keep_last=c.keep_last, config=config_to_dict(self.cfg),
             layout=self.layout.as_dict(), busy=c.busy,
             options=ckpt.SaveOptions(pipelined_staging=c.pipelined_staging),
             # The runtime keeps training through failed saves (a storage outage must not
@@ -159,81 +159,34 @@ class Checkpointer:
         if self.rank == 0:
             self._note_restored_commit(restored)
 
-    def _checkpoint_store(self) -> Any:
-        """The checkpoint root: the persistent store, fronted by the node-local tier when
-        ``checkpoint.local_tier_dir`` is set (its budget split over this host's ranks)."""
-        from storage import open_store
+    def _tier_options(self) -> Any:
+        """The node-local tier and its peers (`ckpt.TierOptions`), when
+        ``checkpoint.local_tier_dir`` is set."""
+        import ckpt
 
         c = self.cfg.checkpoint
-        store = open_store(c.url)
         if not c.local_tier_dir:
-            return store
-        from ckpt.comm import Comm
-        from storage.tiered import TieredStore, local_tier_dir, tier_node
-
-        comm = Comm(None)
-        node = tier_node(c.local_tier_node)
-        # With peers, rank 0 draws the token the replica servers will ask for; it rides
-        # on the gather of node names.
-        token = secrets.token_hex(32) if self.rank == 0 and c.peer_replicas > 0 else None
-        gathered = comm.allgather_json([node, token])
-        nodes = [n for n, _ in gathered]
-        budget = c.local_tier_budget_mb * (1 << 20) // nodes.count(node)
-        tiered = TieredStore(store, local_tier_dir(c.local_tier_dir, store.url, node), budget,
-                             writer=self.rank)
-        self.log.info("local tier %s, %d MiB for this rank", tiered.local_dir, budget >> 20)
-        if c.peer_replicas > 0:
-            self._attach_peers(tiered, comm, node, nodes, gathered[0][1])
-        return tiered
-
-    def _attach_peers(self, tiered: Any, comm: Any, node: str, nodes: list[str],
-                      token: str) -> None:
-        """The node's first rank serves the node's replicas (`storage.peer`); every rank
-        learns the servers' addresses (one all-gather here, on the main thread) and copies
-        to the next `peer_replicas` nodes in name order. The servers answer only requests
-        carrying `token` (rank 0's secret, shared with every rank)."""
-        from storage.peer import PeerServer
-        from storage.tiered import REPLICA_DIR
-
-        if nodes.index(node) == self.rank:
-            # Each of the k nodes pushing here holds at most local_tier_budget_mb: the
-            # node's memory stays within (1 + k) x the budget (docs/tiers.md).
-            c = self.cfg.checkpoint
-            self._peer_server = PeerServer(
-                os.path.join(tiered.local_dir, REPLICA_DIR), host=c.peer_host or "0.0.0.0",
-                toward=os.environ.get("MASTER_ADDR"), also_serve=(tiered.local_dir,),
-                budget_bytes=c.peer_replicas * c.local_tier_budget_mb * (1 << 20),
-                token=token)
-        mine = self._peer_server.address if self._peer_server is not None else None
-        addrs = {n: a for n, a in comm.allgather_json([node, mine]) if a is not None}
-        ring = sorted(addrs)
-        others = [ring[(ring.index(node) + i) % len(ring)] for i in range(1, len(ring))]
-        push_to = [addrs[n] for n in others[:self.cfg.checkpoint.peer_replicas]]
-        tiered.attach_peers(push_to, [addrs[n] for n in others], token)
-        self.log.info("peer tier: replicas to %s, %d peer(s) to fetch from",
-                      others[:self.cfg.checkpoint.peer_replicas] or "no other node",
-                      len(others))
+            return None
+        return ckpt.TierOptions(
+            local_dir=c.local_tier_dir, budget_bytes=c.local_tier_budget_mb * (1 << 20),
+            node=c.local_tier_node, peer_replicas=c.peer_replicas, peer_host=c.peer_host,
+            peer_toward=os.environ.get("MASTER_ADDR"))
 
     def drop_local_tier(self) -> None:
         """The run is complete: free the node memory its local tier holds (after every
         rank has flushed its copies, so none lands after the delete)."""
-        store = self.manager.store
-        if not hasattr(store, "drop_local"):
-            return
-        store.flush()
-        dist.barrier()
-        store.drop_local()
-        self.log.info("run complete: dropped the local tier %s", store.local_dir)
+        if self.root is not None and self.root.drop_local_tier(
+                timeout_s=self.cfg.train.collective_timeout_s):
+            self.log.info("run complete: dropped the local tier %s", self.root.tiered.local_dir)
 
     def tier_stats(self) -> dict[str, Any] | None:
         """What each checkpoint tier served (None without a local tier)."""
-        store = getattr(self.manager, "store", None)
-        stats = getattr(store, "tier_stats", None)
+        stats = None if self.root is None else self.root.tier_stats
         return None if stats is None else stats.snapshot()
 
     def _note_restored_commit(self, step: int) -> None:
         """The restored checkpoint is the newest commit until this run commits one."""
-        from ckpt.manager import list_records
+        from ckpt.root_layout import list_records
 
         try:
             rec = list_records(self.manager.store).get(step)

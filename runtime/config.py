@@ -298,7 +298,7 @@ class CheckpointConfig:
     if set (one per simulated node when several share a host), else the host name."""
     peer_replicas: int = 1
     """With the local tier on: copy each node's data objects to this many other nodes'
-    tiers too (over HTTP, `storage.peer`), so a lost node's shards are read from a peer;
+    tiers too (over HTTP, `ckpt.peer`), so a lost node's shards are read from a peer;
     0 disables. Fewer other nodes than this: all of them. A node holds at most
     ``peer_replicas x local_tier_budget_mb`` of other nodes' replicas (pushes beyond it
     are refused and those shards come from the persistent store)."""

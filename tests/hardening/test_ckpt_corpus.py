@@ -16,7 +16,7 @@ import pytest
 import ckpt
 import storage
 from ckpt.format import COMMIT_KEY, MANIFEST_KEY
-from ckpt.manager import step_dir
+from ckpt.root_layout import step_dir
 
 from ._util import (
     OPTIONS,

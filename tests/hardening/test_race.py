@@ -15,7 +15,7 @@ import ckpt
 import storage
 from ckpt.commit import publish_commit
 from ckpt.format import COMMIT_KEY, MANIFEST_KEY
-from ckpt.manager import step_dir
+from ckpt.root_layout import step_dir
 
 from ._util import assert_bitwise, local_store, make_state, snapshot, tally, zeros_like
 

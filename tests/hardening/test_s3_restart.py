@@ -12,7 +12,7 @@ import ckpt
 import storage
 from chaos.s3_server import S3Server
 from ckpt.format import COMMIT_KEY
-from ckpt.manager import step_dir
+from ckpt.root_layout import step_dir
 
 from ._util import OPTIONS, TYPED, assert_bitwise, make_state, snapshot, tally, zeros_like
 

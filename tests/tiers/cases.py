@@ -21,9 +21,9 @@ def train(overrides: list[str], config: str = "configs/tiny.toml",
     trainer = _trainer(config, overrides)
     try:
         res = trainer.run()
-        store = trainer.ckpt_mgr.store
-        if hasattr(store, "flush"):
-            store.flush()
+        root = trainer.checkpointer.root
+        if root is not None and root.tiered is not None:
+            root.tiered.flush()
     finally:
         trainer.close()
     return {"restored_step": res.restored_step, "final_step": res.final_step,

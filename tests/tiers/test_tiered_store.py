@@ -1,4 +1,4 @@
-"""`storage.tiered.TieredStore` on its own: what it copies, what it serves, what it refuses."""
+"""`ckpt.tiered.TieredStore` on its own: what it copies, what it serves, what it refuses."""
 
 from __future__ import annotations
 
@@ -8,9 +8,10 @@ from pathlib import Path
 import pytest
 
 from ckpt.format import COMMIT_KEY, DATA_PREFIX
-from ckpt.manager import step_dir
+from ckpt.root_layout import step_dir
+from ckpt.root_layout import step_of_data_key as step_of_key
+from ckpt.tiered import TieredStore
 from storage import open_store
-from storage.tiered import TieredStore, step_of_key
 
 
 def _commit(store, step: int) -> None:  # noqa: ANN001
@@ -92,7 +93,7 @@ def test_budget_and_eviction(stores) -> None:
 
 
 def test_older_committed_step_dropped_once_newer_commits(stores, monkeypatch) -> None:
-    import storage.tiered as tiered_mod
+    import ckpt.local_tier as tiered_mod
 
     monkeypatch.setattr(tiered_mod, "POLL_S", 0.05)
     persistent, _, local = stores
@@ -116,8 +117,8 @@ def test_older_committed_step_dropped_once_newer_commits(stores, monkeypatch) ->
 def test_replicas_held_for_a_dead_node_serve_the_survivor(tmp_path: Path) -> None:
     """Node a pushes its objects to node b's replica server; a dies with its memory; b,
     now alone (no peers to ask), reads a's objects from the replicas it holds."""
-    from storage.peer import PeerServer
-    from storage.tiered import REPLICA_DIR
+    from ckpt.local_tier import REPLICA_DIR
+    from ckpt.peer import PeerServer
 
     persistent = open_store(tmp_path / "persistent")
     b_dir = tmp_path / "b"

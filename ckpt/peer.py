@@ -2,9 +2,11 @@
 and the client calls that push a replica to it and fetch one back.
 
 Each node's local rank 0 runs a `PeerServer` in a daemon thread (plain HTTP on the
-node's address, port chosen by the OS). `TieredStore`'s copy thread pushes every data
-object it copies locally to k other nodes' servers (`push`); a rank whose node lost its
-local copy asks the other nodes' servers (`fetch`). A replica is the object's bytes plus
+node's address, port chosen by the OS). The local tier's copy thread (`ckpt.local_tier`)
+pushes every data object it copies locally to k other nodes' servers (`push`); a rank
+whose node lost its local copy asks the other nodes' servers (`fetch`, in the order of
+`ckpt.tiered.RESTORE_ORDER`). Replicas sit under the same step prefixes as in the
+checkpoint root (`ckpt.root_layout.step_dir`). A replica is the object's bytes plus
 its persistent URL, key and whole-object crc32c; the server checks the crc32c on receipt,
 the client checks it again on fetch, so a damaged replica is never served.
 
@@ -38,6 +40,7 @@ from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from typing import Any
 from urllib.parse import quote, unquote
 
+from ckpt.root_layout import step_of_dir
 from storage.checksum import crc32c
 from storage.url import check_key
 
@@ -55,11 +58,19 @@ class Replica(dict):
     """What `fetch` returns: `data` (bytes), `url`, `key`, `crc32c`."""
 
 
+def _step_of(name: str) -> int:
+    """The step of a step prefix; -1 for anything else."""
+    step = step_of_dir(name)
+    return -1 if step is None else step
+
+
 def _step_dirs(root: str) -> list[str]:
+    """The step prefixes under `root`, oldest first."""
     try:
-        return sorted(d for d in os.listdir(root) if d.startswith("step-"))
+        names = os.listdir(root)
     except FileNotFoundError:
         return []
+    return sorted((d for d in names if step_of_dir(d) is not None), key=_step_of)
 
 
 class _Handler(BaseHTTPRequestHandler):
@@ -175,8 +186,8 @@ class _Server(ThreadingHTTPServer):
             def excess() -> int:  # bytes over budget once `key` holds `n` bytes
                 return sum(self.held.values()) - self.held.get(key, 0) + n - self.budget
 
-            step = key.split("/", 1)[0]
-            older = [d for d in _step_dirs(self.root) if d < step]
+            step = _step_of(key.split("/", 1)[0])
+            older = [d for d in _step_dirs(self.root) if _step_of(d) < step]
             droppable = sum(b for k, b in self.held.items() if k.split("/", 1)[0] in older)
             if 0 < excess() <= droppable:  # drop only what lets this one in, oldest first
                 for old in older:
