@@ -18,6 +18,10 @@ Arms:
 - `restart`: Relight's restart path: one job over every node (`relight run`, etcd
   rendezvous, FSDP over all ranks, warm starts): a lost node restarts every worker,
   which resume from the newest checkpoint, and again when the replacement joins;
+- `torchrun`: the same job as a torchrun + DCP user runs it: plain torchrun with its
+  c10d rendezvous, its store on a host no fault hits (a store on a node that is killed
+  ends a c10d job), the runtime's model and step with DCP checkpoints in place of
+  Relight's (`benchmarks/dcp_train.py`), cold worker starts;
 - `torchft`: torchft's own Manager and lighthouse (`benchmarks/torchft_arm.py`, run
   with the interpreter of its own environment, `scripts/torchft-env.sh`; skipped with a
   note when none is found).
@@ -59,7 +63,7 @@ from benchmarks.goodput_metrics import (
 from chaos.faults import FaultKind, draw_mtbf_schedule
 
 ROOT = Path(__file__).resolve().parents[1]
-ARMS = ("heal", "restart", "torchft")
+ARMS = ("heal", "restart", "torchrun", "torchft")
 TORCHFT_ENV = "RELIGHT_TORCHFT_PYTHON"
 
 __all__ = ["GoodputConfig", "main", "run_arm", "schedule"]
@@ -91,6 +95,7 @@ def schedule(mtbf_s: float, cfg: GoodputConfig) -> list[float]:
 
 def _scenario(arm: str, times: list[float], cfg: GoodputConfig) -> dict[str, Any]:
     replica = arm == "heal"
+    plain = arm == "torchrun"
     overrides: dict[str, Any] = {
         "model.n_layers": 2, "data.global_batch_size": 24, "data.micro_batch_size": 2,
         "train.log_every": 50, "train.watchdog_timeout_s": 300.0,
@@ -104,8 +109,16 @@ def _scenario(arm: str, times: list[float], cfg: GoodputConfig) -> dict[str, Any
         "deadline_s": cfg.duration_s + 600.0, "run_for_s": cfg.duration_s,
         "cluster": {"nodes": cfg.groups, "ranks_per_node": cfg.ranks, "min_nodes": 1,
                     "max_nodes": cfg.groups, "max_restarts": 1000, "monitor_interval_s": 0.2,
-                    "replica_groups": replica, "lease_ttl_s": 0 if replica else 3},
-        "training": {"config": "configs/tiny.toml", "overrides": overrides},
+                    "replica_groups": replica, "lease_ttl_s": 0 if replica or plain else 3,
+                    **({"launcher": "torchrun", "rendezvous": "c10d", "c10d_store": "standalone"}
+                       if plain else {})},
+        "training": {"config": "configs/tiny.toml", "overrides": overrides,
+                     # torchrun's shared rendezvous store made restarted groups fail in
+                     # init_process_group here (as in `relight bench recovery`): each
+                     # round gets a fresh store, torch's own opt-out.
+                     **({"command": ["benchmarks/dcp_train.py", "--config", "{config}"],
+                         "env": {"TORCH_DISABLE_SHARE_RDZV_TCP_STORE": "1"}}
+                        if plain else {})},
         "storage": {"kind": "local"},
         "checkpoint": {"interval": cfg.interval},
         "verify": {"reference": False, "compare_weights": False},
@@ -132,7 +145,7 @@ def _records(metrics: Path, replica: bool, ranks: int) -> list[dict[str, Any]]:
     return out
 
 
-def _relight_arm(arm: str, times: list[float], cfg: GoodputConfig, out: Path
+def _harness_arm(arm: str, times: list[float], cfg: GoodputConfig, out: Path
                  ) -> dict[str, Any]:
     from chaos.runner import run_scenario
     from chaos.scenario import parse_scenario
@@ -219,7 +232,7 @@ def run_arm(arm: str, mtbf_s: float, cfg: GoodputConfig, out: Path,
     if arm == "torchft":
         summary = _torchft_arm(times, cfg, out, torchft_python)
     else:
-        summary = _relight_arm(arm, times, cfg, out)
+        summary = _harness_arm(arm, times, cfg, out)
     summary.update(arm=arm, mtbf_s=mtbf_s, fault_times_s=times,
                    wall_s=round(time.monotonic() - t0, 1),
                    loadavg_before=[round(x, 1) for x in load0],

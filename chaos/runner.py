@@ -166,6 +166,8 @@ def agent_command(scenario: Scenario, endpoint: str, job_id: str, nnodes: str,
     if c.rendezvous == "relight-etcd":
         conf += "".join(f",{k}={v:g}" for k, v in (("lease_ttl", c.lease_ttl_s),
                                                    ("rejoin_timeout", c.rejoin_timeout_s)) if v)
+    elif c.c10d_store == "standalone":
+        conf += ",is_host=false"
     return [
         *head,
         f"--rdzv-backend={c.rendezvous}",
@@ -216,9 +218,12 @@ class Cluster:
         self.actions: list[dict[str, Any]] = []
         c = scenario.cluster
         self.nnodes = f"{c.min_nodes}:{c.max_nodes}"
-        # c10d: the first agent hosts the rendezvous store on this port.
+        # c10d: the first agent hosts the rendezvous store on this port, or the harness.
         self.endpoint = (etcd.endpoint if c.rendezvous == "relight-etcd"
                          else f"127.0.0.1:{free_port()}")
+        self.c10d_store: subprocess.Popen | None = None
+        if c.rendezvous == "c10d" and c.c10d_store == "standalone":
+            self.c10d_store = _start_c10d_store(self.endpoint, run_dir / "c10d-store.log")
 
     # nodes -------------------------------------------------------------------------------
 
@@ -427,9 +432,32 @@ class Cluster:
                 pass
         gone, alive = psutil.wait_procs(list(self.seen.values()), timeout=10)
         leaked = [p.pid for p in alive if p.status() != psutil.STATUS_ZOMBIE]
+        if self.c10d_store is not None:
+            self.c10d_store.kill()
+            self.c10d_store.wait(timeout=30)
         if leaked:
             logger.error("processes survived teardown: %s", leaked)
         return leaked
+
+
+def _start_c10d_store(endpoint: str, log_path: Path) -> subprocess.Popen:
+    """torchrun's c10d rendezvous store (a multi-tenant TCPStore) in a process of its own,
+    serving `endpoint` until killed; returns once it accepts connections."""
+    host, port = endpoint.rsplit(":", 1)
+    code = ("import sys, time, datetime, torch.distributed as d; "
+            "s = d.TCPStore(sys.argv[1], int(sys.argv[2]), is_master=True, "
+            "wait_for_workers=False, multi_tenant=True, "
+            "timeout=datetime.timedelta(seconds=60)); print('ready', flush=True); "
+            "time.sleep(1e9)")
+    with open(log_path, "ab") as log:
+        proc = subprocess.Popen([sys.executable, "-c", code, host, port],
+                                stdout=subprocess.PIPE, stderr=log, start_new_session=True)
+    assert proc.stdout is not None
+    # Waits for the store's own start (importing torch, then bind): a line, or its exit.
+    if proc.stdout.readline().strip() != b"ready":
+        proc.kill()
+        raise ChaosRunError(f"the c10d store on {endpoint} did not start (log {log_path})")
+    return proc
 
 
 def _node_name(index: int) -> str:

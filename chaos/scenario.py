@@ -119,6 +119,11 @@ class ClusterSpec:
     rendezvous: str = "relight-etcd"
     """`relight-etcd` (nodes run `relight run` against the harness's etcd) or `c10d`
     (plain torchrun with its c10d rendezvous: the baseline Relight is compared with)."""
+    c10d_store: str = "agent"
+    """c10d: where its rendezvous store lives. `agent`, torchrun's default: the first
+    agent on the endpoint's host serves it, and a fault that kills that node ends the
+    job (every agent loses the store). `standalone`: a process of the harness serves it,
+    as a head node that faults never hit would, and agents only connect (`is_host=false`)."""
     node_memory: str = "shared"
     """`shared`: the simulated nodes share the host's memory (one local checkpoint tier).
     `per_node`: each node gets its own tier (`RELIGHT_LOCAL_TIER_NODE=node-<i>`), and a
@@ -160,6 +165,10 @@ class ClusterSpec:
                f"must be relight or torchrun, got {self.launcher!r}")
         _check(self.rendezvous in ("relight-etcd", "c10d"), "cluster.rendezvous",
                f"must be relight-etcd or c10d, got {self.rendezvous!r}")
+        _check(self.c10d_store in ("agent", "standalone"), "cluster.c10d_store",
+               f"must be agent or standalone, got {self.c10d_store!r}")
+        _check(self.c10d_store == "agent" or self.rendezvous == "c10d", "cluster.c10d_store",
+               "standalone is for cluster.rendezvous = 'c10d'")
         _check(self.node_memory in ("shared", "per_node"), "cluster.node_memory",
                f"must be shared or per_node, got {self.node_memory!r}")
         _check(self.etcd_members >= 1 and self.etcd_members % 2 == 1, "cluster.etcd_members",

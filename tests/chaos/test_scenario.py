@@ -107,6 +107,32 @@ def test_rendezvous_timings_reach_the_agents_only_when_set() -> None:
     # torchrun's c10d backend knows neither: they are not passed to it.
     assert conf({"rendezvous": "c10d", "lease_ttl_s": 3}) == (
         "--rdzv-conf=join_timeout=60,last_call_timeout=30")
+    # A c10d store the harness serves: agents connect to it and never host one.
+    assert conf({"rendezvous": "c10d", "c10d_store": "standalone"}) == (
+        "--rdzv-conf=join_timeout=60,last_call_timeout=30,is_host=false")
+    with pytest.raises(ScenarioError, match="cluster.c10d_store"):
+        parse_scenario({**BASE, "cluster": {"c10d_store": "standalone"}})
+
+
+def test_a_standalone_c10d_store_serves_until_torn_down(tmp_path: Path) -> None:
+    from datetime import timedelta
+
+    import torch.distributed as dist
+
+    from chaos.runner import _start_c10d_store
+    from elastic.etcd_server import free_port
+
+    endpoint = f"127.0.0.1:{free_port()}"
+    proc = _start_c10d_store(endpoint, tmp_path / "store.log")
+    try:
+        host, port = endpoint.rsplit(":", 1)
+        client = dist.TCPStore(host, int(port), is_master=False,
+                               timeout=timedelta(seconds=30))
+        client.set("k", "v")
+        assert client.get("k") == b"v"
+    finally:
+        proc.kill()
+        proc.wait(30)
 
 
 def test_drawn_faults_wait_until_they_can_happen(tmp_path: Path) -> None:
