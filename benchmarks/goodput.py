@@ -56,6 +56,7 @@ from typing import Any
 from benchmarks.goodput_metrics import (
     fleet_goodput,
     heal_times,
+    outage_pause,
     pauses,
     read_records,
     window_start,
@@ -82,6 +83,12 @@ class GoodputConfig:
     seed: int = 0
     interval: int = 20
     """Steps between storage checkpoints (every arm but torchft keeps them)."""
+    coordinator_kill_s: float | None = None
+    """Kill the coordinator once, this long after the first step, and start it again
+    `coordinator_down_s` later: the etcd leader of a 3-member etcd (heal and restart
+    arms), torchft's lighthouse (torchft arm). The torchrun arm's c10d store is not
+    killed: a c10d job does not survive its store."""
+    coordinator_down_s: float = 5.0
 
 
 def schedule(mtbf_s: float, cfg: GoodputConfig) -> list[float]:
@@ -104,12 +111,21 @@ def _scenario(arm: str, times: list[float], cfg: GoodputConfig) -> dict[str, Any
         # digest_every = 1: check 9 (replicas bitwise identical) compares every step.
         overrides.update({"replica.lease_ttl_s": 5.0, "replica.collective_timeout_s": 15.0,
                           "replica.digest_every": 1})
+    faults: list[dict[str, Any]] = [
+        {"kind": "kill_node", "at_time_s": t, "replace_after_s": cfg.replace_after_s}
+        for t in times]
+    etcd_members = 1
+    if cfg.coordinator_kill_s is not None and arm in ("heal", "restart"):
+        etcd_members = 3
+        faults.append({"kind": "etcd_restart", "at_time_s": cfg.coordinator_kill_s,
+                       "down_s": cfg.coordinator_down_s})
     return {
         "name": f"goodput-{arm}", "seed": cfg.seed, "target_step": 1_000_000,
         "deadline_s": cfg.duration_s + 600.0, "run_for_s": cfg.duration_s,
         "cluster": {"nodes": cfg.groups, "ranks_per_node": cfg.ranks, "min_nodes": 1,
                     "max_nodes": cfg.groups, "max_restarts": 1000, "monitor_interval_s": 0.2,
                     "replica_groups": replica, "lease_ttl_s": 0 if replica or plain else 3,
+                    "etcd_members": etcd_members,
                     **({"launcher": "torchrun", "rendezvous": "c10d", "c10d_store": "standalone"}
                        if plain else {})},
         "training": {"config": "configs/tiny.toml", "overrides": overrides,
@@ -122,8 +138,7 @@ def _scenario(arm: str, times: list[float], cfg: GoodputConfig) -> dict[str, Any
         "storage": {"kind": "local"},
         "checkpoint": {"interval": cfg.interval},
         "verify": {"reference": False, "compare_weights": False},
-        "faults": [{"kind": "kill_node", "at_time_s": t, "replace_after_s": cfg.replace_after_s}
-                   for t in times],
+        "faults": faults,
     }
 
 
@@ -173,9 +188,18 @@ def _harness_arm(arm: str, times: list[float], cfg: GoodputConfig, out: Path
         # One job: every rank restarts, and the replacement joins through a restart.
         survivors = [["job"] for _ in kills]
         heals = {}
+    # The coordinator lost: every group that was training then.
+    outages = [f["time"] for f in rep["faults"]
+               if f["ok"] and f["kind"] == FaultKind.ETCD_RESTART.value]
+    training = [sorted({r["group"] for r in records if t - 5.0 <= r["time"] <= t})
+                for t in outages]
     summary = {
         "fleet_goodput": (round(fleet_goodput(records, first, cfg.duration_s, cfg.groups), 4)
                           if first is not None else None),
+        "coordinator_pauses_s": [
+            None if p is None else round(p, 3)
+            for p in (outage_pause(records, t, alive, first + cfg.duration_s)
+                      for t, alive in zip(outages, training, strict=True))] if first else [],
         "faults": len(kills),
         "pauses_s": [p for p in pauses(records, [f["time"] for f in kills], survivors)
                      if p is not None],
@@ -205,8 +229,12 @@ def _torchft_arm(times: list[float], cfg: GoodputConfig, out: Path, python: str 
                            f"${TORCHFT_ENV}"}
     out.mkdir(parents=True, exist_ok=True)
     sched = out / "schedule.json"
-    sched.write_text(json.dumps([{"time_s": t, "kind": "kill_group",
-                                  "replace_after_s": cfg.replace_after_s} for t in times]))
+    faults = [{"time_s": t, "kind": "kill_group", "replace_after_s": cfg.replace_after_s}
+              for t in times]
+    if cfg.coordinator_kill_s is not None:
+        faults.append({"time_s": cfg.coordinator_kill_s, "kind": "kill_lighthouse",
+                       "replace_after_s": cfg.coordinator_down_s})
+    sched.write_text(json.dumps(faults))
     proc = subprocess.run(
         [python, str(ROOT / "benchmarks" / "torchft_arm.py"), "--groups", str(cfg.groups),
          "--duration", str(cfg.duration_s), "--schedule", str(sched), "--out", str(out),
@@ -246,18 +274,20 @@ def run_arm(arm: str, mtbf_s: float, cfg: GoodputConfig, out: Path,
 
 def _table(results: list[dict[str, Any]]) -> str:
     rows = ["| MTBF s | arm | faults | fleet goodput | survivors' pause median s | "
-            "heal time median s | load before / after |",
-            "| ---: | --- | ---: | ---: | ---: | ---: | --- |"]
+            "heal time median s | coordinator killed: pause s | load before / after |",
+            "| ---: | --- | ---: | ---: | ---: | ---: | ---: | --- |"]
     for r in results:
         if "skipped" in r or "error" in r:
-            rows.append(f"| {r['mtbf_s']:g} | {r['arm']} | - | - | - | - | "
+            rows.append(f"| {r['mtbf_s']:g} | {r['arm']} | - | - | - | - | - | "
                         f"{r.get('skipped') or r.get('error', '')[:80]} |")
             continue
         g = r.get("fleet_goodput")
+        coord = [p for p in r.get("coordinator_pauses_s") or [] if p is not None]
         rows.append(
             f"| {r['mtbf_s']:g} | {r['arm']} | {r.get('faults', '-')} | "
             f"{'-' if g is None else f'{g:.3f}'} | {r.get('pauses_median_s', '-')} | "
-            f"{r.get('rejoins_median_s', '-')} | {r['loadavg_before'][0]} / "
+            f"{r.get('rejoins_median_s', '-')} | "
+            f"{', '.join(f'{p:.2f}' for p in coord) or '-'} | {r['loadavg_before'][0]} / "
             f"{r['loadavg_after'][0]} |")
     return "\n".join(rows)
 
@@ -275,11 +305,18 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--arms", nargs="+", choices=ARMS, default=list(ARMS))
     p.add_argument("--torchft-python", help="interpreter of the torchft environment")
     p.add_argument("--out", help="keep every arm's run directory here")
+    p.add_argument("--coordinator-kill-at", type=float, metavar="S",
+                   help="also kill the coordinator once, S seconds after the first step: "
+                        "the etcd leader (3 members), torchft's lighthouse")
+    p.add_argument("--coordinator-down", type=float, default=5.0, metavar="S",
+                   help="seconds until the killed coordinator starts again")
     args = p.parse_args(argv)
     if args.groups < 2:
         p.error("--groups must be >= 2: a fleet of one group cannot heal in place")
     cfg = GoodputConfig(groups=args.groups, ranks=args.ranks, duration_s=args.duration,
-                        replace_after_s=args.replace_after, seed=args.seed)
+                        replace_after_s=args.replace_after, seed=args.seed,
+                        coordinator_kill_s=args.coordinator_kill_at,
+                        coordinator_down_s=args.coordinator_down)
     base = Path(args.out) if args.out else Path(tempfile.mkdtemp(prefix="relight-goodput-"))
     python = _torchft_python(args.torchft_python)
     results = []

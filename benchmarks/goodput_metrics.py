@@ -20,8 +20,8 @@ from collections.abc import Collection, Hashable, Iterable, Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
-__all__ = ["MetricsError", "fleet_goodput", "heal_times", "kept_steps", "pauses",
-           "read_records", "window_start"]
+__all__ = ["MetricsError", "fleet_goodput", "heal_times", "kept_steps", "outage_pause",
+           "pauses", "read_records", "window_start"]
 
 Record = Mapping[str, Any]
 _FIELDS = ("group", "step", "time", "step_time_s", "participants")
@@ -143,6 +143,29 @@ def pauses(records: Iterable[Record], fault_times: Sequence[float],
                 worst = p if worst is None else max(worst, p)
         out.append(worst)
     return out
+
+
+def outage_pause(records: Iterable[Record], t: float, groups: Collection[Hashable],
+                 until: float) -> float | None:
+    """What one outage at `t` that hit no group (the coordinator lost) cost the groups
+    training then: the longest gap between consecutive kept steps of any of `groups`
+    that spans or follows `t`, up to `until` (the end of the measured window), less that
+    group's median step time. A group that never stepped again counts its gap from its
+    last step to `until`: the figure is then a lower bound. None if none of `groups`
+    has a step."""
+    by_group = _by_group(_check(records))
+    worst: float | None = None
+    for g in groups:
+        recs = [r for r in by_group.get(g, []) if float(r["time"]) <= until]
+        if not recs:
+            continue
+        median = statistics.median(float(r["step_time_s"]) for r in recs)
+        times = [float(r["time"]) for r in recs] + [until]
+        gaps = [b - a for a, b in zip(times, times[1:], strict=False) if b > t]
+        if gaps:
+            p = max(gaps) - median
+            worst = p if worst is None else max(worst, p)
+    return worst
 
 
 def heal_times(records: Iterable[Record], started: Mapping[Hashable, float]

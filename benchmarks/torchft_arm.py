@@ -61,6 +61,7 @@ from benchmarks.goodput_metrics import (  # noqa: E402
     fleet_goodput,
     heal_times,
     kept_steps,
+    outage_pause,
     pauses,
     read_records,
     window_start,
@@ -448,7 +449,8 @@ def run(args: argparse.Namespace, schedule: list[Fault]) -> dict[str, Any]:
                 elif action == "kill_lighthouse":
                     if fleet.lighthouse is not None:
                         fleet.kill(fleet.lighthouse)
-                    fired.append({"kind": action, "time": time.time(), "time_s": f.time_s})
+                    fired.append({"kind": action, "time": time.time(), "time_s": f.time_s,
+                                  "survivors": fleet.live_groups()})
                     if f.replace_after_s is not None:
                         pending.append((time.time() + f.replace_after_s, "start_lighthouse",
                                         None))
@@ -479,6 +481,9 @@ def summarize(records: list[dict[str, Any]], heals: list[dict[str, Any]],
     # killed inside the pause window (its gap would be the later fault's)
     survivors = [[g for g in f["survivors"]] for f in kills]
     pause = pauses(in_window, [f["time"] for f in kills], survivors, PAUSE_WINDOW_S)
+    # The lighthouse lost: every live group's pause.
+    outages = [f for f in fired if f["kind"] == "kill_lighthouse"]
+    coordinator = [outage_pause(in_window, f["time"], f["survivors"], end) for f in outages]
     heal = heal_times(in_window, {g: started[g] for g in replaced if g in started})
     step_times = [r["step_time_s"] for r in steps]
     replacements = []
@@ -511,6 +516,7 @@ def summarize(records: list[dict[str, Any]], heals: list[dict[str, Any]],
         "faults_fired": len([f for f in fired if "skipped" not in f]),
         "faults": [{k: v for k, v in f.items() if k != "survivors"} for f in fired],
         "pauses_s": [None if p is None else round(p, 3) for p in pause],
+        "coordinator_pauses_s": [None if p is None else round(p, 3) for p in coordinator],
         "rejoins_s": [None if v is None else round(v, 3) for v in heal.values()],
         "heal_times_s": {str(g): (None if v is None else round(v, 3))
                          for g, v in heal.items()},

@@ -17,6 +17,7 @@ from benchmarks.goodput_metrics import (
     fleet_goodput,
     heal_times,
     kept_steps,
+    outage_pause,
     pauses,
     read_records,
     window_start,
@@ -156,3 +157,28 @@ def test_small_torchft_run_heals_a_replacement(tmp_path: Path) -> None:
     assert r["recv_bytes"] == healed[0]["bytes"] and r["first_step_s"] == heal
     assert 0.0 < summary["fleet_goodput"] <= 1.0
     assert summary["pauses_s"][0] is not None
+
+
+def test_a_lighthouse_outage_is_every_live_groups_pause() -> None:
+    import argparse
+
+    # Two groups step every second; the lighthouse dies at t=10.5 and nobody commits
+    # until t=16: a 6 s gap, less the 1 s median step.
+    records = [rec(g, s, float(s)) for g in (0, 1) for s in range(1, 11)]
+    records += [rec(g, s, float(s + 5)) for g in (0, 1) for s in range(11, 40)]
+    for r in records:
+        r["loss"] = 1.0
+    fired = [{"kind": "kill_lighthouse", "time": 10.5, "time_s": 10.5, "survivors": [0, 1]}]
+    args = argparse.Namespace(groups=2, duration=30.0, seed=0)
+    summary = torchft_arm.summarize(records, [], [], fired, {}, args, 1.0, (0.0,), (0.0,))
+    assert summary["coordinator_pauses_s"] == [5.0]
+    assert summary["pauses_s"] == []  # no group was lost
+
+
+def test_an_outage_nobody_recovers_from_counts_until_the_window_ends() -> None:
+    records = [rec(g, s, float(s)) for g in (0, 1) for s in range(1, 11)]
+    # group 1 stops at the outage (t=10.5) for good; the window ends at 40
+    records += [rec(0, s, float(s)) for s in range(11, 41)]
+    assert outage_pause(records, 10.5, [0], 40.0) == pytest.approx(0.0)
+    assert outage_pause(records, 10.5, [0, 1], 40.0) == pytest.approx(30.0 - 1.0)
+    assert outage_pause(records, 10.5, [7], 40.0) is None

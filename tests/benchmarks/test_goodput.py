@@ -1,0 +1,36 @@
+"""The goodput benchmark's arms as the chaos harness gets them: each one a valid
+scenario, with the same failure times, and the coordinator kill where it exists."""
+
+from __future__ import annotations
+
+import pytest
+
+from benchmarks.goodput import ARMS, GoodputConfig, _scenario, schedule
+from chaos.scenario import parse_scenario
+
+
+@pytest.mark.parametrize("arm", [a for a in ARMS if a != "torchft"])
+def test_every_harness_arm_is_a_valid_scenario_with_the_same_faults(arm: str) -> None:
+    cfg = GoodputConfig(groups=4, duration_s=150.0, coordinator_kill_s=40.0)
+    times = schedule(15.0, cfg)
+    s = parse_scenario(_scenario(arm, times, cfg))
+    kills = [f.at_time_s for f in s.faults if f.kind.value == "kill_node"]
+    assert kills == times and all(f.replace_after_s == 10.0 for f in s.faults
+                                  if f.kind.value == "kill_node")
+    coordinator = [f for f in s.faults if f.kind.value == "etcd_restart"]
+    if arm == "torchrun":
+        # plain torchrun on c10d with its store on a host no fault hits, DCP checkpoints
+        c = s.cluster
+        assert (c.launcher, c.rendezvous, c.c10d_store) == ("torchrun", "c10d", "standalone")
+        assert s.training.command[0] == "benchmarks/dcp_train.py" and not coordinator
+    else:
+        assert s.cluster.etcd_members == 3
+        assert [(f.at_time_s, f.down_s) for f in coordinator] == [(40.0, 5.0)]
+        assert s.cluster.replica_groups == (arm == "heal")
+
+
+def test_without_a_coordinator_kill_etcd_is_one_member() -> None:
+    cfg = GoodputConfig()
+    s = parse_scenario(_scenario("heal", schedule(60.0, cfg), cfg))
+    assert s.cluster.etcd_members == 1
+    assert all(f.kind.value == "kill_node" for f in s.faults)
