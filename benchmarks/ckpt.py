@@ -18,8 +18,11 @@ systems (ABBA order over `--rounds`), and each figure is the median over rounds:
   Relight's chunk accounting is in "extra";
 - peak_rss_mb: extra host memory: the largest rise of a rank's RSS during any timed
   phase of that system (targets are allocated before a phase starts), sampled every 5 ms;
-- on files each system's previous round is deleted before its next one starts, so that
-  every save finds the page cache in the same state;
+- on files, `--condition kept` (the default) leaves every system's earlier rounds on
+  disk, as a run that keeps its last 3 checkpoints does (rounds older than that are
+  deleted), so saves meet a page cache full of earlier checkpoints; `--condition fresh`
+  deletes each system's previous round before its next one, so every save finds the
+  page cache in the same state;
 - ratios: dcp/relight per round (the systems ran back to back), median over rounds;
 - pipelined_return_s / pipelined_staged_s / pipelined_total_s: Relight's async save with
   `SaveOptions(pipelined_staging=True)`: until save() returns / until `wait_staged()`
@@ -50,6 +53,8 @@ from datetime import timedelta
 from typing import Any
 
 HIDDEN = 2048
+KEPT_ROUNDS = 3
+"""Rounds each system's checkpoints stay on disk under `--condition kept` (keep_last=3)."""
 
 
 _S3FS_BYTES = [0]
@@ -292,17 +297,17 @@ def _worker(rank: int, world: int, init: str, args: dict, out_q: Any) -> None:
 
     def run_system(system: str, r: int) -> None:
         url = f"{base}/{system}-{r}"
-        if not s3 and r > 0:
-            # Each system's saves start from the same page cache: its previous round's
-            # checkpoints are removed first (their pages freed). Without this, a save's
-            # time depended on the VM more than on the writer: pages the host has not
-            # backed lately cost a fault on first touch, and saves on 2-core VMs here
-            # flipped between ~0.4 and ~0.8 s for every writer alike.
+        # fresh: each system's saves start from the same page cache: its previous
+        # round's checkpoints are removed first (their pages freed); a save's time then
+        # depends on the writer, not on how many earlier pages the kernel must reclaim.
+        # kept: as a run keeps them (`keep_last`), the last KEPT_ROUNDS stay.
+        gone = r - 1 if args["condition"] == "fresh" else r - KEPT_ROUNDS
+        if not s3 and gone >= 0:
             if rank == 0:
                 import glob
                 import shutil
 
-                for old in glob.glob(f"{base}/{system}-{r - 1}*"):
+                for old in glob.glob(f"{base}/{system}-{gone}*"):
                     shutil.rmtree(old, ignore_errors=True)
             dist.barrier()
         if system == "relight":
@@ -466,6 +471,9 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--rounds", type=int, default=3)
     p.add_argument("--dir", default=None, help="where file checkpoints go (default: a temp dir)")
     p.add_argument("--compression", choices=["none", "zstd"], default="none")
+    p.add_argument("--condition", choices=["kept", "fresh"], default="kept",
+                   help="files: keep earlier rounds' checkpoints on disk, as a run does "
+                        "(kept), or delete each system's previous round first (fresh)")
     p.add_argument("--json", dest="json_out", default=None)
     a = p.parse_args(argv)
     if a.ranks % 2:
@@ -485,6 +493,7 @@ def main(argv: list[str] | None = None) -> int:
     else:
         base = os.path.join(tmp, "ck")
     args = {"mb": a.mb, "storage": a.storage, "rounds": a.rounds, "base": base, "env": env,
+            "condition": a.condition,
             "compression": None if a.compression == "none" else a.compression}
     ctx = mp.get_context("spawn")
     q = ctx.Queue()
@@ -541,7 +550,8 @@ def main(argv: list[str] | None = None) -> int:
     out["extra"]["all_rounds"] = got["results"]
     out["config"] = {"mb": a.mb, "ranks": a.ranks, "storage": a.storage, "rounds": a.rounds,
                      "layers": got["layers"], "rows": got["rows"], "hidden": HIDDEN,
-                     "compression": a.compression, "cpus": os.cpu_count(),
+                     "compression": a.compression, "condition": a.condition,
+                     "cpus": os.cpu_count(),
                      "loadavg_after": os.getloadavg(),
                      "command": "python -m benchmarks.ckpt " + " ".join(argv or sys.argv[1:])}
     text = json.dumps(out, indent=1)
