@@ -45,6 +45,7 @@ from chaos.faults import (
     Injector,
     draw_mtbf_schedule,
     find_workers,
+    process_tree,
     signal_tree,
 )
 from chaos.logs import StepRecord, parse_metrics
@@ -302,7 +303,7 @@ class Cluster:
     def _signal_agent(self, n: _Node, sig: int) -> list[int]:
         # A drained or preempted machine: its agent gets the signal and shuts its workers
         # down itself (the grace-period SIGKILL is scheduled by the injector).
-        pids = [p.pid for p in _tree(n.proc.pid)]
+        pids = [p.pid for p in process_tree(n.proc.pid)]
         try:
             os.kill(n.proc.pid, sig)
         except ProcessLookupError:
@@ -398,7 +399,7 @@ class Cluster:
             pass
 
     def _track_tree(self, pid: int) -> None:
-        for p in _tree(pid):
+        for p in process_tree(pid):
             self.seen.setdefault(p.pid, p)
 
     def track_all(self) -> None:
@@ -469,14 +470,6 @@ def _running(pid: int) -> bool:
         return psutil.Process(pid).status() != psutil.STATUS_ZOMBIE
     except psutil.NoSuchProcess:
         return False
-
-
-def _tree(pid: int) -> list[psutil.Process]:
-    try:
-        root = psutil.Process(pid)
-        return [root, *root.children(recursive=True)]
-    except psutil.NoSuchProcess:
-        return []
 
 
 # -- one launch -----------------------------------------------------------------------------
