@@ -6,8 +6,7 @@ typed errors otherwise, and the tensorstore kvstore spec of the same location.
 Nothing else in Relight talks to a filesystem or S3 directly.
 """
 
-from storage.base import Store, StoreStats
-from storage.deferred import DeferredStore
+from storage.base import DeferredStore, Store, StoreStats
 from storage.errors import (
     BucketNotFoundError,
     InjectedFaultError,

@@ -6,6 +6,20 @@ A store is rooted at a URL. Keys are relative to that root and can never leave i
 arrays written through tensorstore and small objects written here land together;
 tensorstore I/O does not pass through the methods below, so callers that read or
 write arrays report those bytes with `stats.record_*`.
+
+`store.deferred()` returns a `DeferredStore`, a view of the store whose puts are
+published at once and made durable together by one `sync()`. A checkpoint rank publishes
+tens of objects; flushing each one as it is published (file and directory) costs a flush
+per object, while the checkpoint only needs all of them durable before the rank's index
+names them. The view's puts publish atomically and remember what is left to flush;
+`sync()` flushes it all at once (`LocalStore` fsyncs each file in its put and leaves the
+directories, each flushed once at `sync()`; see docs/storage.md for what was measured).
+The view lives here, beside `Store`, because `Store.deferred()` builds it and it is a
+`Store` itself.
+
+`sync()` is never retried: after a failed flush the kernel may have dropped the dirty
+pages, and a second flush could then report success for data that is gone. A failed
+sync fails every later `sync()` of the same batch too; write the objects again instead.
 """
 
 from __future__ import annotations
@@ -17,13 +31,13 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any, TypeVar
 
-from storage.errors import ObjectTruncatedError
-from storage.retry import RetryPolicy, call_with_retry
+from storage.errors import ObjectTruncatedError, StorageError
+from storage.retry import RetryPolicy, call_with_retry, classify
 from storage.url import StorageLocation, check_key
 
 T = TypeVar("T")
 
-__all__ = ["Store", "StoreStats"]
+__all__ = ["DeferredStore", "Store", "StoreStats"]
 
 
 @dataclass
@@ -161,8 +175,6 @@ class Store(ABC):
         instead of one per put. Until `sync()` returns, a power cut may lose
         them, so nothing may reference them before then. Its children share the batch.
         On stores whose puts need no flush (S3, memory, `fsync=False`) both are free."""
-        from storage.deferred import DeferredStore
-
         return DeferredStore(self)
 
     def sync(self) -> None:
@@ -284,3 +296,64 @@ class ForwardedPrimitives:
 
     def _delete(self, path: str) -> None:
         self._wrapped._delete(path)
+
+
+class _Batch:
+    """What a deferred store and its children must flush, and whether a flush failed."""
+
+    def __init__(self) -> None:
+        self.lock = threading.Lock()
+        self.paths: list[str] = []
+        self.failed: StorageError | None = None
+
+    def add(self, paths: tuple[str, ...]) -> None:
+        if paths:
+            with self.lock:
+                self.paths.extend(paths)
+
+    def take(self) -> list[str]:
+        with self.lock:
+            paths, self.paths = self.paths, []
+        return list(dict.fromkeys(paths))
+
+
+class DeferredStore(ForwardedPrimitives, Store):
+    """`inner` with deferred durability (see the module docstring). Every operation but
+    `put` is the inner store's; `put_if_absent` stays durable on return (it publishes
+    markers, which must never wait for a flush)."""
+
+    def __init__(self, inner: Store, _batch: _Batch | None = None) -> None:
+        super().__init__(inner.location, inner.retry, inner.stats)
+        self.inner = inner
+        self._wrapped = inner
+        self._batch = _batch or _Batch()
+
+    def sync(self) -> None:
+        batch = self._batch
+        if batch.failed is not None:
+            raise StorageError(f"an earlier sync under {self.url} failed ({batch.failed}); "
+                               "objects put before it may not be durable", url=self.url)
+        paths = batch.take()
+        try:
+            self.inner._sync_paths(paths)
+        except Exception as exc:  # noqa: BLE001 - classified and re-raised typed
+            err = classify(exc, self.url)
+            batch.failed = err
+            raise err from exc
+
+    def deferred(self) -> Store:
+        return self
+
+    def kvstore_spec(self, sub: str = "") -> dict[str, Any]:
+        return self.inner.kvstore_spec(sub)
+
+    def ts_context(self) -> Any:
+        return self.inner.ts_context()
+
+    # -- primitives: the inner store's, with puts left unflushed -------------------------
+
+    def _with_location(self, location: StorageLocation) -> Store:
+        return DeferredStore(self.inner._with_location(location), self._batch)
+
+    def _put(self, path: str, data: bytes) -> None:
+        self._batch.add(self.inner._put_unsynced(path, data))
