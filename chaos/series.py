@@ -5,15 +5,15 @@ next to the goodput each run measured.
     python -m chaos.series runs/chaos/fleet-1 runs/chaos/fleet-2 ...   # Markdown tables
     python -m chaos.series --json runs/chaos/fleet-*
 
-The prediction uses Daly's model (`runtime.plan.expected_goodput`) with what the run's own
-metrics measure (`runtime.plan.measure_run` on `DIR/chaos/metrics.jsonl`: save stall,
+The prediction uses Daly's model (`runtime.goodput_plan.expected_goodput`) with what the run's own
+metrics measure (`runtime.goodput_plan.measure_run` on `DIR/chaos/metrics.jsonl`: save stall,
 restore time, step time, checkpoint interval) and the run's fault rate: the wall time over
 the faults that forced a restart (the model's failures all cost a rollback; a storage
 error absorbed by retries or an etcd restart the job rides through costs nothing). The
 scenario's nominal MTBF (`mtbf.mean_s`, every kind) is shown beside it.
 
 Scenarios of replica groups that heal in place use the heal model instead
-(`runtime.plan.heal_goodput`: per fault every group pauses, and the lost group's GPUs
+(`runtime.goodput_plan.heal_goodput`: per fault every group pauses, and the lost group's GPUs
 wait for its heal; nothing rolls back), with the run's own median pause (fault ->
 survivors' first step in a new quorum) and median rejoin (fault -> the hit or
 replacement group's first step), against the run's fleet goodput.
@@ -32,7 +32,7 @@ from typing import Any
 
 from chaos.faults import RESTARTING, FaultKind
 from chaos.report import load_report, percentile
-from runtime.plan import RunMetricsError, expected_goodput, heal_goodput, measure_run
+from runtime.goodput_plan import RunMetricsError, expected_goodput, heal_goodput, measure_run
 
 __all__ = ["SeedRow", "main", "predicted_goodput", "render_markdown", "seed_row",
            "series_recovery"]

@@ -20,7 +20,7 @@ SUBCOMMANDS: dict[str, tuple[str, str]] = {
     "ckpt": ("ckpt.cli", "list, inspect, verify, gc, export, import and diff checkpoints"),
     "chaos": ("chaos.cli", "run a chaos scenario and check the recovery invariants"),
     "bench": ("benchmarks.cli", "run a benchmark against its baseline"),
-    "plan": ("runtime.plan", "checkpoint interval and goodput planning (Young/Daly)"),
+    "plan": ("runtime.goodput_plan", "checkpoint interval and goodput planning (Young/Daly)"),
 }
 
 EXIT_USAGE = 2

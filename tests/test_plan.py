@@ -10,7 +10,14 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from runtime.plan import PlanInputError, PlanInputs, daly_interval, expected_goodput, main, plan
+from runtime.goodput_plan import (
+    PlanInputError,
+    PlanInputs,
+    daly_interval,
+    expected_goodput,
+    main,
+    plan,
+)
 
 
 def test_daly_reduces_to_young_when_saves_are_cheap() -> None:
@@ -79,7 +86,7 @@ def test_cli_rejects_bad_input(capsys) -> None:
 
 
 def test_heal_in_place_model() -> None:
-    from runtime.plan import heal_goodput
+    from runtime.goodput_plan import heal_goodput
 
     m, tau, delta = 3600.0, 300.0, 2.0
     # Free faults: only the save stalls cost.

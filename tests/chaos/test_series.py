@@ -8,7 +8,7 @@ import sys
 from pathlib import Path
 
 from chaos.series import main, predicted_goodput, seed_row
-from runtime.plan import expected_goodput
+from runtime.goodput_plan import expected_goodput
 
 sys.path.insert(0, str(Path(__file__).parent))
 from test_report import _report  # noqa: E402

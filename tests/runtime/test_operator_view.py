@@ -14,8 +14,8 @@ from pathlib import Path
 
 import pytest
 
-from runtime.plan import main as plan_main
-from runtime.plan import measure_run
+from runtime.goodput_plan import main as plan_main
+from runtime.goodput_plan import measure_run
 
 ROOT = Path(__file__).resolve().parents[2]
 AGENT_ENV = ("TORCHELASTIC_RESTART_COUNT", "RELIGHT_RDZV_ROUND")
