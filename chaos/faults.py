@@ -35,11 +35,13 @@ __all__ = [
     "NODE_LOSSES",
     "PHASES",
     "RESTARTING",
+    "SAVE_PHASES",
     "ClusterControl",
     "FaultEvent",
     "FaultInjectionError",
     "FaultKind",
     "Injector",
+    "Phase",
     "WorkerProc",
     "draw_mtbf_schedule",
     "find_workers",
@@ -77,8 +79,24 @@ class FaultKind(StrEnum):
     replaced after `replace_after_s` if given."""
 
 
-PHASES = frozenset({"persist", "before_commit", "restore", "training"})
+class Phase(StrEnum):
+    """A phase a fault can be triggered in (`during = ...`)."""
+
+    PERSIST = "persist"
+    """A checkpoint's per-rank indexes are being written (it is not committed yet)."""
+    BEFORE_COMMIT = "before_commit"
+    """The indexes are written and the coordinator has not written the manifest yet."""
+    RESTORE = "restore"
+    """A restarted group is up and has not logged a step yet."""
+    TRAINING = "training"
+    """Any time the run is training (past `after_step`)."""
+
+
+PHASES = frozenset(Phase)
 """Phases a fault can be triggered in (`during = ...`)."""
+
+SAVE_PHASES = frozenset({Phase.PERSIST, Phase.BEFORE_COMMIT})
+"""Phases inside a save: the harness holds the save in them (`FaultSpec.window_s`)."""
 
 NODE_LOSSES = frozenset({FaultKind.KILL_NODE, FaultKind.SCALE_DOWN, FaultKind.PREEMPT})
 """Faults that take a whole node away."""

@@ -39,10 +39,12 @@ import psutil
 from chaos.ckpt_probe import CheckpointProbe, compare_final_states
 from chaos.faults import (
     RESTARTING,
+    SAVE_PHASES,
     FaultEvent,
     FaultInjectionError,
     FaultKind,
     Injector,
+    Phase,
     draw_mtbf_schedule,
     find_workers,
     process_tree,
@@ -792,16 +794,16 @@ class _Watch:
             return False  # the fleet is full: grow it once a node is gone
         if spec.kind is FaultKind.SCALE_DOWN and len(self.cluster.live_nodes()) <= c.min_nodes:
             return False  # shrinking now would stop the job: wait for a node to come back
-        if spec.during in ("persist", "before_commit"):
+        if spec.during in SAVE_PHASES:
             return phase is not None and phase["phase"] == spec.during
-        if spec.during == "restore":
+        if spec.during is Phase.RESTORE:
             # A restarted group is up and has not logged a step yet.
             return any(rc.event.rendezvous_at is not None and rc.event.first_step_at is None
                        for rc in self.recoveries)
         return True
 
     def _fire(self, now: float, steps_only: bool = False) -> None:
-        waiting_phase = [p for p in self.pending if p.spec.during in ("persist", "before_commit")
+        waiting_phase = [p for p in self.pending if p.spec.during in SAVE_PHASES
                          and self.high >= max(p.spec.after_step, 1)]
         phase = None
         if waiting_phase and not steps_only:
@@ -816,7 +818,7 @@ class _Watch:
             phase = None
         if not steps_only:
             # Hold the next save in the phase the first waiting fault aims at.
-            waiting = [p for p in self.pending if p.spec.during in ("persist", "before_commit")
+            waiting = [p for p in self.pending if p.spec.during in SAVE_PHASES
                        and self.high >= max(p.spec.after_step, 1)]
             self.cluster.arm(_window_plan(waiting[0].spec) if waiting else None)
 
@@ -856,7 +858,7 @@ def _window_plan(spec: FaultSpec) -> dict[str, Any] | None:
     """Storage latency that holds a save in the phase a waiting fault aims at."""
     if not spec.window_s:
         return None
-    key = "/index/" if spec.during == "persist" else "manifest.json"
+    key = "/index/" if spec.during is Phase.PERSIST else "manifest.json"
     return {"latency_s": spec.window_s, "ops": ["put"], "key_contains": key}
 
 
@@ -865,16 +867,16 @@ def _mtbf_spec(kind: FaultKind, m: Any, interval: int) -> FaultSpec:
     damage waits until there is a committed checkpoint to damage, and a scale up (down)
     waits until the fleet is below max_nodes (above min_nodes) — see `_Watch._due`."""
     if kind in DAMAGE:
-        return FaultSpec(kind=kind, during="training", after_step=interval + 2)
+        return FaultSpec(kind=kind, during=Phase.TRAINING, after_step=interval + 2)
     if kind is FaultKind.KILL_DURING_PERSIST:
-        return FaultSpec(kind=kind, during="persist")
+        return FaultSpec(kind=kind, during=Phase.PERSIST)
     if kind is FaultKind.KILL_COORDINATOR_BEFORE_COMMIT:
-        return FaultSpec(kind=kind, during="before_commit")
+        return FaultSpec(kind=kind, during=Phase.BEFORE_COMMIT)
     if kind in (FaultKind.KILL_NODE, FaultKind.PREEMPT):
-        return FaultSpec(kind=kind, during="training", replace_after_s=m.replace_after_s)
+        return FaultSpec(kind=kind, during=Phase.TRAINING, replace_after_s=m.replace_after_s)
     if kind is FaultKind.STOP_WORKER:
-        return FaultSpec(kind=kind, during="training", resume_after_s=m.resume_after_s)
-    return FaultSpec(kind=kind, during="training")
+        return FaultSpec(kind=kind, during=Phase.TRAINING, resume_after_s=m.resume_after_s)
+    return FaultSpec(kind=kind, during=Phase.TRAINING)
 
 
 # -- the whole scenario ---------------------------------------------------------------------

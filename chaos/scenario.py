@@ -46,7 +46,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from chaos.faults import CHECKPOINT_ATTACKS, NODE_LOSSES, PHASES, FaultKind
+from chaos.faults import CHECKPOINT_ATTACKS, NODE_LOSSES, FaultKind, Phase
 
 __all__ = [
     "CheckpointSpec",
@@ -282,8 +282,9 @@ class FaultSpec:
     """Fire once the run has logged this step."""
     at_time_s: float | None = None
     """Fire this many seconds after the first logged step."""
-    during: str | None = None
-    """Fire during a phase: `persist`, `before_commit`, `restore` or `training`."""
+    during: Phase | None = None
+    """Fire during a phase: `persist`, `before_commit`, `restore` or `training` (a
+    string is taken as the `Phase` it spells)."""
     after_step: int = 0
     """With `during`: only once the run has passed this step."""
     node: int | None = None
@@ -317,6 +318,10 @@ class FaultSpec:
     index write (persist) or the coordinator's manifest write (before_commit) by this
     much through the fault-injecting store, so the phase lasts long enough to hit."""
 
+    def __post_init__(self) -> None:
+        if self.during is not None:
+            object.__setattr__(self, "during", _phase(self.during, "during"))
+
     def validate(self, key: str) -> None:
         triggers = [
             n for n in ("at_step", "at_time_s", "during") if getattr(self, n) is not None
@@ -330,12 +335,6 @@ class FaultSpec:
             _check(self.at_step >= 0, f"{key}.at_step", "must be >= 0")
         if self.at_time_s is not None:
             _check(self.at_time_s >= 0, f"{key}.at_time_s", "must be >= 0")
-        if self.during is not None:
-            _check(
-                self.during in PHASES,
-                f"{key}.during",
-                f"must be one of {sorted(PHASES)}, got {self.during!r}",
-            )
         _check(self.down_s >= 0, f"{key}.down_s", "must be >= 0")
         _check(self.duration_s > 0, f"{key}.duration_s", "must be > 0")
         _check(0 <= self.fail_fraction <= 1, f"{key}.fail_fraction", "must be in [0, 1]")
@@ -349,6 +348,7 @@ class FaultSpec:
     def to_dict(self) -> dict[str, Any]:
         out = {f.name: getattr(self, f.name) for f in dataclasses.fields(self)}
         out["kind"] = self.kind.value
+        out["during"] = self.during.value if self.during is not None else None
         out["ops"] = list(self.ops)
         return {k: v for k, v in out.items() if v is not None}
 
@@ -433,8 +433,9 @@ class Scenario:
                 FaultKind.KILL_DURING_PERSIST,
                 FaultKind.KILL_COORDINATOR_BEFORE_COMMIT,
             ):
-                phase = "persist" if f.kind is FaultKind.KILL_DURING_PERSIST else "before_commit"
-                _fail(f"faults[{i}].during", f"{f.kind.value} needs during = {phase!r}")
+                phase = (Phase.PERSIST if f.kind is FaultKind.KILL_DURING_PERSIST
+                         else Phase.BEFORE_COMMIT)
+                _fail(f"faults[{i}].during", f"{f.kind.value} needs during = {phase.value!r}")
         if self.cluster.rendezvous == "c10d":
             kinds = {f.kind for f in self.faults} | set(self.mtbf.kinds)
             _check(FaultKind.ETCD_RESTART not in kinds, "faults",
@@ -511,6 +512,8 @@ def _coerce(type_name: str, value: Any, key: str) -> Any:
         return value
     if t == "FaultKind":
         return _kind(value, key)
+    if t == "Phase":
+        return _phase(value, key)
     if t.startswith("tuple[FaultKind"):
         _check(isinstance(value, list), key, "must be a list of fault kinds")
         return tuple(_kind(v, f"{key}[{i}]") for i, v in enumerate(value))
@@ -530,6 +533,15 @@ def _kind(value: Any, key: str) -> FaultKind:
     except ValueError:
         raise ScenarioError(
             key, f"unknown fault kind {value!r}; known: {[k.value for k in FaultKind]}"
+        ) from None
+
+
+def _phase(value: Any, key: str) -> Phase:
+    try:
+        return Phase(value)
+    except ValueError:
+        raise ScenarioError(
+            key, f"unknown phase {value!r}; known: {[p.value for p in Phase]}"
         ) from None
 
 

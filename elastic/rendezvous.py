@@ -55,6 +55,7 @@ import weakref
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 from datetime import timedelta
+from enum import Enum
 
 from torch.distributed import DistError, TCPStore
 from torch.distributed.elastic.rendezvous import (
@@ -320,6 +321,16 @@ def release_leases(reason: str) -> int:
 
 
 atexit.register(release_leases, "process exit")
+
+
+class _Retry(Enum):
+    """`_step`'s answer after a CAS on the state key, won or lost: read the state again
+    at once."""
+
+    RETRY = "retry"
+
+
+_RETRY = _Retry.RETRY
 
 
 @dataclass(frozen=True, slots=True)
@@ -654,7 +665,7 @@ class EtcdRendezvousHandler(RendezvousHandler):
                 continue
             if isinstance(step, RendezvousInfo):
                 return step
-            if step == "retry":
+            if step is _RETRY:
                 continue
             if isinstance(step, _Spare):
                 # A hot spare waits as long as the job lives, woken by any change under
@@ -689,15 +700,15 @@ class EtcdRendezvousHandler(RendezvousHandler):
         self._ensure_lease()
 
     def _step(self, state: RoundState | None, kv: KeyValue | None, prev_round: int,
-              alive: set[str]) -> RendezvousInfo | str | float | _Spare:
+              alive: set[str]) -> RendezvousInfo | _Retry | float | _Spare:
         """One decision on the current state: a RendezvousInfo when this node's round is
-        complete, "retry" after a CAS (won or lost), seconds to wait for a change, or
+        complete, `_RETRY` after a CAS (won or lost), seconds to wait for a change, or
         `_Spare` when the group is full and this node waits for a place."""
         s, me = self.settings, self.node_id
         spare = _Spare(max(s.lease_ttl, s.poll_interval))
         if state is None:
             self._cas_state(None, RoundState(round=0, phase="open", members=[me]))
-            return "retry"
+            return _RETRY
         if state.phase == "complete":
             if me in state.participants and state.round > prev_round:
                 return self._finish(state)
@@ -705,7 +716,7 @@ class EtcdRendezvousHandler(RendezvousHandler):
             if (me in state.participants or len(state.participants) < s.max_nodes or dead):
                 self._cas_state(kv, RoundState(round=state.round + 1, phase="open",
                                                members=[me], previous=state.participants))
-                return "retry"
+                return _RETRY
             return spare
         # Open round.
         members = [m for m in state.members if m in alive]
@@ -713,7 +724,7 @@ class EtcdRendezvousHandler(RendezvousHandler):
             gone = [m for m in state.members if m not in alive]
             self._log("dropping members without a lease from round %d: %s", state.round, gone)
             self._cas_state(kv, dataclasses.replace(state, members=members))
-            return "retry"
+            return _RETRY
         if me not in members:
             seats = s.max_nodes - len(members)
             if seats <= 0:
@@ -727,7 +738,7 @@ class EtcdRendezvousHandler(RendezvousHandler):
                     return _Spare(max(0.05, min(s.rejoin_timeout - waited, spare.wait)))
             self._cas_state(kv, dataclasses.replace(
                 state, members=[*members, me, *self._fold(state, members, seats - 1)]))
-            return "retry"
+            return _RETRY
         if len(members) < s.min_nodes:
             return s.lease_ttl  # any join or lease expiry wakes us earlier
         now = _now()
@@ -748,7 +759,7 @@ class EtcdRendezvousHandler(RendezvousHandler):
                               participants=assign_ranks(members, state.previous))
         if self._cas_state(kv, complete):
             self._log("round %d complete: %s", state.round, complete.participants)
-        return "retry"
+        return _RETRY
 
     def _fold(self, state: RoundState, members: list[str], seats: int) -> list[str]:
         """Registered nodes a joiner adds to the first round along with itself. Each join

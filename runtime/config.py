@@ -16,17 +16,23 @@ import json
 import signal
 import tomllib
 from dataclasses import dataclass, field
+from enum import StrEnum
 from pathlib import Path
-from typing import Any
+from typing import Any, TypeVar
 
 __all__ = [
+    "BusyPolicy",
     "CheckpointConfig",
     "Config",
+    "ConfigChoiceError",
     "ConfigError",
     "DataConfig",
+    "DeviceKind",
+    "MixedPrecision",
     "ModelConfig",
     "OptimConfig",
     "ParallelConfig",
+    "PipelineSchedule",
     "PreemptionConfig",
     "ReplicaConfig",
     "TrainConfig",
@@ -39,6 +45,67 @@ __all__ = [
 
 class ConfigError(ValueError):
     """A config value is invalid; the message names the field and what to change."""
+
+
+class ConfigChoiceError(ConfigError):
+    """A field that takes one of a fixed set of values got another one."""
+
+    def __init__(self, name: str, value: object, allowed: list[str]) -> None:
+        quoted = [repr(a) for a in allowed]
+        choices = quoted[0] if len(quoted) == 1 else f"{', '.join(quoted[:-1])} or {quoted[-1]}"
+        super().__init__(f"{name} must be {choices}, got {value!r}")
+        self.name = name
+        """The dotted field name, e.g. ``parallel.pp_schedule``."""
+        self.value = value
+        """The value given."""
+        self.allowed = allowed
+        """The values the field takes."""
+
+
+class PipelineSchedule(StrEnum):
+    """``parallel.pp_schedule``: the torch.distributed.pipelining schedule."""
+
+    GPIPE = "gpipe"
+    ONE_F_ONE_B = "1f1b"
+
+
+class DeviceKind(StrEnum):
+    """``train.device``: where ranks compute (``runtime.device.resolve_device``)."""
+
+    AUTO = "auto"
+    CPU = "cpu"
+    CUDA = "cuda"
+
+
+class MixedPrecision(StrEnum):
+    """``train.mixed_precision``: the parameter and compute dtype."""
+
+    FP32 = "fp32"
+    BF16 = "bf16"
+
+
+class BusyPolicy(StrEnum):
+    """``checkpoint.busy``: what a save does while the previous one still persists."""
+
+    WAIT = "wait"
+    SKIP = "skip"
+
+
+_CHOICES: dict[str, type[StrEnum]] = {
+    t.__name__: t for t in (PipelineSchedule, DeviceKind, MixedPrecision, BusyPolicy)
+}
+"""The choice types config fields use, by the annotation's name (annotations are strings)."""
+
+E = TypeVar("E", bound=StrEnum)
+
+
+def parse_choice(kind: type[E], value: object, name: str) -> E:
+    """`value` as a member of `kind`; raises `ConfigChoiceError` naming `name`, the value
+    and the allowed ones when it is none of them."""
+    try:
+        return kind(value)
+    except ValueError:
+        raise ConfigChoiceError(name, value, [m.value for m in kind]) from None
 
 
 def _require(cond: bool, msg: str) -> None:
@@ -124,7 +191,7 @@ class ParallelConfig:
     ep: int = 1
     """Expert-parallel degree; borrowed from the data-parallel ranks (must divide dp_shard,
     or dp_replicate when dp_shard is 1)."""
-    pp_schedule: str = "1f1b"
+    pp_schedule: PipelineSchedule = PipelineSchedule.ONE_F_ONE_B
     """Pipeline schedule: ``gpipe`` or ``1f1b``."""
     sequence_parallel: bool = False
     """Shard norms and residual activations over the sequence dim inside the TP group."""
@@ -136,10 +203,8 @@ class ParallelConfig:
             self.dp_shard == -1 or self.dp_shard >= 1,
             f"parallel.dp_shard must be -1 (auto) or >= 1, got {self.dp_shard}",
         )
-        _require(
-            self.pp_schedule in ("gpipe", "1f1b"),
-            f"parallel.pp_schedule must be 'gpipe' or '1f1b', got {self.pp_schedule!r}",
-        )
+        self.pp_schedule = parse_choice(PipelineSchedule, self.pp_schedule,
+                                        "parallel.pp_schedule")
 
 
 @dataclass(kw_only=True, slots=True)
@@ -220,10 +285,10 @@ class TrainConfig:
     0 runs to ``steps``. For preemption drills and resume tests."""
     seed: int = 0
     """Seed of the model init and of the per-step RNG."""
-    device: str = "auto"
+    device: DeviceKind = DeviceKind.AUTO
     """``auto`` (cuda if available, else cpu), ``cpu`` or ``cuda`` (``cuda:$LOCAL_RANK``,
     NCCL; ``cpu`` uses gloo). See ``runtime.device`` and docs/gpu.md."""
-    mixed_precision: str = "fp32"
+    mixed_precision: MixedPrecision = MixedPrecision.FP32
     """``fp32`` or ``bf16`` (bf16 params/compute, fp32 reductions and master weights)."""
     activation_checkpointing: bool = False
     """Recompute each block's activations in backward."""
@@ -250,8 +315,9 @@ class TrainConfig:
     def __post_init__(self) -> None:
         _require(self.steps >= 0, "train.steps must be >= 0")
         _require(self.stop_at >= 0, "train.stop_at must be >= 0")
-        _require(self.device in ("auto", "cpu", "cuda"), "train.device must be auto|cpu|cuda")
-        _require(self.mixed_precision in ("fp32", "bf16"), "train.mixed_precision: fp32|bf16")
+        self.device = parse_choice(DeviceKind, self.device, "train.device")
+        self.mixed_precision = parse_choice(MixedPrecision, self.mixed_precision,
+                                            "train.mixed_precision")
         _require(self.log_every >= 1, "train.log_every must be >= 1")
         _require(self.watchdog_timeout_s >= 0, "train.watchdog_timeout_s must be >= 0")
         _require(self.collective_timeout_s > 0, "train.collective_timeout_s must be > 0")
@@ -280,7 +346,7 @@ class CheckpointConfig:
     the copy overlaps the next step's forward and backward, and the optimizer step waits
     for it (`ckpt.guard_optimizer`), so a snapshot is never torn. Off: the copy blocks
     the save call (docs/ckpt.md, "pipelined staging")."""
-    busy: str = "wait"
+    busy: BusyPolicy = BusyPolicy.WAIT
     """When a save is due while the previous one is still persisting (storage slower than
     the interval): "wait" for it (training stalls, every checkpoint is taken) or "skip"
     this one (training goes on, the next save point tries again). The last step's save and
@@ -314,8 +380,7 @@ class CheckpointConfig:
         _require(self.peer_replicas >= 0, "checkpoint.peer_replicas must be >= 0")
         _require(self.keep_last >= 1, "checkpoint.keep_last must be >= 1")
         _require(self.restore_step >= 0, "checkpoint.restore_step must be >= 0")
-        _require(self.busy in ("wait", "skip"),
-                 f"checkpoint.busy must be 'wait' or 'skip', not {self.busy!r}")
+        self.busy = parse_choice(BusyPolicy, self.busy, "checkpoint.busy")
 
 
 @dataclass(kw_only=True, slots=True)
@@ -475,10 +540,14 @@ def _section_types() -> dict[str, type]:
 
 
 def config_to_dict(cfg: Config) -> dict[str, dict[str, Any]]:
-    """The resolved config as plain JSON-able dicts (one per section)."""
+    """The resolved config as plain JSON-able dicts (one per section); a choice is its
+    string."""
+    def plain(value: Any) -> Any:
+        return value.value if isinstance(value, StrEnum) else value
+
     return {
-        f.name: {g.name: getattr(getattr(cfg, f.name), g.name) for g in dataclasses.fields(
-            getattr(cfg, f.name))}
+        f.name: {g.name: plain(getattr(getattr(cfg, f.name), g.name)) for g in
+                 dataclasses.fields(getattr(cfg, f.name))}
         for f in dataclasses.fields(cfg)
     }
 
@@ -502,6 +571,8 @@ def config_from_dict(raw: dict[str, Any]) -> Config:
 
 
 def _check_type(path: str, f: dataclasses.Field, value: Any) -> None:
+    if str(f.type) in _CHOICES:
+        return  # the section's __post_init__ names the allowed values (parse_choice)
     want = {"int": int, "float": (int, float), "str": str, "bool": bool}[str(f.type)]
     ok = isinstance(value, want) and not (str(f.type) in ("int", "float") and isinstance(
         value, bool))

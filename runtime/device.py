@@ -35,7 +35,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from runtime.config import ConfigError
+from runtime.config import ConfigError, DeviceKind
 
 __all__ = [
     "NCCL_ENV_DEFAULTS",
@@ -136,14 +136,17 @@ def _cuda_unavailable_reason() -> str:
             "CUDA_VISIBLE_DEVICES)")
 
 
-def resolve_device(kind: str, local_rank: int | None = None) -> Device:
+def resolve_device(kind: DeviceKind | str, local_rank: int | None = None) -> Device:
     """``auto`` (cuda if available, else cpu), ``cpu`` or ``cuda``; on CUDA the device is
     ``cuda:LOCAL_RANK`` (`local_rank`, default ``$LOCAL_RANK`` or 0)."""
-    if kind not in ("auto", "cpu", "cuda"):
-        raise DeviceError(f"train.device must be auto, cpu or cuda, got {kind!r}")
-    if kind == "auto":
-        kind = "cuda" if torch.cuda.is_available() else "cpu"
-    if kind == "cpu":
+    try:
+        kind = DeviceKind(kind)
+    except ValueError:
+        allowed = ", ".join(k.value for k in DeviceKind)
+        raise DeviceError(f"train.device must be one of {allowed}, got {kind!r}") from None
+    if kind is DeviceKind.AUTO:
+        kind = DeviceKind.CUDA if torch.cuda.is_available() else DeviceKind.CPU
+    if kind is DeviceKind.CPU:
         return Device("cpu")
     if not torch.cuda.is_available():
         raise DeviceError(f"train.device=cuda but {_cuda_unavailable_reason()}; use "

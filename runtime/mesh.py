@@ -27,7 +27,7 @@ import torch
 import torch.distributed as dist
 from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 
-from runtime.config import Config
+from runtime.config import Config, PipelineSchedule
 
 __all__ = ["Layout", "LayoutError", "ParallelMesh", "build_mesh", "plan_layout"]
 
@@ -124,7 +124,7 @@ def plan_layout(world: int, cfg: Config) -> Layout:
             f"{cfg.data.micro_batch_size} = {local_batch} micro-batches do not split over "
             f"dp={dp} data-parallel ranks; make it a multiple of {dp}"
         )
-    if p.pp > 1 and p.pp_schedule == "1f1b" and local_batch // dp < p.pp:
+    if p.pp > 1 and p.pp_schedule == PipelineSchedule.ONE_F_ONE_B and local_batch // dp < p.pp:
         raise LayoutError(
             f"1f1b needs at least pp={p.pp} micro-batches per data rank, got "
             f"{local_batch}/{dp} = {local_batch // dp}; raise data.global_batch_size, lower "

@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import torch
 
-from runtime.config import Config
+from runtime.config import Config, MixedPrecision
 from runtime.mesh import ParallelMesh
 from runtime.model import Transformer
 from runtime.parallel import apply_ep, apply_fsdp, apply_tp
@@ -34,7 +34,7 @@ def parallelize(model: Transformer, pmesh: ParallelMesh, cfg: Config) -> Transfo
         for block in model.layers.values():
             block.activation_checkpointing = True
     if uses_fsdp(pmesh):
-        bf16 = cfg.train.mixed_precision == "bf16"
+        bf16 = cfg.train.mixed_precision == MixedPrecision.BF16
         apply_fsdp(model, pmesh, param_dtype=torch.bfloat16 if bf16 else None,
                    reshard_after_forward=layout.pp == 1)
     return model

@@ -51,7 +51,7 @@ from torch.distributed.fsdp import FSDPModule
 
 from runtime import state as st
 from runtime.checkpointing import Checkpointer, all_gather
-from runtime.config import Config, ConfigError, load_config
+from runtime.config import Config, ConfigError, MixedPrecision, load_config
 from runtime.data import BatchPlan, DataLoader, build_corpus
 from runtime.device import Device, bound_mesh_timeouts, init_process_group, resolve_device
 from runtime.evaluate import eval_loss
@@ -197,7 +197,7 @@ class Trainer:
         self.reports_loss = (self.pmesh.pp_rank == self.layout.pp - 1
                              and self.pmesh.coord("tp") == 0)
         self.fsdp = isinstance(self.model, FSDPModule)
-        self.autocast = (cfg.train.mixed_precision == "bf16" and not self.fsdp)
+        self.autocast = (cfg.train.mixed_precision == MixedPrecision.BF16 and not self.fsdp)
         self.flops_per_token = flops_per_token(cfg.model, cfg.data.seq_len)
         self.peak = peak_flops(self.device, cfg.train.peak_tflops)
         self.on_grads: Callable[[Trainer], None] | None = None

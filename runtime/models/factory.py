@@ -30,7 +30,7 @@ from typing import Any
 import torch
 from torch import nn
 
-from runtime.config import Config, ConfigError
+from runtime.config import Config, ConfigError, MixedPrecision
 from runtime.mesh import LayoutError, ParallelMesh
 
 __all__ = ["FactoryModel", "create_factory_model", "find_blocks", "load_factory"]
@@ -135,7 +135,7 @@ def create_factory_model(cfg: Config, pmesh: ParallelMesh, device: torch.device)
     if pmesh.layout.dp > 1:
         from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
 
-        bf16 = cfg.train.mixed_precision == "bf16"
+        bf16 = cfg.train.mixed_precision == MixedPrecision.BF16
         mp = MixedPrecisionPolicy(param_dtype=torch.bfloat16 if bf16 else None,
                                   reduce_dtype=torch.float32)
         dp_mesh = pmesh["dp_replicate", "dp_shard"]

@@ -14,11 +14,12 @@ import torch
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.pipelining import PipelineStage, Schedule1F1B, ScheduleGPipe
 
+from runtime.config import PipelineSchedule
 from runtime.model import Transformer
 
 __all__ = ["build_pipeline", "prune_to_stage", "stage_layers"]
 
-_SCHEDULES = {"gpipe": ScheduleGPipe, "1f1b": Schedule1F1B}
+_SCHEDULES = {PipelineSchedule.GPIPE: ScheduleGPipe, PipelineSchedule.ONE_F_ONE_B: Schedule1F1B}
 
 
 def stage_layers(n_layers: int, pp: int) -> list[range]:
@@ -52,7 +53,7 @@ def build_pipeline(
     device: torch.device,
     n_microbatches: int,
     loss_fn: Callable[[torch.Tensor, torch.Tensor], torch.Tensor],
-    schedule: str,
+    schedule: PipelineSchedule,
 ) -> ScheduleGPipe | Schedule1F1B:
     """The schedule for this rank's stage. ``loss_fn`` already divides by ``n_microbatches``,
     so the schedule does not rescale gradients."""

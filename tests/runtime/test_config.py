@@ -11,6 +11,7 @@ from hypothesis import strategies as st
 
 from runtime.config import (
     Config,
+    ConfigChoiceError,
     ConfigError,
     DataConfig,
     ModelConfig,
@@ -55,6 +56,34 @@ def test_resolved_config_roundtrips_through_json() -> None:
 def test_bad_values_are_rejected_with_their_name(overrides: list[str], message: str) -> None:
     with pytest.raises(ConfigError, match=message):
         load_config(TINY, overrides)
+
+
+@pytest.mark.parametrize(("override", "name", "allowed"), [
+    ("--parallel.pp_schedule=zigzag", "parallel.pp_schedule", ["gpipe", "1f1b"]),
+    ("--train.device=tpu", "train.device", ["auto", "cpu", "cuda"]),
+    ("--train.mixed_precision=fp16", "train.mixed_precision", ["fp32", "bf16"]),
+    ("--checkpoint.busy=3", "checkpoint.busy", ["wait", "skip"]),
+])
+def test_a_bad_choice_names_the_value_and_the_allowed_ones(override: str, name: str,
+                                                           allowed: list[str]) -> None:
+    with pytest.raises(ConfigChoiceError) as e:
+        load_config(TINY, [override])
+    bad = override.split("=", 1)[1]
+    assert e.value.name == name and e.value.allowed == allowed
+    assert str(e.value.value) == bad and repr(e.value.value) in str(e.value)
+    assert all(repr(a) in str(e.value) for a in allowed)
+
+
+def test_choices_keep_their_spelling_in_the_saved_config() -> None:
+    cfg = load_config(TINY, ["--parallel.pp_schedule=gpipe", "--train.mixed_precision=bf16",
+                             "--checkpoint.busy=skip", "--train.device=cpu"])
+    saved = config_to_dict(cfg)
+    assert cfg.parallel.pp_schedule == "gpipe" and cfg.checkpoint.busy == "skip"
+    assert (saved["parallel"]["pp_schedule"], saved["train"]["mixed_precision"],
+            saved["checkpoint"]["busy"], saved["train"]["device"]) == ("gpipe", "bf16",
+                                                                       "skip", "cpu")
+    assert all(type(v) is str for v in (saved["parallel"]["pp_schedule"],
+                                        saved["checkpoint"]["busy"]))
 
 
 def test_classes_are_kw_only_slotted() -> None:
