@@ -59,6 +59,7 @@ from ckpt.plan import (
     plan_load,
     plan_save,
 )
+from ckpt.rank_log import rank_step_prefix
 from ckpt.reader import RegionReader
 from ckpt.resources import CachedPlan, resources, wait_inflight, wait_staged
 from ckpt.staging import Stager
@@ -68,10 +69,6 @@ from storage import Store, open_store
 logger = logging.getLogger(__name__)
 
 __all__ = ["SaveOptions", "SaveHandle", "LoadInfo", "save", "load", "wait_staged"]
-
-
-def _log_prefix(comm: Comm, step: int | None) -> str:
-    return f"[rank {comm.rank} step {step}]"
 
 
 # ------------------------------------------------------------------------ save
@@ -137,7 +134,7 @@ def save(
     t0 = time.perf_counter()
     comm = Comm(process_group, opts.collective_timeout_s)
     store = open_store(url)
-    pre = _log_prefix(comm, step)
+    pre = rank_step_prefix(comm.rank, step)
     flat = flatten_state(state_dict)
 
     waited = wait_inflight()

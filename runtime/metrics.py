@@ -12,6 +12,7 @@ from typing import Any
 
 import torch
 
+from ckpt.rank_log import rank_step_prefix
 from runtime.config import ModelConfig
 
 __all__ = ["MetricsWriter", "flops_per_token", "memory_mb", "peak_flops"]
@@ -88,7 +89,7 @@ class MetricsWriter:
             return
         mfu = record.get("mfu")
         line = (
-            f"[rank 0 step {step}] of {total_steps} | loss {record['loss']:.4f} | "
+            f"{rank_step_prefix(0, step)} of {total_steps} | loss {record['loss']:.4f} | "
             f"lr {record['lr']:.2e} | "
             f"{record['tokens_per_s']:,.0f} tok/s | {record['step_time_s'] * 1e3:.0f} ms | "
             f"ckpt {record['ckpt_stall_s'] * 1e3:.0f} ms | mem {record['mem_max_mb']:.0f} MB | "

@@ -36,6 +36,7 @@ from datetime import datetime
 from types import FrameType
 from typing import Any, Protocol
 
+from ckpt.rank_log import RankStepLogger
 from runtime.config import PreemptionConfig
 from runtime.exit_codes import HUNG_EXIT_CODE, PREEMPTED_EXIT_CODE
 
@@ -412,15 +413,14 @@ class NoticeWatcher:
         # a notice (agree, save, exit) between two of the watcher's wake-ups.
         with self._log_lock:
             for n in self.board.notices()[self._logged:]:
-                log.warning("[rank %d step %d] preemption notice from %s: %s "
-                            "(%.1f s of grace left)%s", self.rank, self.step, n.source,
-                            n.detail, n.remaining_s(),
-                            "; already acting on an earlier one" if self._logged else "")
+                RankStepLogger(log, self.rank, self.step).warning(
+                    "preemption notice from %s: %s (%.1f s of grace left)%s", n.source,
+                    n.detail, n.remaining_s(),
+                    "; already acting on an earlier one" if self._logged else "")
                 self._logged += 1
 
     def _bail(self, code: int, why: str) -> None:
-        log.error("[rank %d step %d] preemption: %s (status %d)", self.rank, self.step, why,
-                  code)
+        RankStepLogger(log, self.rank, self.step).error("preemption: %s (status %d)", why, code)
         for h in logging.getLogger().handlers:
             h.flush()
         sys.stderr.flush()

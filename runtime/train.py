@@ -49,6 +49,7 @@ import torch.distributed as dist
 import torch.nn.functional as F
 from torch.distributed.fsdp import FSDPModule
 
+from ckpt.rank_log import RankStepLogger
 from runtime import state as st
 from runtime.checkpointing import Checkpointer, all_gather
 from runtime.config import Config, ConfigError, MixedPrecision, load_config
@@ -81,13 +82,6 @@ from runtime.watchdog import Watchdog
 __all__ = ["PREEMPTED_EXIT_CODE", "TrainResult", "Trainer", "main", "run_training"]
 
 log = logging.getLogger(__name__)
-
-
-class _RankStep(logging.LoggerAdapter):
-    """Prefixes every message with ``[rank R step S]``."""
-
-    def process(self, msg: Any, kwargs: Any) -> tuple[Any, Any]:
-        return f"[rank {self.extra['rank']} step {self.extra['step']}] {msg}", kwargs
 
 
 @dataclass(slots=True)
@@ -157,7 +151,7 @@ class Trainer:
         self.device = self.dev.torch
         self.rank = dist.get_rank()
         self.world = dist.get_world_size()
-        self.log = _RankStep(log, {"rank": self.rank, "step": 0})
+        self.log = RankStepLogger(log, self.rank, 0)
         self.layout = plan_layout(self.world, cfg)
         self.pmesh: ParallelMesh = build_mesh(self.layout, self.device.type)
         bound_mesh_timeouts(self.pmesh.meshes.values(), cfg.train.collective_timeout_s)
@@ -432,7 +426,7 @@ class Trainer:
                                     else ck.maybe_save(saves=saves))
                 ck.poll_save()
                 result.checkpoint_failures += 0 if ok else 1
-                self.log.extra["step"] = self.step
+                self.log.step = self.step
                 watchdog.beat(self.step)
                 self.watcher.step_done(self.step, time.perf_counter() - t0)
                 tps = tokens / step_time
@@ -579,8 +573,8 @@ def main(argv: list[str] | None = None) -> int:
     if result.checkpoint_failures:
         log.warning("run finished with %d failed checkpoint saves", result.checkpoint_failures)
     if result.preempted:
-        log.warning("[rank %d step %d] preempted (%s); exiting with status %d", result.rank,
-                    result.final_step, result.emergency_note, PREEMPTED_EXIT_CODE)
+        RankStepLogger(log, result.rank, result.final_step).warning(
+            "preempted (%s); exiting with status %d", result.emergency_note, PREEMPTED_EXIT_CODE)
         return PREEMPTED_EXIT_CODE
     return 0
 

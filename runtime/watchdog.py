@@ -15,6 +15,7 @@ import sys
 import threading
 import time
 
+from ckpt.rank_log import RankStepLogger
 from runtime.exit_codes import WATCHDOG_EXIT_CODE
 
 __all__ = ["WATCHDOG_EXIT_CODE", "Watchdog"]
@@ -52,10 +53,10 @@ class Watchdog:
         while not self._stop.wait(self.poll_s):
             idle = time.monotonic() - self._last
             if idle > self.timeout_s:
-                log.error(
-                    "[rank %d step %d] watchdog: no step completed for %.1f s (limit %.1f s); "
+                RankStepLogger(log, self.rank, self.step).error(
+                    "watchdog: no step completed for %.1f s (limit %.1f s); "
                     "exiting with status %d so the job restarts",
-                    self.rank, self.step, idle, self.timeout_s, WATCHDOG_EXIT_CODE,
+                    idle, self.timeout_s, WATCHDOG_EXIT_CODE,
                 )
                 try:
                     faulthandler.dump_traceback(file=sys.stderr, all_threads=True)
