@@ -3,9 +3,9 @@
 Every fault is something that happens to real fleets, done the way it happens: SIGKILL to
 a worker pid found in the agent's process tree, SIGKILL to a whole node's tree, SIGSTOP
 (a hang), etcd killed and restarted on its data dir, the newest committed checkpoint's
-chunk damaged in the store, storage errors and latency through `storage.FaultyStore`
+chunk damaged in the store, storage errors and latency through `storage.testing.FaultyStore`
 (handed to the training processes by a fault-plan file named in their environment, see
-`storage.fault_env`). Nothing here reaches into a training process's memory.
+`storage.testing`). Nothing here reaches into a training process's memory.
 
 The injector never sleeps: follow-ups (SIGCONT, a replacement node, etcd coming back, a
 storage fault ending) are scheduled on the cluster, whose loop runs them when due, so one

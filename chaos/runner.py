@@ -64,8 +64,8 @@ from chaos.verifier import (
 from ckpt.local_tier import TIER_NODE_ENV, local_tier_dir
 from elastic.etcd_server import EtcdCluster, EtcdServer, free_port
 from runtime.replicas import GROUP_ENV
-from storage import Store, corrupt_object, open_store
-from storage.fault_env import ENV_VAR, write_plan_file
+from storage import Store, open_store
+from storage.testing import FAULT_PLAN_ENV, corrupt_object, write_plan_file
 
 logger = logging.getLogger(__name__)
 
@@ -614,12 +614,12 @@ def launch(scenario: Scenario, run_dir: Path, etcd: Any, store_url: str, job_id:
     metrics = run_dir / "metrics.jsonl"
     train_argv, train_env = training_command(scenario, store_url, metrics)
     env = {**os.environ, **base_env, **train_env}
-    env.pop(ENV_VAR, None)
+    env.pop(FAULT_PLAN_ENV, None)
     fault_plan = None
     if faults:
         fault_plan = run_dir / "fault-plan.json"
         write_plan_file(fault_plan, None)
-        env[ENV_VAR] = f"@{fault_plan}"  # storage.open_store follows this file
+        env[FAULT_PLAN_ENV] = f"@{fault_plan}"  # storage.open_store follows this file
     (run_dir / "command.json").write_text(json.dumps({"train_argv": train_argv,
                                                       "env": train_env}, indent=1))
     cluster = Cluster(scenario, run_dir, etcd, open_store(store_url), job_id, train_argv, env,

@@ -4,6 +4,9 @@
 `Store`: atomic puts, ranged gets, listing, deletes, retried on transient errors,
 typed errors otherwise, and the tensorstore kvstore spec of the same location.
 Nothing else in Relight talks to a filesystem or S3 directly.
+
+Fault injection (`FaultyStore`, `FaultPlan`, `corrupt_object`, the `RELIGHT_FAULT_PLAN`
+hook of `open_store`) is a testing surface of its own: `storage.testing`.
 """
 
 from storage.base import DeferredStore, Store, StoreStats
@@ -18,8 +21,6 @@ from storage.errors import (
     StoragePermissionError,
     TransientStorageError,
 )
-from storage.fault_env import FaultPlanError, plan_from_json, wrap_store_from_env
-from storage.faulty import FaultLog, FaultPlan, FaultyStore, corrupt_object
 from storage.open import open_store
 from storage.retry import RetryPolicy
 from storage.settings import S3Settings
@@ -28,10 +29,6 @@ from storage.url import StorageLocation, parse_url
 __all__ = [
     "BucketNotFoundError",
     "DeferredStore",
-    "FaultLog",
-    "FaultPlan",
-    "FaultPlanError",
-    "FaultyStore",
     "InjectedFaultError",
     "InvalidKeyError",
     "InvalidStorageURLError",
@@ -45,9 +42,6 @@ __all__ = [
     "Store",
     "StoreStats",
     "TransientStorageError",
-    "corrupt_object",
     "open_store",
     "parse_url",
-    "plan_from_json",
-    "wrap_store_from_env",
 ]

@@ -1,4 +1,5 @@
-"""Storage faults inside training processes, handed over through the environment.
+"""Storage faults inside training processes, handed over through the environment: a
+testing hook (`storage.testing` is where tests and the chaos harness import it from).
 
 The chaos runner cannot reach into a training process, so the process opens its store
 through `wrap_store_from_env(store)`, which honours one environment variable:
@@ -10,7 +11,8 @@ through `wrap_store_from_env(store)`, which honours one environment variable:
   The runner rewrites the file to start and stop a fault at any moment of the run.
 
 Unset, the store is returned unchanged: no cost outside chaos runs. `open_store` applies
-this to every store it opens, so a training process needs no code of its own for it.
+this to every store it opens when the variable is set (the opt-in), so a training process
+needs no code of its own for it.
 The JSON is parsed with `json` and checked field by field: nothing is evaluated.
 """
 
@@ -32,7 +34,7 @@ from storage.url import StorageLocation
 logger = logging.getLogger(__name__)
 
 __all__ = [
-    "ENV_VAR",
+    "FAULT_PLAN_ENV",
     "FaultPlanError",
     "ReloadingFaultyStore",
     "plan_from_json",
@@ -41,7 +43,8 @@ __all__ = [
     "write_plan_file",
 ]
 
-ENV_VAR = "RELIGHT_FAULT_PLAN"
+FAULT_PLAN_ENV = "RELIGHT_FAULT_PLAN"
+"""The variable that opts a process into storage faults (a fault plan, or ``@file``)."""
 RELOAD_S = 0.2
 
 _FIELDS: dict[str, type | tuple[type, ...]] = {
@@ -62,7 +65,7 @@ class FaultPlanError(ValueError):
     """The fault plan JSON is malformed; the message names the field."""
 
 
-def plan_from_json(text: str, where: str = ENV_VAR) -> FaultPlan:
+def plan_from_json(text: str, where: str = FAULT_PLAN_ENV) -> FaultPlan:
     """Parse and check a fault plan. Unknown fields and wrong types raise `FaultPlanError`."""
     try:
         raw = json.loads(text)
@@ -153,7 +156,7 @@ class ReloadingFaultyStore(FaultyStore):
 def wrap_store_from_env(store: Store, environ: Mapping[str, str] | None = None) -> Store:
     """`store`, wrapped in a fault-injecting store when `RELIGHT_FAULT_PLAN` is set."""
     env = os.environ if environ is None else environ
-    value = env.get(ENV_VAR, "").strip()
+    value = env.get(FAULT_PLAN_ENV, "").strip()
     if not value:
         return store
     if value.startswith("@"):

@@ -6,17 +6,14 @@ import os
 from typing import Any
 
 from storage.base import Store
-from storage.fault_env import wrap_store_from_env
+from storage.fault_env import FAULT_PLAN_ENV, wrap_store_from_env
 from storage.fsspec_store import LocalStore, S3Store
 from storage.memory_store import MemoryStore
 from storage.retry import RetryPolicy
 from storage.settings import S3Settings
 from storage.url import parse_url
 
-__all__ = ["open_store", "FAULT_PLAN_ENV_HOOK"]
-
-FAULT_PLAN_ENV_HOOK = True
-"""`open_store` honours RELIGHT_FAULT_PLAN (see `storage.fault_env`)."""
+__all__ = ["open_store"]
 
 
 def open_store(
@@ -32,8 +29,10 @@ def open_store(
     credentials) unless `s3` or overrides such as `endpoint_url=` are given. An
     existing `Store` is returned as it is, so APIs can take either.
 
-    When `RELIGHT_FAULT_PLAN` is set (chaos runs), the store is wrapped in a
-    fault-injecting store following that plan.
+    Testing hook: only when the environment sets `RELIGHT_FAULT_PLAN` (the chaos
+    harness does for the processes it starts; a test may) is the store wrapped in a
+    fault-injecting store following that plan (`storage.testing`). Unset, the plain
+    store is returned.
 
     Args:
         url: a path, a `file://`, `s3://` or `memory://` URL, or a `Store`.
@@ -47,7 +46,8 @@ def open_store(
 
     Raises:
         InvalidStorageURLError: the URL is empty, of an unknown scheme, or lacks a bucket.
-        FaultPlanError: `RELIGHT_FAULT_PLAN` is set but not a valid fault plan.
+        FaultPlanError: `RELIGHT_FAULT_PLAN` is set but not a valid fault plan
+            (`storage.testing.FaultPlanError`).
     """
     if isinstance(url, Store):
         return url
@@ -60,4 +60,6 @@ def open_store(
     else:
         settings = s3 or S3Settings.from_env(**s3_overrides)
         store = S3Store(location, settings, retry)
-    return wrap_store_from_env(store)
+    if os.environ.get(FAULT_PLAN_ENV, "").strip():
+        return wrap_store_from_env(store)
+    return store

@@ -19,6 +19,7 @@ from torch.distributed.tensor.placement_types import _StridedShard
 
 import ckpt
 import storage
+from storage.testing import FaultPlan, FaultyStore
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16,
           "int64": torch.int64}
@@ -192,7 +193,7 @@ def restore_listing_fails_on_coordinator(root: str) -> dict[str, Any]:
     the retry budget), every rank must raise at once instead of waiting in a gather."""
     store = storage.open_store(root)
     if dist.get_rank() == 0:
-        store = storage.FaultyStore(store, storage.FaultPlan(
+        store = FaultyStore(store, FaultPlan(
             fail_fraction=1.0, fail_times=100, ops=("list",)))
         store.retry = storage.RetryPolicy(max_attempts=2, base_delay_s=0.0, max_delay_s=0.0)
     mgr = ckpt.CheckpointManager(store)

@@ -9,6 +9,7 @@ import torch
 import ckpt
 import storage
 from ckpt.cli import main
+from storage.testing import corrupt_object
 
 
 def _run(tmp_path, steps=(1, 2, 3)) -> str:
@@ -49,7 +50,7 @@ def test_exit_codes(tmp_path, capsys) -> None:
     root = _run(tmp_path, steps=(1,))
     ck = storage.open_store(root).child("step-000000000001")
     key = next(k for k in ck.list("data") if "/c/" in k)
-    storage.corrupt_object(ck, key, "flip", seed=99)
+    corrupt_object(ck, key, "flip", seed=99)
     assert main(["verify", root]) == 1
     assert "FAILED" in capsys.readouterr().out
     assert main(["verify", str(tmp_path / "nothing")]) == 3
@@ -61,7 +62,7 @@ def test_exit_codes(tmp_path, capsys) -> None:
 def test_verify_checks_the_newest_step_or_all_steps(tmp_path, capsys) -> None:
     root = _run(tmp_path)
     ck = storage.open_store(root).child("step-000000000001")
-    storage.corrupt_object(ck, next(k for k in ck.list("data") if "/c/" in k), "flip", seed=3)
+    corrupt_object(ck, next(k for k in ck.list("data") if "/c/" in k), "flip", seed=3)
     assert main(["verify", root]) == 0  # the newest, step 3, is fine
     assert "step 3" in capsys.readouterr().out
     assert main(["verify", root, "--all-steps", "--json"]) == 1

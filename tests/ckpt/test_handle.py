@@ -15,6 +15,7 @@ import torch
 
 import ckpt
 import storage
+from storage.testing import FaultPlan, FaultyStore
 
 
 def test_handle_is_a_future(tmp_path) -> None:
@@ -41,8 +42,8 @@ def test_handle_is_a_future(tmp_path) -> None:
 
 def test_failed_save_is_the_futures_exception(tmp_path) -> None:
     root = storage.open_store(tmp_path / "ck")
-    faulty = storage.FaultyStore(root, storage.FaultPlan(fail_fraction=1.0, fail_times=10**6,
-                                                         ops=("put",)))
+    faulty = FaultyStore(root, FaultPlan(fail_fraction=1.0, fail_times=10**6,
+                                         ops=("put",)))
     faulty.retry = storage.RetryPolicy(max_attempts=1)
     h = ckpt.save({"w": torch.zeros(8)}, faulty, async_save=True)
     err = h.exception(timeout=60)
@@ -56,10 +57,10 @@ def test_failed_save_is_the_futures_exception(tmp_path) -> None:
 
 SCRIPT = textwrap.dedent("""
     import sys, torch, ckpt, storage
+    from storage.testing import FaultPlan, FaultyStore
     root = storage.open_store(sys.argv[1])
     # Each index put sleeps: the save is surely still running when the script ends.
-    slow = storage.FaultyStore(root, storage.FaultPlan(latency_s=0.5, ops=("put",),
-                                                       key_contains="index/"))
+    slow = FaultyStore(root, FaultPlan(latency_s=0.5, ops=("put",), key_contains="index/"))
     mgr = ckpt.CheckpointManager(slow)
     mgr.save(1, {"w": torch.arange(16.0)}, async_save=True)
     print("returned", flush=True)  # no mgr.wait(): the common mistake

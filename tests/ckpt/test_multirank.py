@@ -13,6 +13,7 @@ from hypothesis import strategies as st
 import ckpt
 import storage
 from ckpt.format import COMMIT_KEY, MANIFEST_KEY
+from storage.testing import corrupt_object
 from tests.ckpt._pool import RankFailure, RankPool
 
 pytestmark = pytest.mark.multirank
@@ -148,7 +149,7 @@ def test_manager_restore_into_new_layout_with_fallback(pool, tmp_path) -> None:
     store = storage.open_store(root).child("step-000000000003")
     m = json.loads(store.get(MANIFEST_KEY))
     arr = m["tensors"]["m"]["array"]
-    storage.corrupt_object(store, next(k for k in store.list(arr) if "/c/" in k), "flip", 3)
+    corrupt_object(store, next(k for k in store.list(arr) if "/c/" in k), "flip", 3)
     res = pool.run("tests.ckpt.cases:manager_restore", root=root, tensors=tensors, mesh=[3],
                    pl=[["S1"], ["S0"]])
     assert [r["step"] for r in res[:3]] == [2, 2, 2]

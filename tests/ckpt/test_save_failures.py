@@ -9,16 +9,17 @@ import torch
 
 import ckpt
 import storage
+from storage.testing import FaultPlan, FaultyStore
 
 
 def _state(seed: int) -> dict:
     return {"w": torch.full((64, 64), float(seed)), "step": seed}
 
 
-def _failing(root: storage.Store) -> storage.FaultyStore:
+def _failing(root: storage.Store) -> FaultyStore:
     """Every put under a step's directory fails past the retry budget."""
-    faulty = storage.FaultyStore(root, storage.FaultPlan(fail_fraction=1.0, fail_times=10**6,
-                                                         ops=("put",), key_contains="step-"))
+    faulty = FaultyStore(root, FaultPlan(fail_fraction=1.0, fail_times=10**6,
+                                         ops=("put",), key_contains="step-"))
     faulty.retry = storage.RetryPolicy(max_attempts=1)
     return faulty
 
@@ -57,9 +58,9 @@ def test_wait_raises_the_policy_error_too(tmp_path) -> None:
 
 def test_a_committed_save_resets_the_count(tmp_path) -> None:
     root = storage.open_store(tmp_path / "run")
-    plan = storage.FaultPlan(fail_fraction=1.0, fail_times=10**6, ops=("put",),
-                             key_contains="step-000000000002")
-    faulty = storage.FaultyStore(root, plan)
+    plan = FaultPlan(fail_fraction=1.0, fail_times=10**6, ops=("put",),
+                     key_contains="step-000000000002")
+    faulty = FaultyStore(root, plan)
     faulty.retry = storage.RetryPolicy(max_attempts=1)
     mgr = ckpt.CheckpointManager(faulty, keep_last=5,
                                  on_failures=ckpt.SaveFailurePolicy(max_consecutive=2))

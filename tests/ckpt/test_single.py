@@ -15,6 +15,7 @@ import ckpt
 import storage
 from ckpt.format import COMMIT_KEY, MANIFEST_KEY
 from ckpt.manifest import crc32c
+from storage.testing import FaultPlan, FaultyStore, corrupt_object
 
 
 class Counter:
@@ -214,7 +215,7 @@ def _chunk_of(store: storage.Store, tensor: str) -> str:
 
 def test_checksum_mismatch(saved) -> None:
     key = _chunk_of(saved, "w")
-    storage.corrupt_object(saved, key, "flip", seed=12345)
+    corrupt_object(saved, key, "flip", seed=12345)
     with pytest.raises(ckpt.CorruptCheckpointError) as e:
         ckpt.load(_target(), saved)
     assert isinstance(e.value, ckpt.ChecksumMismatchError)
@@ -225,7 +226,7 @@ def test_checksum_mismatch(saved) -> None:
 
 def test_truncated_chunk(saved) -> None:
     key = _chunk_of(saved, "w")
-    storage.corrupt_object(saved, key, "truncate")
+    corrupt_object(saved, key, "truncate")
     with pytest.raises(ckpt.CorruptCheckpointError, match="'w'"):
         ckpt.load(_target(), saved)
     assert not ckpt.verify(saved).ok
@@ -281,8 +282,8 @@ def test_storage_failing_mid_save_leaves_no_commit(tmp_path, caplog) -> None:
     mgr.save(1, make_state(1), async_save=False)
     assert mgr.latest_step() == 1
     # Every put of the next save fails beyond the retry budget.
-    faulty = storage.FaultyStore(root, storage.FaultPlan(fail_fraction=1.0, fail_times=100,
-                                                         ops=("put",), key_contains="step-"))
+    faulty = FaultyStore(root, FaultPlan(fail_fraction=1.0, fail_times=100,
+                                         ops=("put",), key_contains="step-"))
     faulty.retry = storage.RetryPolicy(max_attempts=2, base_delay_s=0.0, max_delay_s=0.0)
     bad = ckpt.CheckpointManager(faulty, keep_last=2)
     h = bad.save(2, make_state(2), async_save=True)
@@ -302,8 +303,8 @@ def test_storage_failing_mid_save_leaves_no_commit(tmp_path, caplog) -> None:
 
 def test_failed_async_save_reported_by_next_save(tmp_path, caplog) -> None:
     root = storage.open_store(tmp_path / "run")
-    faulty = storage.FaultyStore(root, storage.FaultPlan(fail_fraction=1.0, fail_times=100,
-                                                         ops=("put",), key_contains="COMMIT"))
+    faulty = FaultyStore(root, FaultPlan(fail_fraction=1.0, fail_times=100,
+                                         ops=("put",), key_contains="COMMIT"))
     mgr = ckpt.CheckpointManager(faulty, keep_last=2)
     mgr.save(1, make_state(1))
     with caplog.at_level(logging.ERROR):
@@ -344,7 +345,7 @@ def test_restore_falls_back_when_newest_is_damaged(tmp_path, caplog) -> None:
         mgr.save(s, make_state(s), async_save=False)
     store = storage.open_store(tmp_path / "run/step-000000000002")
     key = _chunk_of(store, "bf")
-    storage.corrupt_object(store, key, "flip", seed=7)
+    corrupt_object(store, key, "flip", seed=7)
     dst = zeros_like_state()
     with caplog.at_level(logging.WARNING):
         assert mgr.restore(dst) == 1
@@ -362,15 +363,15 @@ def test_restore_with_every_checkpoint_damaged_is_not_retryable(tmp_path) -> Non
     mgr = ckpt.CheckpointManager(root, keep_last=3)
     for s in (1, 2):
         mgr.save(s, make_state(s), async_save=False)
-    faulty = storage.FaultyStore(root, storage.FaultPlan(fail_fraction=1.0, fail_times=100,
-                                                         ops=("get",), key_contains="/data/"))
+    faulty = FaultyStore(root, FaultPlan(fail_fraction=1.0, fail_times=100,
+                                         ops=("get",), key_contains="/data/"))
     faulty.retry = storage.RetryPolicy(max_attempts=1, base_delay_s=0.0, max_delay_s=0.0)
     with pytest.raises(ckpt.CheckpointNotFoundError) as e:
         ckpt.CheckpointManager(faulty, keep_last=3).restore(zeros_like_state())
     assert not isinstance(e.value, ckpt.NoLoadableCheckpointError)
     for s in (1, 2):
         step = storage.open_store(tmp_path / f"run/step-{s:012d}")
-        storage.corrupt_object(step, _chunk_of(step, "bf"), "flip", seed=7)
+        corrupt_object(step, _chunk_of(step, "bf"), "flip", seed=7)
     with pytest.raises(ckpt.NoLoadableCheckpointError, match="step 2: .*step 1: ") as e:
         mgr.restore(zeros_like_state())
     assert "relight ckpt verify" in str(e.value)

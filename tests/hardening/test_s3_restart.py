@@ -13,6 +13,7 @@ import storage
 from chaos.s3_server import S3Server
 from ckpt.format import COMMIT_KEY
 from ckpt.root_layout import step_dir
+from storage.testing import FaultPlan, FaultyStore
 
 from ._util import OPTIONS, TYPED, assert_bitwise, make_state, snapshot, tally, zeros_like
 
@@ -33,7 +34,7 @@ def test_s3_killed_mid_save_then_restarted(tmp_path, monkeypatch) -> None:
         older = snapshot(root, step_dir(1))
 
         # Step 2's index put waits 2 s: the server is killed while the save is under way.
-        slow = storage.FaultyStore(root, storage.FaultPlan(
+        slow = FaultyStore(root, FaultPlan(
             latency_s=2.0, ops=("put",), key_contains="/index/"))
         handle = ckpt.CheckpointManager(slow, options=OPTIONS).save(2, make_state(2))
         time.sleep(0.5)

@@ -12,8 +12,8 @@ import pytest
 import torch
 
 import ckpt
-import storage
 from ckpt.resources import resources
+from storage.testing import FaultPlan, FaultyStore
 
 from ._util import assert_bitwise, local_store, tally
 
@@ -33,7 +33,7 @@ def zeros() -> dict:
 
 def slow_manager(tmp_path, busy: str) -> ckpt.CheckpointManager:
     root = local_store(tmp_path / "run")
-    slow = storage.FaultyStore(root, storage.FaultPlan(latency_s=LATENCY_S, ops=("put",)))
+    slow = FaultyStore(root, FaultPlan(latency_s=LATENCY_S, ops=("put",)))
     return ckpt.CheckpointManager(slow, keep_last=2, busy=busy)
 
 

@@ -1,5 +1,5 @@
 """A transient storage error at call k, for every k of a save and of a load
-(`storage.FaultPlan(fail_at={k})`): a save either commits correct data or leaves no
+(`storage.testing.FaultPlan(fail_at={k})`): a save either commits correct data or leaves no
 commit marker, a load returns the right values or raises a typed error, and the older
 checkpoint beside them is never touched."""
 
@@ -13,6 +13,7 @@ import ckpt
 import storage
 from ckpt.format import COMMIT_KEY
 from ckpt.root_layout import step_dir
+from storage.testing import FaultPlan, FaultyStore
 
 from ._util import (
     OPTIONS,
@@ -66,7 +67,7 @@ def _ops(fn) -> int:
     counted = []
 
     def run(store: storage.Store) -> None:
-        faulty = storage.FaultyStore(store, storage.FaultPlan())
+        faulty = FaultyStore(store, FaultPlan())
         fn(faulty)
         counted.append(faulty.log.count)
     return run, counted
@@ -103,7 +104,7 @@ def test_save_with_a_fault_at_every_call(template, sweep: tuple[str, str]) -> No
     for k in range(n[0]):
         root = template()
         older = snapshot(root, step_dir(1))
-        faulty = storage.FaultyStore(root, storage.FaultPlan(fail_at=frozenset({k})))
+        faulty = FaultyStore(root, FaultPlan(fail_at=frozenset({k})))
         faulty.retry = NO_RETRY if retry == "none" else FAST_RETRY
         error = None
         try:
@@ -134,7 +135,7 @@ def test_load_with_a_fault_at_every_call(template, sweep: tuple[str, str]) -> No
     assert n[0] > 3
     failed = 0
     for k in range(n[0]):
-        faulty = storage.FaultyStore(root, storage.FaultPlan(fail_at=frozenset({k})))
+        faulty = FaultyStore(root, FaultPlan(fail_at=frozenset({k})))
         faulty.retry = NO_RETRY if retry == "none" else FAST_RETRY
         got = zeros_like(make_state(2))
         try:

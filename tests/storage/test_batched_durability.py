@@ -12,8 +12,9 @@ import ckpt
 import storage
 from ckpt.format import COMMIT_KEY, DATA_PREFIX, INDEX_PREFIX
 from ckpt.tiered import TieredStore
-from storage import FaultPlan, FaultyStore, InjectedFaultError, StorageError, fsspec_store
+from storage import InjectedFaultError, StorageError, fsspec_store
 from storage.faulty import OPERATIONS
+from storage.testing import FaultPlan, FaultyStore
 
 NO_RETRY = storage.RetryPolicy(max_attempts=1)
 

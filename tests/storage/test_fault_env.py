@@ -34,6 +34,21 @@ def test_plan_from_json() -> None:
             plan_from_json(bad)
 
 
+def test_fault_injection_is_a_testing_surface_not_storage_api(tmp_path: Path,
+                                                               monkeypatch) -> None:
+    import storage.testing
+
+    faults = {"FaultyStore", "FaultPlan", "FaultLog", "corrupt_object", "FaultPlanError",
+              "plan_from_json", "wrap_store_from_env"}
+    assert not faults & set(storage.__all__)
+    assert faults <= set(storage.testing.__all__)
+    monkeypatch.delenv(storage.testing.FAULT_PLAN_ENV, raising=False)
+    plain = storage.open_store(tmp_path / "plain")
+    assert not isinstance(plain, storage.testing.FaultyStore)
+    monkeypatch.setenv(storage.testing.FAULT_PLAN_ENV, '{"fail_at": [0]}')
+    assert isinstance(storage.open_store(tmp_path / "opted-in"), storage.testing.FaultyStore)
+
+
 def test_unset_env_returns_the_store_itself(tmp_path: Path) -> None:
     store = storage.open_store(str(tmp_path))
     assert wrap_store_from_env(store, {}) is store

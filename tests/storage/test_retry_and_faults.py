@@ -8,14 +8,13 @@ import pytest
 
 import storage
 from storage import (
-    FaultPlan,
-    FaultyStore,
     InjectedFaultError,
     InvalidStorageURLError,
     ObjectNotFoundError,
     RetryPolicy,
     TransientStorageError,
 )
+from storage.testing import FaultPlan, FaultPlanError, FaultyStore, corrupt_object, plan_from_json
 
 FAST = RetryPolicy(max_attempts=4, base_delay_s=0.0, max_delay_s=0.0)
 
@@ -105,12 +104,12 @@ def test_faults_only_on_matching_keys(store) -> None:
 
 def test_corrupt_object_modes(store) -> None:
     store.put("obj", b"abcdefgh")
-    storage.corrupt_object(store, "obj", "truncate")
+    corrupt_object(store, "obj", "truncate")
     assert store.get("obj") == b"abcd"
-    storage.corrupt_object(store, "obj", "empty")
+    corrupt_object(store, "obj", "empty")
     assert store.get("obj") == b""
     with pytest.raises(ValueError):
-        storage.corrupt_object(store, "obj", "melt")
+        corrupt_object(store, "obj", "melt")
 
 
 def test_unreachable_s3_endpoint_is_transient_and_bounded(monkeypatch) -> None:
@@ -164,8 +163,8 @@ def test_fault_plan_file_is_reread_when_it_changes(tmp_path, monkeypatch) -> Non
 @pytest.mark.parametrize("text,field", [('{"nope": 1}', "nope"), ('{"seed": "x"}', "seed"),
                                         ("[1]", "JSON object"), ("{", "not valid JSON")])
 def test_bad_fault_plan_json_names_the_problem(text, field) -> None:
-    with pytest.raises(storage.FaultPlanError, match=field):
-        storage.plan_from_json(text)
+    with pytest.raises(FaultPlanError, match=field):
+        plan_from_json(text)
 
 
 def test_warming_the_s3_sdk_leaves_nothing_running(monkeypatch) -> None:
