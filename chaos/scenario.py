@@ -43,8 +43,9 @@ from __future__ import annotations
 import dataclasses
 import tomllib
 from dataclasses import dataclass, field
+from enum import StrEnum
 from pathlib import Path
-from typing import Any
+from typing import Any, TypeVar
 
 from chaos.faults import CHECKPOINT_ATTACKS, NODE_LOSSES, FaultKind, Phase
 
@@ -72,6 +73,9 @@ class ScenarioError(ValueError):
         self.key = key
         self.message = message
         self.source = source
+
+
+E = TypeVar("E", bound=StrEnum)
 
 
 def _fail(key: str, message: str) -> None:
@@ -527,22 +531,21 @@ def _coerce(type_name: str, value: Any, key: str) -> Any:
     return value
 
 
-def _kind(value: Any, key: str) -> FaultKind:
+def _member(kind: type[E], value: Any, key: str, what: str) -> E:
     try:
-        return FaultKind(value)
+        return kind(value)
     except ValueError:
         raise ScenarioError(
-            key, f"unknown fault kind {value!r}; known: {[k.value for k in FaultKind]}"
+            key, f"unknown {what} {value!r}; known: {[m.value for m in kind]}"
         ) from None
+
+
+def _kind(value: Any, key: str) -> FaultKind:
+    return _member(FaultKind, value, key, "fault kind")
 
 
 def _phase(value: Any, key: str) -> Phase:
-    try:
-        return Phase(value)
-    except ValueError:
-        raise ScenarioError(
-            key, f"unknown phase {value!r}; known: {[p.value for p in Phase]}"
-        ) from None
+    return _member(Phase, value, key, "phase")
 
 
 def parse_scenario(raw: dict[str, Any], source: str = "") -> Scenario:
