@@ -4,7 +4,7 @@ testing hook (`storage.testing` is where tests and the chaos harness import it f
 The chaos runner cannot reach into a training process, so the process opens its store
 through `wrap_store_from_env(store)`, which honours one environment variable:
 
-- `RELIGHT_FAULT_PLAN='{"fail_fraction": 0.2, "seed": 3}'` - a `storage.FaultPlan` as JSON,
+- `RELIGHT_FAULT_PLAN='{"fail_fraction": 0.2, "seed": 3}'` - a `storage.testing.FaultPlan` as JSON,
   fixed for the life of the process;
 - `RELIGHT_FAULT_PLAN='@/run/dir/fault-plan.json'` - a file holding such JSON, re-read when
   it changes (checked at most every `RELOAD_S`); a missing or empty file means no faults.
