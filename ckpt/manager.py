@@ -26,6 +26,7 @@ from ckpt.errors import (
     UnsupportedVersionError,
 )
 from ckpt.manifest import Manifest
+from ckpt.rank_log import rank_step_prefix
 from ckpt.root_layout import (
     commit_key,
     committed_steps,
@@ -439,14 +440,16 @@ class CheckpointManager:
                     raise
                 storage_failed |= isinstance(e, (StorageError, CheckpointNotFoundError))
                 reasons.append(f"step {s}: {e}")
-                logger.warning("[rank %d] checkpoint step %d under %s is unusable (%s); "
-                               "falling back to an older one", comm.rank, s, self.store.url, e)
+                logger.warning("%s checkpoint step %d under %s is unusable (%s); "
+                               "falling back to an older one", rank_step_prefix(comm.rank), s,
+                               self.store.url, e)
                 continue
             if reasons:
-                logger.warning("[rank %d] restored step %d after skipping: %s", comm.rank, s,
-                               "; ".join(reasons))
+                logger.warning("%s restored step %d after skipping: %s",
+                               rank_step_prefix(comm.rank), s, "; ".join(reasons))
             else:
-                logger.info("[rank %d] restored step %d from %s", comm.rank, s, self.store.url)
+                logger.info("%s restored step %d from %s", rank_step_prefix(comm.rank), s,
+                            self.store.url)
             return s
         if storage_failed:  # storage may answer on a retry
             raise CheckpointNotFoundError(

@@ -1,4 +1,5 @@
-"""The one way log lines name the rank and step they come from: ``[rank R step S]``.
+"""The one way log lines name the rank and step they come from: ``[rank R step S]``, or
+``[rank R]`` where no step applies.
 
 The trainer, its watchdog and preemption watcher, and the checkpoint engine all prefix
 their lines this way, so that one grep follows a rank through a run (docs/operations.md,
@@ -15,9 +16,9 @@ from typing import Any
 __all__ = ["RankStepLogger", "rank_step_prefix"]
 
 
-def rank_step_prefix(rank: int, step: int | None) -> str:
-    """``[rank R step S]``; `step` None (not known yet) is written as ``None``."""
-    return f"[rank {rank} step {step}]"
+def rank_step_prefix(rank: int, step: int | None = None) -> str:
+    """``[rank R step S]``, or ``[rank R]`` when `step` is None (no step applies)."""
+    return f"[rank {rank}]" if step is None else f"[rank {rank} step {step}]"
 
 
 class RankStepLogger(logging.LoggerAdapter):

@@ -24,6 +24,7 @@ from typing import Any
 from ckpt.comm import Comm
 from ckpt.local_tier import REPLICA_DIR, TierStats, local_tier_dir, tier_node
 from ckpt.peer import PeerServer
+from ckpt.rank_log import rank_step_prefix
 from ckpt.tiered import TieredStore
 from storage import Store, open_store
 
@@ -145,8 +146,8 @@ def open_checkpoint_root(url: str | os.PathLike[str] | Store, tiers: TierOptions
     budget = tiers.budget_bytes // nodes.count(node)
     tiered = TieredStore(persistent, local_tier_dir(tiers.local_dir, persistent.url, node),
                          budget, writer=comm.rank)
-    logger.info("[rank %d] local tier %s, %d MiB for this rank", comm.rank, tiered.local_dir,
-                budget >> 20)
+    logger.info("%s local tier %s, %d MiB for this rank", rank_step_prefix(comm.rank),
+                tiered.local_dir, budget >> 20)
     server = None
     if tiers.peer_replicas > 0:
         server = _attach_peers(tiered, tiers, comm, node, nodes, gathered[0][1])
@@ -175,6 +176,7 @@ def _attach_peers(tiered: TieredStore, tiers: TierOptions, comm: Comm, node: str
     others = [ring[(ring.index(node) + i) % len(ring)] for i in range(1, len(ring))]
     tiered.attach_peers([addrs[n] for n in others[:tiers.peer_replicas]],
                         [addrs[n] for n in others], token)
-    logger.info("[rank %d] peer tier: replicas to %s, %d peer(s) to fetch from", comm.rank,
-                others[:tiers.peer_replicas] or "no other node", len(others))
+    logger.info("%s peer tier: replicas to %s, %d peer(s) to fetch from",
+                rank_step_prefix(comm.rank), others[:tiers.peer_replicas] or "no other node",
+                len(others))
     return server
