@@ -25,13 +25,18 @@ import time
 from pathlib import Path
 from typing import Any
 
-import torch
-import torch.distributed as dist
-import torch.distributed.checkpoint as dcp
-from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
+# Run as a script (as torchrun runs it), Python puts this directory first on sys.path,
+# and benchmarks/ckpt.py would then shadow the `ckpt` package the runtime imports.
+if sys.path and Path(sys.path[0]).resolve() == Path(__file__).resolve().parent:
+    sys.path[0] = str(Path(__file__).resolve().parents[1])
 
-from runtime.config import load_config
-from runtime.train import Trainer
+import torch  # noqa: E402
+import torch.distributed as dist  # noqa: E402
+import torch.distributed.checkpoint as dcp  # noqa: E402
+from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict  # noqa: E402
+
+from runtime.config import load_config  # noqa: E402
+from runtime.train import Trainer  # noqa: E402
 
 KEEP = 3
 """Checkpoints kept, as the other arms keep theirs."""

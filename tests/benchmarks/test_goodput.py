@@ -34,3 +34,17 @@ def test_without_a_coordinator_kill_etcd_is_one_member() -> None:
     s = parse_scenario(_scenario("heal", schedule(60.0, cfg), cfg))
     assert s.cluster.etcd_members == 1
     assert all(f.kind.value == "kill_node" for f in s.faults)
+
+
+def test_the_torchrun_arms_script_runs_as_torchrun_starts_it() -> None:
+    """torchrun runs it as a script: its directory first on sys.path, where
+    benchmarks/ckpt.py must not shadow the checkpoint package the runtime imports."""
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    root = Path(__file__).resolve().parents[2]
+    res = subprocess.run([sys.executable, str(root / "benchmarks" / "dcp_train.py"), "--help"],
+                         capture_output=True, text=True, timeout=300, cwd="/")
+    assert res.returncode == 0, res.stderr[-2000:]
+    assert "--config" in res.stdout
