@@ -588,24 +588,60 @@ def check_survivors_never_restart(ev: RunEvidence) -> InvariantResult:
                    measured={"worker_starts": ev.worker_starts, "hit": hits})
 
 
+def replica_lineages(records: Sequence[StepRecord]) -> dict[tuple[str, int], int]:
+    """Which run of the job each group's attempt belongs to: attempts (a group's
+    contiguous steps after one start, `split_attempts`) that trained in a common quorum
+    are one lineage. When every replica is lost, the groups that start again (from a
+    storage checkpoint, or from scratch) form new quorums and a new lineage, whose
+    steps legitimately differ from the lost one's. Maps (group, attempt index) to a
+    lineage number."""
+    parent: dict[tuple[str, int], tuple[str, int]] = {}
+
+    def find(x: tuple[str, int]) -> tuple[str, int]:
+        while parent[x] != x:
+            parent[x] = parent[parent[x]]
+            x = parent[x]
+        return x
+
+    first_in_quorum: dict[int, tuple[str, int]] = {}
+    for group, recs in by_group(records).items():
+        for att in split_attempts(recs):
+            key = (group, att.index)
+            parent.setdefault(key, key)
+            for rec in att.records:
+                if rec.quorum is None:
+                    continue
+                other = first_in_quorum.setdefault(rec.quorum, key)
+                parent[find(key)] = find(other)
+    roots: dict[tuple[str, int], int] = {}
+    return {k: roots.setdefault(find(k), len(roots)) for k in parent}
+
+
 def check_replicas_identical(ev: RunEvidence) -> InvariantResult:
     problems = []
-    by_step: dict[int, dict[str, tuple[int, ...]]] = {}
-    for rec in ev.records:
-        if rec.state_crc is not None and rec.replica_group is not None:
-            by_step.setdefault(rec.step, {})[rec.replica_group] = rec.state_crc
+    lineage = replica_lineages(ev.records)
+    by_step: dict[tuple[int, int], dict[str, tuple[int, ...]]] = {}
+    for group, recs in by_group(ev.records).items():
+        for att in split_attempts(recs):
+            for rec in att.records:
+                if rec.state_crc is not None and rec.replica_group is not None:
+                    at = (lineage[(group, att.index)], rec.step)
+                    by_step.setdefault(at, {})[rec.replica_group] = rec.state_crc
     compared = 0
-    for step, crcs in sorted(by_step.items()):
+    lineages = {line for line, _ in by_step}
+    for (line, step), crcs in sorted(by_step.items()):
         if len(crcs) < 2:
             continue
         compared += 1
         if len(set(crcs.values())) > 1:
-            problems.append(f"step {step}: groups disagree on their state: {crcs}")
+            where = f" (run {line} of the job: every replica was lost before it)" if line else ""
+            problems.append(f"step {step}{where}: groups disagree on their state: {crcs}")
     if not compared:
         problems.append("no step was logged with a state digest by two groups: replica "
                         "state was never compared (replica.digest_every = 0?)")
+    runs = f" in {len(lineages)} runs of the job" if len(lineages) > 1 else ""
     return _result(9, "replicas bitwise identical", problems,
-                   f"{compared} step(s) compared across groups, every digest equal",
+                   f"{compared} step(s) compared across groups{runs}, every digest equal",
                    tolerance="bitwise (crc32c of every rank's parameter shards)",
                    measured={"steps_compared": compared})
 

@@ -110,3 +110,23 @@ def test_more_abandoned_steps_than_faults_fail_check_11() -> None:
     ev = replace(ev, records=[replace(r, abandoned_steps=2) if r.replica_group == "node-1"
                               and r.step > 8 else r for r in ev.records])
     assert failing(ev) == {11}
+
+
+def test_replicas_are_compared_within_each_run_of_the_job() -> None:
+    """Every replica lost at step 8: new groups start over (here from scratch) in quorums
+    of their own. Their steps 1-8 differ from the lost run's, and are not compared with
+    them; within the new run the groups still must agree."""
+    from chaos.verifier import check_replicas_identical, replica_lineages
+
+    lost = [rec(g, s, float(s), crc=(s, 1000)) for s in range(1, 9) for g in ("node-0", "node-1")]
+    again = [rec(g, s, float(s + 20), quorum=5, crc=(s, 2000))
+             for s in range(1, 13) for g in ("node-2", "node-3")]
+    ev = replace(correct_run(), records=lost + again)
+    lineage = replica_lineages(ev.records)
+    assert lineage[("node-0", 0)] == lineage[("node-1", 0)] != lineage[("node-2", 0)]
+    assert lineage[("node-2", 0)] == lineage[("node-3", 0)]
+    result = check_replicas_identical(ev)
+    assert result.ok, result.summary
+    assert "2 runs of the job" in result.summary
+    bad = edit(ev, "node-3", 10, state_crc=(1, 2))
+    assert not check_replicas_identical(bad).ok
