@@ -283,9 +283,12 @@ def _table(results: list[dict[str, Any]]) -> str:
             continue
         g = r.get("fleet_goodput")
         coord = [p for p in r.get("coordinator_pauses_s") or [] if p is not None]
+        pause = r.get("pauses_median_s")
+        if pause is None and r.get("faults"):
+            pause = "no step within 30 s"
         rows.append(
             f"| {r['mtbf_s']:g} | {r['arm']} | {r.get('faults', '-')} | "
-            f"{'-' if g is None else f'{g:.3f}'} | {r.get('pauses_median_s', '-')} | "
+            f"{'-' if g is None else f'{g:.3f}'} | {'-' if pause is None else pause} | "
             f"{r.get('rejoins_median_s', '-')} | "
             f"{', '.join(f'{p:.2f}' for p in coord) or '-'} | {r['loadavg_before'][0]} / "
             f"{r['loadavg_after'][0]} |")

@@ -351,12 +351,7 @@ class QuorumClient:
                     # Only groups without the state voted in time. They cannot go on
                     # alone while a group that holds it lives (it is slow, not dead):
                     # wait for it to re-form the quorum, or for its lease to expire.
-                    self.client.wait_for_change(self.root + "quorum", snap.revision,
-                                                self.lease_ttl)
-                    if time.monotonic() > deadline:
-                        raise QuorumError(f"replica group {self.group}: healthy groups "
-                                          f"{holders} formed no quorum within "
-                                          f"{self.timeout:.0f}s under {self.root}")
+                    self._wait_for_holders("quorum", snap, deadline, holders, "formed no quorum")
                     continue
                 proposal = self._proposal(current.id + 1, members, snap, current)
             elif absent is not None and current is not None and current.id == absent[0].id:
@@ -367,12 +362,8 @@ class QuorumClient:
                 if not any(m not in current.healing for m in members):
                     # Only joiners entered; a group holding the state is named but silent.
                     # They cannot go on without it: wait for its key to change or expire.
-                    self.client.wait_for_change(self.root + "groups/", snap.revision,
-                                                self.lease_ttl)
-                    if time.monotonic() > deadline:
-                        raise QuorumError(f"replica group {self.group}: groups holding the "
-                                          f"state {list(current.healthy)} did not enter "
-                                          f"quorum {current.id} within {self.timeout:.0f}s")
+                    self._wait_for_holders("groups/", snap, deadline, list(current.healthy),
+                                           f"did not enter quorum {current.id}")
                     continue
                 proposal = self._proposal(current.id + 1, members, snap, current,
                                           absent_now[1])
@@ -406,6 +397,15 @@ class QuorumClient:
             if time.monotonic() > deadline:
                 raise QuorumError(f"replica group {self.group}: no quorum within "
                                   f"{self.timeout:.0f}s under {self.root}")
+
+    def _wait_for_holders(self, key: str, snap: Snapshot, deadline: float,
+                          holders: list[str], what: str) -> None:
+        """Wait for a change under `key` while groups that hold the state are alive but
+        silent; QuorumError once the agree deadline has passed."""
+        self.client.wait_for_change(self.root + key, snap.revision, self.lease_ttl)
+        if time.monotonic() > deadline:
+            raise QuorumError(f"replica group {self.group}: groups holding the state "
+                              f"{holders} {what} within {self.timeout:.0f}s under {self.root}")
 
     @staticmethod
     def _entitled(current: Quorum | None, snap: Snapshot,
