@@ -116,7 +116,8 @@ def test_preempted_groups_do_not_spend_restart_slots(tmp_path, monkeypatch) -> N
     assert etcd_processes_in(run_dir) == []
 
 
-@pytest.mark.parametrize("status", [65, 2])
+# 2 (a usage error) takes the same path as 65; the long tier runs it too.
+@pytest.mark.parametrize("status", [65, pytest.param(2, marks=pytest.mark.long)])
 def test_fatal_exit_statuses_are_not_restarted(tmp_path, status) -> None:
     # 65: every committed checkpoint damaged; 2: bad config. A restart would rerun the same
     # failure, so the job ends at once with slots left (torchrun's agent spends all 3;

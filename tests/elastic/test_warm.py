@@ -141,6 +141,7 @@ def test_a_server_that_fails_to_import_starts_its_workers_cold(tmp_path) -> None
         srv.stop()
 
 
+@pytest.mark.long  # `relight run`'s warm-start test takes this path in the default tier
 def test_a_client_waits_for_a_server_still_importing(tmp_path) -> None:
     srv = WarmServer(tmp_path / "s.sock", ["torch"],
                      log_path=tmp_path / "server.log").start(wait=False)

@@ -109,6 +109,7 @@ def test_sigterm_to_one_worker_stops_every_rank_at_the_same_step(tmp_path: Path)
     assert latest_step(url) == stopped
 
 
+@pytest.mark.long  # pollers: test_sources.py; the notice path end to end: the notice-file test
 def test_metadata_poller_in_a_training_run(tmp_path: Path) -> None:
     url, m = str(tmp_path / "ck"), tmp_path / "m.jsonl"
     server = FakeMetadata()

@@ -63,9 +63,10 @@ def merged_grads(results: list[dict]) -> dict[str, torch.Tensor]:
     return out
 
 
-LONG = {"fsdp2xtp2xpp2"}
-"""In the long tier: eight ranks (the only case that grows the pool to eight workers);
-CI runs the two-dimensional cases of the same parallelisms (pp2xtp2-sp-ac, dp2xtp2)."""
+LONG = {"fsdp2xtp2xpp2", "dp4", "tp2", "moe-ep2"}
+"""In the long tier: eight ranks (the only case that grows the pool to eight workers),
+and three one-dimensional cases whose parallelism CI runs inside a two-dimensional one:
+dp4 in hsdp2x2 and dp2xtp2, tp2 in dp2xtp2, moe-ep2 in moe-dp2xep2 and moe-fsdp4xep2."""
 
 
 @pytest.mark.parametrize(("config", "overrides", "world"),
