@@ -96,6 +96,7 @@ def test_any_layout_to_any_layout_file(pool, tmp_path_factory, case) -> None:
 
 
 @pytest.mark.s3
+@pytest.mark.long  # the same layouts as the file variant; S3 saves and loads run in CI elsewhere
 def test_any_layout_to_any_layout_s3(pool, s3_url) -> None:
     env = {k: v for k, v in os.environ.items() if k.startswith("AWS_")}
 

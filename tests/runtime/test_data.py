@@ -87,6 +87,7 @@ def test_corpus_has_far_less_entropy_than_its_unigrams() -> None:
 
 
 @pytest.mark.multirank
+@pytest.mark.long  # the main job (scripts/run.sh) learns the same way on real text
 def test_tiny_model_learns_well_below_unigram_entropy(rank_pool: RankPool) -> None:
     r = rank_pool.run("tests.runtime.cases:train", 1, overrides=["--train.steps=40"])[0]
     unigram = SyntheticCorpus(vocab_size=64, seq_len=32, seed=1234).unigram_entropy()

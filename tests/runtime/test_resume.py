@@ -86,7 +86,9 @@ def test_checkpoint_persisted_while_training_goes_on_restores_exactly(
 @pytest.mark.parametrize(("overrides", "world"), [
     pytest.param(["--parallel.tp=2"], 4, id="fsdp4-to-dp2xtp2"),
     pytest.param(["--parallel.pp=2"], 4, id="fsdp4-to-pp2xdp2"),
-    pytest.param(["--parallel.tp=2", "--parallel.dp_shard=1"], 2, id="fsdp4-to-tp2"),
+    # long: tensor parallelism is resharded into in fsdp4-to-dp2xtp2 too
+    pytest.param(["--parallel.tp=2", "--parallel.dp_shard=1"], 2, id="fsdp4-to-tp2",
+                 marks=pytest.mark.long),
 ])
 def test_resume_resharded(rank_pool: RankPool, straight: dict, saved_at_5: Path,
                           tmp_path: Path, overrides: list[str], world: int) -> None:
@@ -101,6 +103,7 @@ def test_resume_resharded(rank_pool: RankPool, straight: dict, saved_at_5: Path,
         assert abs(g - w) <= 1e-4 * w, f"step {6 + i}: {g} vs uninterrupted {w}"
 
 
+@pytest.mark.long  # 30 s; CI resumes resharded dense layouts, and trains EP ones (test_parity)
 def test_resume_changes_expert_parallelism(rank_pool: RankPool, tmp_path: Path) -> None:
     """MoE saved under fsdp4 x ep4 resumes under dp2 x ep2 (2 ranks) and under one process."""
     ref = rank_pool.run("tests.runtime.cases:train", 1, config=MOE, overrides=RUN)[0]["losses"]
