@@ -188,13 +188,12 @@ def save(
     t_planned = time.perf_counter()
     # Stage: copy this rank's pieces into (reused) host buffers, here or (pipelined) in
     # the background thread before it persists.
-    my_writes = plan.writes_of(comm.rank)
+    my_writes = cached.writes_of(comm.rank)
     need_copy = async_save or any(
         flat.tensors[t.name].tensor.device.type != "cpu" for t, _ in my_writes)
-    copies = []
-    for t, p in my_writes:
-        piece = next(x for x in pieces_of[t.name] if x.offset == p.offset and x.shape == p.shape)
-        copies.append((t, p, local_view(flat.tensors[t.name].tensor, piece)))
+    held = {(name, x.offset, x.shape): x for name, xs in pieces_of.items() for x in xs}
+    copies = [(t, p, local_view(flat.tensors[t.name].tensor, held[(t.name, p.offset, p.shape)]))
+              for t, p in my_writes]
     background = async_save and opts.pipelined_staging
     stager = Stager(copies, cached.bufs, need_copy=need_copy,
                     packed_size=plan.packed_size.get(comm.rank, 0),
@@ -202,7 +201,15 @@ def save(
     staged: dict[tuple[str, tuple[int, ...]], torch.Tensor] = {}
     packed_buf: np.ndarray | None = None
     if not background:
-        staged, packed_buf = stager.run()
+        stage_error: BaseException | None = None
+        try:
+            staged, packed_buf = stager.run()
+        except Exception as e:  # noqa: BLE001 - shared with the group (async) or raised
+            stage_error = e
+        if async_save:
+            _all_staged(comm, stage_error, store.url, step)
+        elif stage_error is not None:
+            raise stage_error
     values = {n: flat.values[n].value for n, r in plan.value_owner.items() if r == comm.rank}
 
     handle = SaveHandle(store.url, step)
@@ -210,7 +217,8 @@ def save(
     handle._exit_wait_s = opts.commit_timeout_s + 60.0
     job = _SaveJob(store, plan, attempt, comm.rank, staged, packed_buf, values, opts,
                    dict(step=step, config=config, layout=layout), handle,
-                   hooks or CommitHooks(), pre, stager if background else None)
+                   hooks or CommitHooks(), pre, stager if background else None,
+                   writes=my_writes)
     if not background:
         handle.stage_s = time.perf_counter() - t_planned
         handle._mark_staged()
@@ -229,6 +237,21 @@ def save(
         job.run(comm)
         handle.wait()
     return handle
+
+
+def _all_staged(comm: Comm, error: BaseException | None, url: str, step: int | None) -> None:
+    """An async save's background persist starts once every rank of the group has
+    staged. Started at once, the first ranks' encoding and writes (a copy and a crc32c
+    pass over every byte, then the kernel's copy into the page cache) run on the cores
+    and the memory bandwidth their peers' staging copies still need, and every rank's
+    `save()` returns no sooner than the slowest copy anyway: the group is in step at the
+    next collective of training. One 1-byte all-gather; a rank whose copy failed makes
+    it too, so every rank raises that failure instead of a commit waiting for the rank."""
+    what = (f"the end of staging of the save to {url} (step {step}; every rank copies its "
+            "pieces before any persists them)")
+    flags = comm.allgather_fixed(b"E" if error is not None else b"-", 1, what)
+    if any(f == b"E" for f in flags):
+        all_or_raise(comm, error, None, what, url=url)
 
 
 # ------------------------------------------------------------------------ load

@@ -19,7 +19,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from ckpt.handle import SaveHandle
-from ckpt.plan import SavePlan
+from ckpt.plan import PieceWrite, SavePlan, TensorPlan
 from ckpt.staging import StagingBuffers
 from storage import Store
 
@@ -42,6 +42,15 @@ class CachedPlan:
     """Every rank's layout digest and the group's ranks: a new key means a new plan."""
     plan: SavePlan
     bufs: StagingBuffers = field(default_factory=StagingBuffers)
+    _writes: dict[int, list[tuple[TensorPlan, PieceWrite]]] = field(default_factory=dict)
+
+    def writes_of(self, rank: int) -> list[tuple[TensorPlan, PieceWrite]]:
+        """`plan.writes_of(rank)`, computed once per plan: it walks every piece of every
+        rank (millions at thousands of ranks), and a cached plan serves every save."""
+        got = self._writes.get(rank)
+        if got is None:
+            got = self._writes[rank] = self.plan.writes_of(rank)
+        return got
 
 
 class EngineResources:

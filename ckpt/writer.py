@@ -44,7 +44,7 @@ from ckpt.format import (
 from ckpt.handle import SaveHandle
 from ckpt.manifest import Manifest
 from ckpt.options import SaveOptions
-from ckpt.plan import SavePlan, TensorPlan
+from ckpt.plan import PieceWrite, SavePlan, TensorPlan
 from ckpt.shardio import ShardGeometry, direct_ok, encode_shard, stored_crcs
 from ckpt.staging import Stager
 from ckpt.tsio import open_array, put_metadata, to_numpy
@@ -68,12 +68,15 @@ class _SaveJob:
                  staged: dict[tuple[str, tuple[int, ...]], torch.Tensor],
                  packed: np.ndarray | None, values: dict[str, Any], opts: SaveOptions,
                  meta: dict[str, Any], handle: SaveHandle, hooks: CommitHooks, pre: str,
-                 stager: Stager | None = None) -> None:
+                 stager: Stager | None = None, *,
+                 writes: list[tuple[TensorPlan, PieceWrite]] | None = None) -> None:
         self.store, self.plan, self.attempt, self.rank = store, plan, attempt, rank
         self.staged, self.packed, self.values, self.opts = staged, packed, values, opts
         self.meta, self.handle, self.hooks, self.pre = meta, handle, hooks, pre
         self.stager = stager
         """Pipelined staging: the copy this thread makes before persisting."""
+        self.writes = plan.writes_of(rank) if writes is None else writes
+        """This rank's pieces (`plan.writes_of`; the engine passes its cached list)."""
         self.data = f"{DATA_PREFIX}{attempt}"
         self.t0 = time.perf_counter()
         self.chunk_crcs: dict[str, list[int | None]] = {}
@@ -101,7 +104,7 @@ class _SaveJob:
         nbytes = ts_bytes = 0
         opened: dict[str, Any] = {}
         metas: list[tuple[str, dict[str, Any]]] = []
-        for t, p in self.plan.writes_of(self.rank):
+        for t, p in self.writes:
             if t.storage is StorageKind.PACKED:
                 continue
             arr = self.staged[(t.name, p.offset)]

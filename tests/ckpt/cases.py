@@ -292,3 +292,29 @@ def save_on_one_rank_only(url: str, timeout_s: float) -> dict[str, Any]:
         return {"error": str(e), "waited": time.monotonic() - t0,
                 "runtime_error": isinstance(e, RuntimeError)}
     return {"error": None}
+
+
+def async_staging_fails_on_one_rank(url: str, failing: int) -> dict[str, Any]:
+    """An async save whose staging copy fails on rank `failing`: every rank's `save()`
+    must raise (no background persist starts, no coordinator waits for the rank's
+    index), and the next save of the same state commits."""
+    import ckpt.engine
+
+    real = ckpt.engine.Stager.run
+
+    def broken(self):  # noqa: ANN001, ANN202
+        raise RuntimeError("staging copy failed (injected)")
+
+    state = build([{"name": "w", "shape": [64, 48], "dtype": "float32"}], [4], [["S0"]], 1)
+    opts = ckpt.SaveOptions()
+    if dist.get_rank() == failing:
+        ckpt.engine.Stager.run = broken
+    error = None
+    try:
+        ckpt.save(state, url, async_save=True, options=opts)
+    except Exception as e:  # noqa: BLE001 - returned to the test
+        error = f"{type(e).__name__}: {e}"
+    finally:
+        ckpt.engine.Stager.run = real
+    ckpt.save(state, url, async_save=True, options=opts).wait()
+    return {"error": error, "committed": storage.open_store(url).exists("COMMIT")}

@@ -233,3 +233,14 @@ def test_hf_llama_user_script_reshards_bitwise(pool, tmp_path, tie) -> None:
         assert set(got["digest"]) == set(ref), fn
         differ = sorted(k for k in ref if got["digest"][k] != ref[k])
         assert differ == [], (fn, differ)
+
+
+def test_async_staging_failure_on_one_rank_raises_on_every_rank(pool, tmp_path) -> None:
+    res = pool.run("tests.ckpt.cases:async_staging_fails_on_one_rank",
+                   url=str(tmp_path / "ck"), failing=2, timeout=120)
+    for rank, r in enumerate(res):
+        # Raised by save() itself on every rank, naming the failure: not a commit that
+        # times out waiting for rank 2's index.
+        assert r["error"] is not None and "staging copy failed (injected)" in r["error"], r
+        assert rank == 2 or "rank 2" in r["error"], (rank, r)
+        assert r["committed"], (rank, r)
