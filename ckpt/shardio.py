@@ -178,17 +178,29 @@ def _as_bytes_grid(arr: np.ndarray) -> np.ndarray:
     return arr.view(np.uint8)
 
 
-def encode_shard(arr: np.ndarray, geo: ShardGeometry, crcs: list[int | None] | None = None
-                 ) -> bytes:
+def encode_shard(arr: np.ndarray, geo: ShardGeometry, crcs: list[int | None] | None = None,
+                 *, into: np.ndarray | None = None) -> bytes | memoryview:
     """The shard object of `arr` (the whole outer chunk, any strides): one copy of the
     data (the tile gather), one crc32c pass, no other copy. The crc32c of each inner
-    chunk, in storage order, is appended to `crcs` when given (the manifest records them)."""
+    chunk, in storage order, is appended to `crcs` when given (the manifest records them).
+
+    Into a new `bytes`, or, given `into` (a uint8 buffer of at least
+    `geo.object_bytes`), into that buffer, returning a view of its first
+    `geo.object_bytes`: a writer that reuses its buffers does not fault in and zero
+    fresh pages for every object."""
     if (tuple(arr.shape) != geo.shape or arr.dtype.itemsize != geo.itemsize
             or geo.valid is not None):
         raise ValueError(f"array {arr.shape} {arr.dtype} does not fit shard {geo}")
     step = geo.chunk_bytes + 4
     n = geo.n_chunks
-    out, buf = _new_bytes(geo.object_bytes)
+    out: bytes | bytearray | memoryview
+    if into is None:
+        out, buf = _new_bytes(geo.object_bytes)
+    else:
+        if into.dtype != np.uint8 or into.ndim != 1 or into.size < geo.object_bytes:
+            raise ValueError(f"buffer {into.shape} {into.dtype} cannot hold shard {geo}")
+        buf = into[: geo.object_bytes]
+        out = memoryview(buf)
     src = _as_bytes_grid(arr)
     item = geo.itemsize
     tile_shape = (*geo.inner[:-1], geo.inner[-1] * item)
@@ -206,7 +218,7 @@ def encode_shard(arr: np.ndarray, geo: ShardGeometry, crcs: list[int | None] | N
     at = n * step
     buf[at: at + 16 * n] = index.reshape(-1).view(np.uint8)
     struct.pack_into("<I", buf, at + 16 * n, crc32c_of(buf, at, at + 16 * n))
-    return out if isinstance(out, bytes) else bytes(out)
+    return bytes(out) if isinstance(out, bytearray) else out
 
 
 def _get(store: Store, key: str, start: int | None, end: int | None, url: str, tensor: str,

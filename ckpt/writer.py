@@ -61,6 +61,33 @@ only add switching (measured: 4 ranks x 8 encoding threads on 2 cores made sync 
 several times slower than one encoder per rank)."""
 
 
+class _EncodeBuffers:
+    """The buffers one persist encodes its shard objects into: at most
+    PERSIST_THREADS + 1 live at once (one per put in flight and the one being filled),
+    each reused once its put has returned, so the pages of an object are faulted in
+    and zeroed by the kernel once per buffer rather than once per object. Freed with
+    the persist: a rank holds no encode memory between saves."""
+
+    def __init__(self) -> None:
+        self.free: list[np.ndarray] = []
+
+    def take(self, nbytes: int) -> np.ndarray:
+        """A free buffer of at least `nbytes` (the smallest that fits), else a new one
+        of exactly `nbytes`, dropping the largest free one that is too small (so the
+        number of live buffers stays bounded)."""
+        fits = [b for b in self.free if b.size >= nbytes]
+        if fits:
+            best = min(fits, key=lambda b: b.size)
+            self.free.remove(best)
+            return best
+        if self.free:
+            self.free.remove(max(self.free, key=lambda b: b.size))
+        return np.empty(nbytes, dtype=np.uint8)
+
+    def give_back(self, buf: np.ndarray) -> None:
+        self.free.append(buf)
+
+
 class _SaveJob:
     """Persist, index and commit one rank's part of a save; `run()` once."""
 
@@ -160,18 +187,24 @@ class _SaveJob:
         # them all durable with one sync: the rank's index, put after this returns,
         # never names an object a power cut could lose.
         batch = self.store.deferred()
+        buffers = _EncodeBuffers()
         with ThreadPoolExecutor(max_workers=PERSIST_THREADS,
                                 thread_name_prefix="ckpt-put") as pool:
             done = [pool.submit(put_metadata, batch, path, meta) for path, meta in metas]
-            pending: deque[Any] = deque()
+            pending: deque[tuple[Any, np.ndarray | None]] = deque()
             for key, a, geo in direct:
                 while len(pending) >= PERSIST_THREADS:  # bounds the memory of encoded objects
-                    pending.popleft().result()
-                pending.append(pool.submit(batch.put, key, encode_shard(
-                    a, geo, self.chunk_crcs.setdefault(key, []))))
+                    put, used = pending.popleft()
+                    put.result()
+                    if used is not None:
+                        buffers.give_back(used)
+                # A store that copies what it is given gets a fresh `bytes` instead.
+                buf = None if batch.copies_put_buffers else buffers.take(geo.object_bytes)
+                blob = encode_shard(a, geo, self.chunk_crcs.setdefault(key, []), into=buf)
+                pending.append((pool.submit(batch.put, key, blob), buf))
             for f in futures:
                 f.result()
-            for d in (*done, *pending):
+            for d in (*done, *(put for put, _ in pending)):
                 d.result()
         batch.sync()
         if futures:  # tensorstore's bytes do not pass through Store.put

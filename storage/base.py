@@ -105,7 +105,7 @@ class Store(ABC):
         """Publish `data` at `key` atomically: readers see the old object or the whole
         new one, never a part (temp + rename on a filesystem; one PUT on S3)."""
         path = self._path(key)
-        payload = bytes(data) if not isinstance(data, bytes) else data
+        payload = self._payload(data)
         self._retry(lambda: self._put(path, payload), key, "put")
         self.stats.record_write(len(payload))
 
@@ -116,11 +116,24 @@ class Store(ABC):
         A retried call whose first try landed unseen returns False too: callers that must
         tell "I won" from "another won" put an id in `data` and read the object back."""
         path = self._path(key)
-        payload = bytes(data) if not isinstance(data, bytes) else data
+        payload = self._payload(data)
         created = self._retry(lambda: self._put_if_absent(path, payload), key, "put_if_absent")
         if created:
             self.stats.record_write(len(payload))
         return created
+
+    copies_put_buffers: bool = True
+    """Whether `put` copies a buffer that is not `bytes` into an immutable `bytes`
+    before storing it. Most stores must: they may keep it (memory) or send it on later
+    (a tier's write-behind copy) while the caller reuses its buffer. A store whose
+    primitives have copied the bytes out when they return takes any buffer as it is,
+    and a writer may then reuse its buffers without a copy of its own."""
+
+    def _payload(self, data: bytes | bytearray | memoryview) -> bytes | memoryview:
+        """What `put` hands to the primitives (see `copies_put_buffers`)."""
+        if isinstance(data, bytes):
+            return data
+        return bytes(data) if self.copies_put_buffers else memoryview(data).cast("B")
 
     def get(self, key: str, start: int | None = None, end: int | None = None) -> bytes:
         """The object's bytes, or the range [start, end). A range past the end of the
@@ -343,6 +356,10 @@ class DeferredStore(ForwardedPrimitives, Store):
 
     def deferred(self) -> Store:
         return self
+
+    @property
+    def copies_put_buffers(self) -> bool:  # type: ignore[override]
+        return self.inner.copies_put_buffers
 
     def kvstore_spec(self, sub: str = "") -> dict[str, Any]:
         return self.inner.kvstore_spec(sub)

@@ -55,6 +55,10 @@ class _FsspecStore(Store):
 class LocalStore(_FsspecStore):
     """A directory on a local or network filesystem."""
 
+    copies_put_buffers = False
+    """A put has copied the bytes into the page cache when it returns and keeps no
+    reference to them."""
+
     def __init__(
         self,
         location: StorageLocation,

@@ -44,6 +44,11 @@ def test_same_bytes_as_tensorstore(tmp_path, dtype, npd, shape, chunks, inner) -
         ours = encode_shard(x[region], geo)
         assert ours == store.get(key), (dtype, cell)
         assert len(ours) == geo.object_bytes
+        # the same bytes into a reused (larger, dirty) buffer, as the writer encodes
+        reused = np.full(geo.object_bytes + 7, 0xAB, dtype=np.uint8)
+        crcs: list[int | None] = []
+        view = encode_shard(x[region], geo, crcs, into=reused)
+        assert bytes(view) == ours and len(crcs) == geo.n_chunks, (dtype, cell)
         # and our reader reads tensorstore's object, a partial region of it
         sub = tuple(slice(1, k) for k in chunks)
         out = np.zeros([k - 1 for k in chunks], dtype=npd)
@@ -130,3 +135,12 @@ def test_all_zero_tensors_round_trip(tmp_path, compression) -> None:
     ckpt.load(dst, url)
     assert all(torch.equal(dst[k], src[k]) for k in src)
     assert ckpt.verify(url).ok
+
+
+def test_encode_into_a_buffer_too_small_or_not_bytes_is_refused() -> None:
+    geo = ShardGeometry((4, 6), (2, 3), 4)
+    x = np.zeros((4, 6), dtype=np.float32)
+    for bad in (np.empty(geo.object_bytes - 1, np.uint8), np.empty(geo.object_bytes, np.int8),
+                np.empty((2, geo.object_bytes), np.uint8)):
+        with pytest.raises(ValueError, match="cannot hold shard"):
+            encode_shard(x, geo, into=bad)

@@ -36,6 +36,20 @@ class StoreSuite:
         assert store.exists("dir/obj.bin")
         assert not store.exists("dir/other.bin")
 
+    def test_a_put_buffer_may_be_reused_once_put_returns(self, store: Store) -> None:
+        # Whether the store copies the buffer (memory, S3) or writes it out in place
+        # (files), what was put stays put when the caller refills its buffer.
+        buf = np.frombuffer(bytearray(os.urandom(1 << 16)), dtype=np.uint8)
+        first = buf.tobytes()
+        for view in (store, store.deferred()):
+            view.put("reused/a", memoryview(buf))
+            view.put("reused/b", memoryview(buf)[: 1 << 10])
+            buf[:] = 0x5A
+            view.sync()
+            assert store.get("reused/a") == first
+            assert store.get("reused/b") == first[: 1 << 10]
+            buf[:] = np.frombuffer(first, dtype=np.uint8)
+
     def test_put_replaces_whole_object(self, store: Store) -> None:
         store.put("k", b"a" * 1000)
         store.put("k", b"b" * 10)
