@@ -827,13 +827,13 @@ class EtcdRendezvousHandler(RendezvousHandler):
                           participants=assign_ranks(members, state.previous))
 
     def _fold(self, state: RoundState, members: list[str], seats: int) -> list[str]:
-        """Registered nodes a joiner adds to the first round along with itself. Each join
-        is a CAS on the one state key, and each CAS won makes every other joiner's CAS
-        fail and re-read: N agents starting together made O(N^2) requests, and 1,024 did
-        not finish. Whoever wins now brings in everyone registered so far (their node key
-        says they are rendezvousing), in registration order, so a cold start takes a few
-        CAS rounds, not N. Re-formed rounds (`previous` set) keep joining one by one:
-        their seat rules (returning members first) stay each node's own decision."""
+        """Registered nodes the first round's leader (or a newcomer joining by itself)
+        adds to it: everyone registered so far that is not in yet (their node key says
+        they are rendezvousing), in registration order, up to `seats`. Each join is a CAS
+        on the one state key, and each CAS won makes every other joiner's CAS fail and
+        re-read: N agents each CASing themselves in made O(N^2) requests. Re-formed
+        rounds (`previous` set) keep joining one by one: their seat rules (returning
+        members first) stay each node's own decision."""
         if state.previous or seats <= 0:
             return []
         taken = {*members, self.node_id}
