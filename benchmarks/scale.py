@@ -358,6 +358,9 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--rdzv-timeout", type=float, default=120.0)
     ap.add_argument("--lease-ttl", type=float, default=10.0,
                     help="agents' lease TTL (a loaded machine starves 1,024 keepalive threads)")
+    ap.add_argument("--agent-procs", type=int, default=0,
+                    help="worker processes the rendezvous agents are spread over "
+                         "(0: min(8, N))")
     ap.add_argument("--no-s3", action="store_true", help="commit on local disk only")
     ap.add_argument("--parts", default="plan,commit,rdzv")
     ap.add_argument("--systems", default="relight,dcp", help="planning arms to run")
@@ -379,7 +382,8 @@ def main(argv: list[str] | None = None) -> int:
             ((8, 32) if quick else (64, 256, 1024, 4096)), s3=not args.no_s3),
         rdzv=RdzvConfig(agents=_ints(args.agents) if args.agents else
                         ((4, 16) if quick else (64, 256, 1024)),
-                        timeout_s=args.rdzv_timeout, lease_ttl_s=args.lease_ttl),
+                        timeout_s=args.rdzv_timeout, lease_ttl_s=args.lease_ttl,
+                        agent_procs=args.agent_procs),
         parts=tuple(p for p in args.parts.split(",") if p),
         plan_nice=args.plan_nice,
         systems=tuple(x for x in args.systems.split(",") if x),

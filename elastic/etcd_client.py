@@ -437,14 +437,14 @@ class EtcdClient:
         kvs = resp.get("kvs") or []
         return (_kv(kvs[0]) if kvs else None), int(resp["header"]["revision"])
 
-    def get_prefix(self, prefix: str) -> tuple[list[KeyValue], int]:
-        """Every key under `prefix` (sorted by key) and the store revision read at."""
-        resp = self.call(
-            "kv/range",
-            {"key": _b64(prefix), "range_end": _b64(_prefix_end(prefix)),
-             "sort_order": "ASCEND", "sort_target": "KEY"},
-            what=f"range {prefix}*",
-        )
+    def get_prefix(self, prefix: str, *, keys_only: bool = False) -> tuple[list[KeyValue], int]:
+        """Every key under `prefix` (sorted by key) and the store revision read at;
+        `keys_only`: without their values (empty), for a caller that needs only names."""
+        body = {"key": _b64(prefix), "range_end": _b64(_prefix_end(prefix)),
+                "sort_order": "ASCEND", "sort_target": "KEY"}
+        if keys_only:
+            body["keys_only"] = True
+        resp = self.call("kv/range", body, what=f"range {prefix}*")
         return [_kv(i) for i in resp.get("kvs") or []], int(resp["header"]["revision"])
 
     def revision(self) -> int:
@@ -523,43 +523,62 @@ class EtcdClient:
         Returns True when something changed (or may have: a broken watch returns
         early so the caller re-reads), False on timeout. Never blocks past `timeout`.
         """
+        return self._watch(prefix, True, after_revision, timeout, lambda _kv: True)[0] != "timeout"
+
+    def wait_for_event(self, key: str, after_revision: int, timeout: float,
+                       until: Callable[[KeyValue | None], bool]) -> tuple[bool, KeyValue | None]:
+        """Follow the changes of the one `key` after `after_revision` on one watch
+        stream until `until(kv)` holds for one (`kv` is None for a delete), or
+        `timeout`. Returns `(True, kv)` for that change; `(False, None)` on timeout
+        or when the stream broke (the caller re-reads). Changes `until` rejects cost
+        no request: a waiter that only cares about some changes of a busy key stays
+        on one stream instead of re-reading and re-watching after each."""
+        outcome, kv = self._watch(key, False, after_revision, timeout, until)
+        return outcome == "event", kv
+
+    def _watch(self, key: str, prefix: bool, after_revision: int, timeout: float,
+               until: Callable[[KeyValue | None], bool],
+               ) -> tuple[Literal["event", "broken", "timeout"], KeyValue | None]:
+        """The watch loop: `("event", kv)` for the first event `until` accepts,
+        `("broken", None)` when the stream ended early, `("timeout", None)`."""
         if timeout <= 0:
-            return False
+            return "timeout", None
         url = self.endpoint + "/v3/watch"
-        body = {"create_request": {
-            "key": _b64(prefix), "range_end": _b64(_prefix_end(prefix)),
-            "start_revision": str(after_revision + 1),
-        }}
+        create: dict[str, Any] = {"key": _b64(key), "start_revision": str(after_revision + 1)}
+        if prefix:
+            create["range_end"] = _b64(_prefix_end(key))
         headers = {"Authorization": self._token} if self._token else None
         deadline = time.monotonic() + timeout
         try:
             with self._session().post(
-                url, json=body, headers=headers, stream=True,
+                url, json={"create_request": create}, headers=headers, stream=True,
                 timeout=(min(timeout, self.settings.timeout), timeout),
             ) as resp:
                 if resp.status_code != 200:
                     time.sleep(min(0.2, timeout))
-                    return True
+                    return "broken", None
                 for line in resp.iter_lines(chunk_size=None):
                     if not line.strip():
                         continue
                     result = json.loads(line).get("result", {})
-                    if result.get("events") or result.get("canceled") or result.get(
-                        "compact_revision"
-                    ):
-                        return True
+                    if result.get("canceled") or result.get("compact_revision"):
+                        return "broken", None
+                    for event in result.get("events") or []:
+                        kv = None if event.get("type") == "DELETE" else _kv(event["kv"])
+                        if until(kv):
+                            return "event", kv
                     if time.monotonic() >= deadline:
-                        return False
+                        return "timeout", None
         except requests.exceptions.ReadTimeout:
-            return False
+            return "timeout", None
         except (requests.exceptions.RequestException, ValueError) as exc:
             # ConnectionError, and ChunkedEncodingError when etcd dies mid-stream.
             if "Read timed out" in str(exc):
-                return False
-            logger.debug("watch on %s broke (%s); caller re-reads", prefix, _short(exc))
+                return "timeout", None
+            logger.debug("watch on %s broke (%s); caller re-reads", key, _short(exc))
             time.sleep(min(0.2, max(0.0, deadline - time.monotonic())))
-            return True
-        return True
+            return "broken", None
+        return "broken", None
 
     def close(self) -> None:
         session = getattr(self._local, "session", None)

@@ -341,6 +341,31 @@ class _Spare:
     wait: float
 
 
+class _Unregistered(Exception):
+    """This node's own key is missing from the node list just read."""
+
+
+class _Alive:
+    """The live node ids, read from etcd on first use within one pass of the join loop:
+    a member waiting in an open round, or one whose round completed, decides without
+    the node list (N node keys per read, read by N agents). Reading it raises
+    `_Unregistered` when this node's own key is gone."""
+
+    def __init__(self, handler: EtcdRendezvousHandler) -> None:
+        self._handler = handler
+        self._ids: set[str] | None = None
+
+    def fetch(self) -> set[str]:
+        if self._ids is None:
+            self._ids = self._handler._alive(self._handler._client)
+            if self._handler.node_id not in self._ids:
+                raise _Unregistered
+        return self._ids
+
+    def __contains__(self, node: object) -> bool:
+        return node in self.fetch()
+
+
 class _StoreMissing(Exception):
     def __init__(self, round_: int, message: str) -> None:
         super().__init__(message)
@@ -390,6 +415,11 @@ class EtcdRendezvousHandler(RendezvousHandler):
         """Per open round: when this node first waited for a seat reserved for a live
         member of the previous round."""
         self._lost_logged = -1
+        self._fold_wait: dict[int, float] = {}
+        """Per first round: when this node, registered but not a member, began to wait
+        for the round's leader to fold it in."""
+        self._fold_grace = max(0.5, settings.lease_ttl / 3)
+        """How long a newcomer waits to be folded in before it joins by itself."""
         self._registered: list[str] = []
         """Live node ids in the order they first registered (from the last `_alive`)."""
         self._waiting_outage: float | None = None
@@ -566,17 +596,12 @@ class EtcdRendezvousHandler(RendezvousHandler):
             return None, None, revision
         return RoundState.from_json(kv.value, self._state_key), kv, revision
 
-    def _alive(self, client: EtcdClient) -> tuple[set[str], dict[str, Any]]:
-        kvs, _ = client.get_prefix(self._nodes)
-        info: dict[str, Any] = {}
-        self._registered = [kv.key[len(self._nodes):]
-                            for kv in sorted(kvs, key=lambda kv: kv.create_revision)]
-        for kv in kvs:
-            try:
-                info[kv.key[len(self._nodes):]] = kv.json()
-            except ValueError:
-                info[kv.key[len(self._nodes):]] = {}
-        return set(info), info
+    def _alive(self, client: EtcdClient) -> set[str]:
+        """Ids of the registered nodes (names only: a node list of N keys is read often)."""
+        kvs, _ = client.get_prefix(self._nodes, keys_only=True)
+        ids = [kv.key[len(self._nodes):] for kv in sorted(kvs, key=lambda kv: kv.create_revision)]
+        self._registered = ids
+        return set(ids)
 
     def _count_waiting(self) -> int:
         state, _ = self._read(self._fast)
@@ -585,7 +610,7 @@ class EtcdRendezvousHandler(RendezvousHandler):
         if state.round > self._round:
             # A newer round exists: open (someone wants to re-form) or complete without us.
             return max(1, len(state.members)) if state.phase == "open" else 1
-        alive, _ = self._alive(self._fast)
+        alive = self._alive(self._fast)
         dead = [p for p in self._participants if p not in alive]
         if dead and self._lost_logged != self._round:
             self._lost_logged = self._round
@@ -633,6 +658,8 @@ class EtcdRendezvousHandler(RendezvousHandler):
         self._ensure_lease()
         prev_round = self._round
         spare_since: float | None = None
+        known: tuple[RoundState | None, KeyValue | None, int] | None = None
+        """The state a watch delivered: this pass decides on it without reading again."""
         while True:
             if _now() >= deadline and spare_since is None:
                 raise RendezvousTimeoutError(
@@ -642,7 +669,11 @@ class EtcdRendezvousHandler(RendezvousHandler):
                     "--rdzv-conf join_timeout")
             if self._keeper is not None and self._keeper.lost.is_set():
                 self._ensure_lease()
-            state, kv, revision = self._read_at(self._client)
+            if known is not None:
+                state, kv, revision = known
+                known = None
+            else:
+                state, kv, revision = self._read_at(self._client)
             if state is not None and state.closed:
                 if spare_since is not None:
                     raise RendezvousGracefulExitError(
@@ -652,12 +683,12 @@ class EtcdRendezvousHandler(RendezvousHandler):
                     f"rendezvous for job {s.run_id!r} is closed (the job finished or was "
                     f"stopped); start a new job with another --rdzv-id, or delete "
                     f"{s.namespace} in etcd to reuse this one")
-            alive, _ = self._alive(self._client)
-            if self.node_id not in alive:
-                self._reregister()
-                continue
+            alive = _Alive(self)
             try:
                 step = self._step(state, kv, prev_round, alive)
+            except _Unregistered:
+                self._reregister()
+                continue
             except _StoreMissing as exc:
                 # Rank 0 died before publishing the round's store: re-form without it.
                 self._log("%s; opening a new round", exc, level=logging.WARNING)
@@ -680,10 +711,11 @@ class EtcdRendezvousHandler(RendezvousHandler):
                     # No longer a spare: joining gets a join timeout of its own.
                     spare_since, deadline = None, _now() + s.join_timeout
                 wait = min(max(0.0, deadline - _now()), step)
-            watch = self._watch_key(state, alive)
-            if watch == self._state_key:
-                wait = min(wait, max(0.5, s.lease_ttl / 3))
-            self._client.wait_for_change(watch, revision, wait)
+            if not isinstance(step, _Spare) and self._waits_on_state(state):
+                assert state is not None
+                known = self._await_state(state, revision, min(wait, max(0.5, s.lease_ttl / 3)))
+            else:
+                self._client.wait_for_change(s.namespace, revision, wait)
 
     def _reregister(self) -> None:
         """This node's key is gone while it rendezvouses: its lease expired or was
@@ -700,14 +732,16 @@ class EtcdRendezvousHandler(RendezvousHandler):
         self._ensure_lease()
 
     def _step(self, state: RoundState | None, kv: KeyValue | None, prev_round: int,
-              alive: set[str]) -> RendezvousInfo | _Retry | float | _Spare:
+              alive: _Alive) -> RendezvousInfo | _Retry | float | _Spare:
         """One decision on the current state: a RendezvousInfo when this node's round is
         complete, `_RETRY` after a CAS (won or lost), seconds to wait for a change, or
         `_Spare` when the group is full and this node waits for a place."""
         s, me = self.settings, self.node_id
         spare = _Spare(max(s.lease_ttl, s.poll_interval))
         if state is None:
-            self._cas_state(None, RoundState(round=0, phase="open", members=[me]))
+            # Whoever creates the first round leads it (folds in the others): no node
+            # list is read here, where all N agents of a cold start arrive at once.
+            self._cas_state(None, self._joined(RoundState(round=0, phase="open"), [me]))
             return _RETRY
         if state.phase == "complete":
             if me in state.participants and state.round > prev_round:
@@ -719,12 +753,34 @@ class EtcdRendezvousHandler(RendezvousHandler):
                 return _RETRY
             return spare
         # Open round.
+        now = _now()
+        if not state.previous and state.members[:1] != [me]:
+            # The first round is led by its first member, which folds in every node that
+            # registers and drops members without a lease: everyone else waits on the
+            # state key without reading the node list (N keys, read by N agents, was
+            # the O(N^2) of a cold start). A newcomer joins by itself only if it was
+            # not folded in within `_fold_grace` (a dead or stalled leader).
+            if me in state.members:
+                if len(state.members) < s.min_nodes:
+                    return s.lease_ttl
+                since = self._min_seen.setdefault(state.round, now)
+                if now - since < s.last_call_timeout and len(state.members) < s.max_nodes:
+                    return max(0.05, min(since + s.last_call_timeout - now, s.lease_ttl))
+            elif len(state.members) < s.max_nodes:
+                waited = now - self._fold_wait.setdefault(state.round, now)
+                if waited < self._fold_grace:
+                    return max(0.05, self._fold_grace - waited)
         members = [m for m in state.members if m in alive]
         if members != state.members:
             gone = [m for m in state.members if m not in alive]
             self._log("dropping members without a lease from round %d: %s", state.round, gone)
             self._cas_state(kv, dataclasses.replace(state, members=members))
             return _RETRY
+        if not state.previous and members[:1] == [me]:
+            newcomers = self._fold(state, members, s.max_nodes - len(members))
+            if newcomers:
+                self._cas_state(kv, self._joined(state, [*members, *newcomers]))
+                return _RETRY
         if me not in members:
             seats = s.max_nodes - len(members)
             if seats <= 0:
@@ -736,12 +792,11 @@ class EtcdRendezvousHandler(RendezvousHandler):
                 waited = _now() - self._seat_wait.setdefault(state.round, _now())
                 if waited < s.rejoin_timeout:
                     return _Spare(max(0.05, min(s.rejoin_timeout - waited, spare.wait)))
-            self._cas_state(kv, dataclasses.replace(
-                state, members=[*members, me, *self._fold(state, members, seats - 1)]))
+            self._cas_state(kv, self._joined(
+                state, [*members, me, *self._fold(state, members, seats - 1)]))
             return _RETRY
         if len(members) < s.min_nodes:
             return s.lease_ttl  # any join or lease expiry wakes us earlier
-        now = _now()
         since = self._min_seen.setdefault(state.round, now)
         awaited = [p for p in state.previous if p in alive and p not in members]
         if len(members) >= s.max_nodes:
@@ -761,33 +816,71 @@ class EtcdRendezvousHandler(RendezvousHandler):
             self._log("round %d complete: %s", state.round, complete.participants)
         return _RETRY
 
+    def _joined(self, state: RoundState, members: list[str]) -> RoundState:
+        """The open round `state` with `members`; complete at once when they fill the
+        group. A full round has nothing left to wait for, and writing it complete in the
+        join itself saves every member a wakeup, a read and a CAS that all but one
+        would lose (N-1 conflicts per round)."""
+        if len(members) < self.settings.max_nodes:
+            return dataclasses.replace(state, members=members)
+        return RoundState(round=state.round, phase="complete",
+                          participants=assign_ranks(members, state.previous))
+
     def _fold(self, state: RoundState, members: list[str], seats: int) -> list[str]:
-        """Registered nodes a joiner adds to the first round along with itself. Each join
-        is a CAS on the one state key, and each CAS won makes every other joiner's CAS
-        fail and re-read: N agents starting together made O(N^2) requests, and 1,024 did
-        not finish. Whoever wins now brings in everyone registered so far (their node key
-        says they are rendezvousing), in registration order, so a cold start takes a few
-        CAS rounds, not N. Re-formed rounds (`previous` set) keep joining one by one:
-        their seat rules (returning members first) stay each node's own decision."""
+        """Registered nodes the first round's leader (or a newcomer joining by itself)
+        adds to it: everyone registered so far that is not in yet (their node key says
+        they are rendezvousing), in registration order, up to `seats`. Each join is a CAS
+        on the one state key, and each CAS won makes every other joiner's CAS fail and
+        re-read: N agents each CASing themselves in made O(N^2) requests. Re-formed
+        rounds (`previous` set) keep joining one by one: their seat rules (returning
+        members first) stay each node's own decision."""
         if state.previous or seats <= 0:
             return []
         taken = {*members, self.node_id}
         return [n for n in self._registered if n not in taken][:seats]
 
-    def _watch_key(self, state: RoundState | None, alive: set[str]) -> str:
-        """What a waiting node watches. A member of the first open round only waits for
-        the state to change (a join, the round completing): node keys coming and going
-        do not change what it does next (the node completing the round drops members
-        without a lease itself), and waking every waiting member on every newcomer's
-        registration was the other O(N^2) of a cold start. Its own key vanishing (a
-        lease revoked from outside) is then seen when the wait ends: the caller bounds
-        it by the keepalive period, when the keeper would notice the lost lease anyway.
-        Anyone else watches the whole job (spares and re-forming rounds react to lease
-        expiries)."""
-        if (state is not None and state.phase == "open" and not state.previous
-                and self.node_id in state.members):
-            return self._state_key
-        return self.settings.namespace
+    def _waits_on_state(self, state: RoundState | None) -> bool:
+        """Whether a waiting node follows only the state key: in the first open round,
+        anyone but its leader (members waiting for the round to complete, newcomers
+        waiting to be folded in). Node keys coming and going do not change what they
+        do next (the leader folds newcomers and drops members without a lease), and
+        waking every waiting member on every newcomer's registration was the other
+        O(N^2) of a cold start. Its own key vanishing (a lease revoked from outside)
+        is then seen when the wait ends: the caller bounds it by the keepalive period,
+        when the keeper would notice the lost lease anyway. The leader, spares and
+        re-forming rounds watch the whole job (registrations, lease expiries)."""
+        return (state is not None and state.phase == "open" and not state.previous
+                and state.members[:1] != [self.node_id])
+
+    def _await_state(self, state: RoundState, revision: int, wait: float,
+                     ) -> tuple[RoundState | None, KeyValue | None, int] | None:
+        """A member of the open first round waits on one watch stream for a change that
+        concerns it: the round completing or re-opening, this node dropped, the close,
+        or the round reaching min nodes (which starts the last call). Other joins are
+        skipped on the stream: with N joiners each member would otherwise read and
+        watch again after every join. Returns the state that ended the wait (the next
+        decision needs no read), or None (timeout, broken stream: read again)."""
+        s, me = self.settings, self.node_id
+        below_min = len(state.members) < s.min_nodes
+
+        def concerns_me(kv: KeyValue | None) -> bool:
+            if kv is None:
+                return True
+            try:
+                new = RoundState.from_json(kv.value, self._state_key)
+            except RendezvousStateError:
+                return True
+            return (new.closed or new.round != state.round or new.phase != "open"
+                    or (me in new.members) != (me in state.members)
+                    or new.members[:1] != state.members[:1]
+                    or (below_min and len(new.members) >= s.min_nodes))
+
+        changed, kv = self._client.wait_for_event(self._state_key, revision, wait, concerns_me)
+        if not changed:
+            return None
+        if kv is None:
+            return None, None, revision
+        return RoundState.from_json(kv.value, self._state_key), kv, kv.mod_revision
 
     def _finish(self, state: RoundState) -> RendezvousInfo:
         s = self.settings
@@ -823,13 +916,17 @@ class EtcdRendezvousHandler(RendezvousHandler):
         leader = state.participants[0]
         while _now() < deadline:
             kv, revision = self._client.read(store_key)
+            if kv is None:
+                # The put arrives on the stream with its value: no read after it.
+                _, kv = self._client.wait_for_event(store_key, revision, 1.0,
+                                                    lambda kv: kv is not None)
             if kv is not None:
                 doc = kv.json()
                 return str(doc["addr"]), int(doc["port"])
-            alive, _ = self._alive(self._client)
-            if leader not in alive:
+            # One key, not the whole node list: N waiters each reading N node keys
+            # was O(N^2) bytes at every round's end.
+            if self._client.get(self._nodes + leader) is None:
                 break
-            self._client.wait_for_change(self._rounds, revision, 1.0)
         raise _StoreMissing(state.round, f"rank 0 ({leader}) of round {state.round} never "
                             f"published its store at {store_key}")
 

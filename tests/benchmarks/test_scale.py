@@ -9,6 +9,7 @@ import math
 import pytest
 
 from benchmarks import scale, scale_plan
+from benchmarks.scale_rdzv import RdzvConfig, run_rendezvous
 from benchmarks.scale_report import growth_exponent
 from benchmarks.scale_state import CONFIGS, MESHES, MODELS, rank_pieces, state_bytes
 
@@ -61,3 +62,15 @@ def test_harness_writes_tables_and_plots(tmp_path) -> None:
     assert "growth exponent" in text and "load average" in text
     pngs = sorted(p.name for p in (tmp_path / "img").iterdir())
     assert "out-save-plan.png" in pngs and "out-manifest.png" in pngs
+
+
+@pytest.mark.long  # starts etcd and two worker processes that import torch
+def test_rendezvous_agents_spread_over_processes_are_counted_together() -> None:
+    rows = run_rendezvous(RdzvConfig(agents=(6,), timeout_s=60, agent_procs=2),
+                          log=lambda _msg: None)
+    (row,) = rows
+    assert row["complete"] and row["agent_procs"] == 2 and row["round_s"] > 0
+    # Every agent's registration is counted, whichever process it ran in.
+    assert row["by_path"]["lease/grant"] == 6 and row["by_path"]["kv/put"] >= 6
+    assert row["requests"] == sum(v for k, v in row["by_path"].items()
+                                  if k != "lease/keepalive")

@@ -310,3 +310,34 @@ def test_server_start_moves_off_a_port_taken_after_it_was_picked(tmp_path) -> No
         assert pinned.client_port == taken and not pinned.running()
     finally:
         squatter.close()
+
+
+def test_wait_for_event_follows_one_stream_to_the_change_it_wants(client: EtcdClient,
+                                                                  ns: str) -> None:
+    key = ns + "state"
+    rev = client.put(key, "0")
+    other = EtcdClient(client.settings)
+
+    def writer() -> None:
+        for i in range(1, 6):
+            time.sleep(0.05)
+            other.put(key, str(i))
+
+    t = threading.Thread(target=writer)
+    calls: list[str] = []
+    real_call = client.call
+    client.call = lambda path, *a, **k: calls.append(path) or real_call(path, *a, **k)
+    t.start()
+    changed, kv = client.wait_for_event(key, rev, 10.0, lambda kv: kv is not None
+                                        and kv.value == b"4")
+    t.join()
+    assert changed and kv is not None and kv.value == b"4"
+    assert calls == []  # the rejected changes cost no read: one stream, no requests
+    # From a revision after the last write nothing comes: a timeout, not a change.
+    t0 = time.monotonic()
+    assert client.wait_for_event(key, client.revision(), 0.5, lambda kv: True) == (False, None)
+    assert time.monotonic() - t0 < 3
+    # A delete is reported as None.
+    rev = client.revision()
+    threading.Timer(0.05, client.delete, args=(key,)).start()
+    assert client.wait_for_event(key, rev, 10.0, lambda kv: kv is None) == (True, None)

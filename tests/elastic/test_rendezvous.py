@@ -3,6 +3,7 @@ handlers (their own leases, their own TCPStores)."""
 
 from __future__ import annotations
 
+import base64
 import os
 import signal
 import subprocess
@@ -452,3 +453,80 @@ def test_two_new_nodes_one_joins_one_stays_spare(etcd_server) -> None:
         assert all(isinstance(out[0], RendezvousInfo) for _, out in waiting if out)
     finally:
         shutdown_all([first, *newcomers])
+
+
+class _Requests:
+    """Requests one handler's main client makes, by API path, and how many of them
+    read the node list (a range over `nodes/`)."""
+
+    def __init__(self, h) -> None:
+        self.paths: list[str] = []
+        self.node_lists = 0
+        real = h._client.call
+        nodes = h._nodes
+
+        def call(path, body, **kwargs):
+            self.paths.append(path)
+            if path == "kv/range" and body.get("range_end") and (
+                    base64.b64decode(body["key"]).decode() == nodes):
+                self.node_lists += 1
+            return real(path, body, **kwargs)
+
+        h._client.call = call
+
+
+def test_a_join_that_fills_the_group_completes_the_round(etcd_server) -> None:
+    run = job_id()
+    first, last = (handler(etcd_server.endpoint, run, 2, 2) for _ in range(2))
+    client = EtcdClient(EtcdSettings(endpoints=(etcd_server.endpoint,)))
+    try:
+        thread, out = in_thread(first.next_rendezvous)
+        t0 = time.monotonic()
+        while client.get(f"/relight-test/{run}/state") is None:
+            assert time.monotonic() - t0 < 30, "the first node never opened the round"
+            time.sleep(0.05)
+        info = last.next_rendezvous()
+        thread.join(30)
+        _check_group([info, out[0]], 2)
+        kv = client.get(f"/relight-test/{run}/state")
+        # Opened, then the join that filled it wrote it complete: no separate write of
+        # a full open round for every member to wake on and race to complete.
+        assert kv.version == 2, kv.json()
+    finally:
+        shutdown_all([first, last])
+
+
+def test_cold_start_only_the_leader_reads_the_node_list(etcd_server) -> None:
+    run = job_id()
+    n = 6
+    # A long lease: the newcomers' fold grace (a third of it) is never what ends a wait.
+    hs = [handler(etcd_server.endpoint, run, n, n, lease_ttl="30") for _ in range(n)]
+    counts = [_Requests(h) for h in hs]
+    try:
+        infos = _check_group(join_all(hs), n)
+        by_node = {h.node_id: c for h, c in zip(hs, counts, strict=True)}
+        leader = next(h.node_id for h, i in zip(hs, infos, strict=True) if i.rank == 0)
+        # The round's first member folds the others in; nobody else reads N node keys.
+        assert {k: c.node_lists for k, c in by_node.items() if c.node_lists} == {
+            leader: by_node[leader].node_lists}, {k: c.paths for k, c in by_node.items()}
+        # A constant number of requests per node, whatever N is.
+        assert max(len(c.paths) for c in counts) <= 10, [c.paths for c in counts]
+    finally:
+        shutdown_all(hs)
+
+
+def test_newcomers_join_by_themselves_when_the_leader_is_gone(etcd_server) -> None:
+    run = job_id()
+    client = EtcdClient(EtcdSettings(endpoints=(etcd_server.endpoint,)))
+    # An open first round whose leader died before folding anyone in (no node key).
+    client.put(f"/relight-test/{run}/state",
+               RoundState(round=0, phase="open", members=["ghost"]).to_json())
+    hs = [handler(etcd_server.endpoint, run, 2, 2) for _ in range(2)]
+    try:
+        t0 = time.monotonic()
+        _check_group(join_all(hs, timeout=30), 2)
+        # The fold grace is a third of the 2 s lease, not the join timeout.
+        assert time.monotonic() - t0 < 10
+        assert "ghost" not in client.get(f"/relight-test/{run}/state").json()["participants"]
+    finally:
+        shutdown_all(hs)
