@@ -99,6 +99,15 @@ def test_no_server_is_a_clear_error(tmp_path) -> None:
     assert res.returncode != 0 and "no warm server" in res.stderr
 
 
+def _kill_agent_then_server_gone(agent: subprocess.Popen, server_pid: int) -> None:
+    agent.kill()
+    agent.wait(10)
+    deadline = time.monotonic() + 30  # the server polls its parent every 0.5 s
+    while _alive(server_pid) and time.monotonic() < deadline:
+        time.sleep(0.1)
+    assert not _alive(server_pid), "the warm server outlived its agent"
+
+
 def test_server_exits_when_its_agent_is_killed(tmp_path) -> None:
     """An agent killed with SIGKILL cannot stop its server; the server must not outlive
     it (an orphan would keep its socket, its memory and its imports forever)."""
@@ -111,12 +120,7 @@ def test_server_exits_when_its_agent_is_killed(tmp_path) -> None:
     try:
         server_pid = int(agent.stdout.readline())
         assert _alive(server_pid)
-        agent.kill()
-        agent.wait(10)
-        deadline = time.monotonic() + 30  # the server polls its parent every 0.5 s
-        while _alive(server_pid) and time.monotonic() < deadline:
-            time.sleep(0.1)
-        assert not _alive(server_pid), "the warm server outlived its agent"
+        _kill_agent_then_server_gone(agent, server_pid)
         assert not (tmp_path / "s.sock").exists()
     finally:
         if agent.poll() is None:
@@ -150,12 +154,7 @@ def test_a_server_forked_from_its_agent_does_not_import_twice(tmp_path) -> None:
         assert client.returncode == 0, err
         (rec,) = _records(tmp_path)
         assert rec["ppid"] == server_pid and rec["pid"] != client.pid
-        agent.kill()
-        agent.wait(10)
-        deadline = time.monotonic() + 30  # the server polls its parent every 0.5 s
-        while _alive(server_pid) and time.monotonic() < deadline:
-            time.sleep(0.1)
-        assert not _alive(server_pid), "the forked warm server outlived its agent"
+        _kill_agent_then_server_gone(agent, server_pid)
     finally:
         if agent.poll() is None:
             agent.kill()
