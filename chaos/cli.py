@@ -16,7 +16,6 @@ import argparse
 import json
 import logging
 import os
-import signal
 import sys
 import time
 from pathlib import Path
@@ -96,12 +95,8 @@ def main(argv: list[str] | None = None) -> int:
     out = Path(args.out or f"runs/chaos/{scenario.name}-seed{seed}")
     from chaos.runner import run_scenario
 
-    def terminate(signum: int, frame: object) -> None:
-        # A CI runner cancelling the job sends SIGTERM: unwind through the runner's
-        # teardown rather than leaving agents and workers behind.
-        raise SystemExit(128 + signum)
-
-    signal.signal(signal.SIGTERM, terminate)
+    # A SIGTERM (a CI runner cancelling the job) unwinds through the runner's teardown
+    # and exits 143: run_scenario installs the handler for every caller.
     t0 = time.monotonic()
     try:
         result = run_scenario(scenario, out, seed=seed, junit=args.junit,

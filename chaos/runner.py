@@ -19,6 +19,7 @@ Order of `run_scenario`:
 
 from __future__ import annotations
 
+import contextlib
 import hashlib
 import json
 import logging
@@ -28,8 +29,9 @@ import shutil
 import signal
 import subprocess
 import sys
+import threading
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any
@@ -897,10 +899,44 @@ class ScenarioResult:
     report: dict[str, Any]
 
 
+@contextlib.contextmanager
+def _sigterm_unwinds() -> Iterator[None]:
+    """While the harness runs, SIGTERM (`timeout`, a CI job cancelled, a benchmark
+    stopped) raises SystemExit(128 + 15) in the main thread, so every `finally` below
+    runs: the nodes' teardown, etcd and the S3 server stopped. By default Python dies at
+    once, and the agents and workers, each node in a session of its own, outlive it. A
+    second SIGTERM during that teardown is ignored rather than cutting it short. Only in
+    the main thread (where Python runs signal handlers); elsewhere nothing changes."""
+    if threading.current_thread() is not threading.main_thread():
+        yield
+        return
+
+    def terminate(signum: int, _frame: object) -> None:
+        signal.signal(signum, signal.SIG_IGN)
+        logger.warning("the chaos harness got %s: tearing down what it started",
+                       signal.Signals(signum).name)
+        raise SystemExit(128 + signum)
+
+    previous = signal.signal(signal.SIGTERM, terminate)
+    try:
+        yield
+    finally:
+        signal.signal(signal.SIGTERM, previous)
+
+
 def run_scenario(scenario: Scenario, out_dir: str | Path, *, seed: int | None = None,
                  junit: str | Path | None = None,
                  reference_cache: str | Path | None = None) -> ScenarioResult:
-    """Run `scenario` end to end and write the report under `out_dir`."""
+    """Run `scenario` end to end and write the report under `out_dir`. A SIGTERM while it
+    runs tears down every process it started, then raises SystemExit(143)."""
+    with _sigterm_unwinds():
+        return _run_scenario(scenario, out_dir, seed=seed, junit=junit,
+                             reference_cache=reference_cache)
+
+
+def _run_scenario(scenario: Scenario, out_dir: str | Path, *, seed: int | None,
+                  junit: str | Path | None, reference_cache: str | Path | None
+                  ) -> ScenarioResult:
     if seed is not None:
         scenario = scenario.with_seed(seed)
     out = Path(out_dir).resolve()

@@ -31,6 +31,7 @@ from __future__ import annotations
 
 import argparse
 import contextlib
+import dataclasses
 import logging
 import math
 import os
@@ -50,11 +51,12 @@ if TYPE_CHECKING:
     from elastic.agent_metrics import AgentMetrics
     from elastic.warm import WarmServer
 
-# Nothing at module level imports torch: `main` starts the warm-start server first, so
-# that the server's imports and this agent's own (torch, torchrun) run side by side.
+# Nothing at module level imports torch: `main` imports it once and forks the warm-start
+# server from there, so that the server's imports (the training module's) and this
+# agent's own (torchrun, the rendezvous) run side by side and torch is imported once.
 
-__all__ = ["LaunchError", "TrainingHints", "main", "shutdown_timeout_s", "split_command",
-           "training_hints"]
+__all__ = ["LaunchError", "TrainingHints", "main", "needs_s3_sdk", "shutdown_timeout_s",
+           "split_command", "training_hints"]
 
 DEFAULT_SHUTDOWN_TIMEOUT_S = 30
 """torchrun's default (`TORCH_ELASTIC_SHUTDOWN_TIMEOUT`)."""
@@ -223,7 +225,10 @@ def main(argv: Sequence[str] | None = None) -> int:
     except LaunchError as exc:
         print(f"relight run: {exc}", file=sys.stderr)
         return 2
-    warm = _start_warm(opts, positional)
+    # The config's hints before torch is imported: the warm server needs the checkpoint
+    # URL (whether to set up the S3 SDK); the grace flag is applied once parsed.
+    hints = training_hints(positional, None)
+    warm = _start_warm(opts, positional, hints.ckpt_url)
     try:
         args = _parser().parse_args(opts + positional)
         if args.standalone:
@@ -232,7 +237,9 @@ def main(argv: Sequence[str] | None = None) -> int:
                   file=sys.stderr)
             return 2
         with _scoped_process_state():
-            return _launch(args, opts, positional, warm)
+            if args.preemption_grace_s is not None:
+                hints = dataclasses.replace(hints, preemption_grace_s=args.preemption_grace_s)
+            return _launch(args, opts, positional, warm, hints)
     finally:
         if warm is not None:
             warm.stop()
@@ -269,12 +276,11 @@ def _scoped_process_state() -> Iterator[None]:
 
 
 def _launch(args: argparse.Namespace, opts: Sequence[str], positional: list[str],
-            warm: WarmServer | None) -> int:
+            warm: WarmServer | None, hints: TrainingHints) -> int:
     from elastic.rendezvous import BACKEND_NAME, EVENTS_ENV, release_leases
 
     if not _given(opts, "--rdzv-backend", "--rdzv_backend"):
         args.rdzv_backend = BACKEND_NAME
-    hints = training_hints(positional, args.preemption_grace_s)
     timeout = shutdown_timeout_s(args.shutdown_timeout, hints.preemption_grace_s)
     if args.shutdown_timeout is not None and timeout > args.shutdown_timeout:
         print(f"relight run: --shutdown-timeout raised to {timeout} s: the workers' "
@@ -345,10 +351,14 @@ def _launch(args: argparse.Namespace, opts: Sequence[str], positional: list[str]
             etcd.stop()
 
 
-def _start_warm(opts: Sequence[str], positional: list[str]) -> WarmServer | None:
+def _start_warm(opts: Sequence[str], positional: list[str],
+                ckpt_url: str | None) -> WarmServer | None:
     """Start the node's fork server, unless `--no-warm-start`; None (and one line on
-    stderr) when the command cannot be warm-started. Not waited for: it imports while
-    this agent imports torchrun and joins the rendezvous."""
+    stderr) when the command cannot be warm-started. Forked from this agent once it has
+    imported torch (which torchrun imports anyway): on a node whose cores are busy,
+    importing torch in a second interpreter as well costs a replacement seconds before
+    its first step. Not waited for: it imports the rest while this agent imports
+    torchrun and joins the rendezvous."""
     import tempfile
 
     from elastic.warm import DEFAULT_PRELOAD, WarmServer
@@ -364,12 +374,21 @@ def _start_warm(opts: Sequence[str], positional: list[str]) -> WarmServer | None
     preload = [*DEFAULT_PRELOAD, *([argv[1]] if argv[0] == "-m" else [])]
     # AF_UNIX paths are short: the socket lives in its own temp dir, not the run dir.
     sock = Path(tempfile.mkdtemp(prefix="relight-warm-")) / "s.sock"
+    import torch  # noqa: F401 - torchrun's, imported before the fork: the server inherits it
+
     try:
-        return WarmServer(sock, preload, log_path=sock.parent / "warm.log").start(wait=False)
+        return WarmServer(sock, preload, log_path=sock.parent / "warm.log",
+                          warm_s3=needs_s3_sdk(ckpt_url)).start(wait=False, fork=True)
     except (OSError, RuntimeError) as exc:
         print(f"relight run: cold starts (warm starts unavailable: {exc}; --no-warm-start "
               "silences this)", file=sys.stderr)
         return None
+
+
+def needs_s3_sdk(ckpt_url: str | None) -> bool:
+    """Whether the warm server sets the S3 SDK up for its workers: when the checkpoints
+    are on S3, or where they are is not known (a command other than `runtime.train`)."""
+    return ckpt_url is None or ckpt_url.startswith("s3://")
 
 
 def _python_argv(positional: list[str]) -> list[str]:

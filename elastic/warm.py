@@ -10,9 +10,11 @@ directory and stdio to the server over a UNIX socket; the server forks a child t
 becomes the worker (`runpy`, as `python -m module` or `python script.py` would run it)
 and reports its pid and, when it ends, its exit status, which the client exits with.
 
-The agent does not wait for the server: it starts it and goes on to its rendezvous while
-the server imports (seconds on a loaded node, which a replacement would otherwise add to
-its time to the first step). A client that comes first waits for the socket while the
+The agent does not wait for the server: it imports torch (which torchrun needs), forks
+the server from that state (`WarmServer.start(fork=True)`: torch is not imported a
+second time, a node's largest single import), and goes on to its rendezvous while the
+server imports the rest (seconds on a loaded node, which a replacement would otherwise
+add to its time to the first step). A client that comes first waits for the socket while the
 server lives; if the server failed (its imports raised, or it died), the client starts
 its worker cold instead (`exec` of the same command), so a broken server costs a warm
 start, never the worker.
@@ -81,14 +83,18 @@ def _pid_file(socket_path: str) -> Path:
     return Path(socket_path).parent / "server.pid"
 
 
-def serve(socket_path: str, preload: Sequence[str]) -> None:
+def serve(socket_path: str, preload: Sequence[str], *, warm_s3: bool = True) -> None:
     """Import `preload`, then fork a worker for every client on `socket_path` until
     SIGTERM. Never returns in a forked child. If an import fails, say so next to the
-    socket (clients then start cold) and raise."""
+    socket (clients then start cold) and raise. `warm_s3`: with `storage` preloaded, also
+    do the S3 SDK's one-time set-up (off for a job whose checkpoints are not on S3: a
+    second of a core its workers would never use)."""
+    t0 = time.monotonic()
+    inherited = sum(1 for name in preload if name in sys.modules)
     try:
         for name in preload:
             importlib.import_module(name)
-        if "storage" in preload:
+        if warm_s3 and "storage" in preload:
             # botocore's one-time client set-up, done here once instead of in every
             # worker's first S3 operation (no thread or connection outlives it: safe to
             # fork after).
@@ -107,7 +113,9 @@ def serve(socket_path: str, preload: Sequence[str]) -> None:
     listener.listen(64)
     signal.signal(signal.SIGTERM, lambda *_: sys.exit(0))
     _exit_with_parent()
-    print(f"relight warm server ready on {socket_path} ({len(preload)} modules)",
+    print(f"{time.strftime('%Y-%m-%d %H:%M:%S')} relight warm server ready on {socket_path} "
+          f"({len(preload)} modules, {inherited} of them imported before it started; "
+          f"{time.monotonic() - t0:.1f} s of imports)",
           file=sys.stderr, flush=True)
     try:
         while True:
@@ -360,31 +368,44 @@ class WarmServer:
 
     def __init__(self, socket_path: str | os.PathLike[str], preload: Sequence[str],
                  log_path: str | os.PathLike[str] | None = None,
-                 env: dict[str, str] | None = None) -> None:
+                 env: dict[str, str] | None = None, warm_s3: bool = True) -> None:
         if len(os.fsencode(socket_path)) > 100:  # sun_path holds 108 bytes
             raise WarmStartError(f"socket path {socket_path} is too long for AF_UNIX")
         self.socket_path = str(socket_path)
         self.preload = list(preload)
         self.log_path = log_path
         self.env = env
+        self.warm_s3 = warm_s3
         self._proc: Any = None
 
-    def start(self, timeout_s: float = 300.0, *, wait: bool = True) -> WarmServer:
+    def start(self, timeout_s: float = 300.0, *, wait: bool = True,
+              fork: bool = False) -> WarmServer:
         """Start the server; with `wait`, return once it serves (its imports done), else
-        at once (clients wait for it, and start cold if it fails)."""
+        at once (clients wait for it, and start cold if it fails). With `fork`, the
+        server is a fork of this process rather than a new interpreter: what this process
+        has imported (an agent's torch) is not imported a second time, which on a node
+        whose cores are busy is seconds off the first worker's start. Only while this
+        process runs no other Python thread (one could hold the import lock across the
+        fork); otherwise, and with `env` given, a new interpreter as without `fork`."""
         import subprocess
 
         Path(self.socket_path).parent.mkdir(parents=True, exist_ok=True)
         with contextlib.suppress(FileNotFoundError):
             _failed_marker(self.socket_path).unlink()
-        log = open(self.log_path, "ab") if self.log_path else subprocess.DEVNULL  # noqa: SIM115
-        self._proc = subprocess.Popen(
-            [sys.executable, "-m", "elastic.warm", "serve", "--socket", self.socket_path,
-             "--preload", ",".join(self.preload)],
-            stdout=log, stderr=subprocess.STDOUT if self.log_path else None,
-            start_new_session=True, env=self.env)
-        if log is not subprocess.DEVNULL:
-            log.close()
+        if fork and self.env is None and threading.active_count() == 1:
+            self._proc = _fork_server(self.socket_path, self.preload, self.log_path,
+                                      self.warm_s3)
+        else:
+            log = (open(self.log_path, "ab") if self.log_path  # noqa: SIM115
+                   else subprocess.DEVNULL)
+            self._proc = subprocess.Popen(
+                [sys.executable, "-m", "elastic.warm", "serve", "--socket",
+                 self.socket_path, "--preload", ",".join(self.preload),
+                 *([] if self.warm_s3 else ["--no-s3-sdk"])],
+                stdout=log, stderr=subprocess.STDOUT if self.log_path else None,
+                start_new_session=True, env=self.env)
+            if log is not subprocess.DEVNULL:
+                log.close()
         pid_file = _pid_file(self.socket_path)
         tmp = pid_file.with_name(f".{pid_file.name}.tmp")
         tmp.write_text(str(self._proc.pid))
@@ -413,6 +434,81 @@ class WarmServer:
         self._proc = None
 
 
+class _ForkedServer:
+    """A server forked by `_fork_server`, with the part of `subprocess.Popen`'s interface
+    `WarmServer` uses."""
+
+    def __init__(self, pid: int) -> None:
+        self.pid = pid
+        self.returncode: int | None = None
+
+    def poll(self) -> int | None:
+        if self.returncode is None:
+            try:
+                pid, status = os.waitpid(self.pid, os.WNOHANG)
+            except ChildProcessError:  # reaped elsewhere
+                self.returncode = -1
+                return self.returncode
+            if pid:
+                self.returncode = os.waitstatus_to_exitcode(status)
+        return self.returncode
+
+    def wait(self, timeout: float | None = None) -> int:
+        deadline = None if timeout is None else time.monotonic() + timeout
+        while self.poll() is None:
+            if deadline is not None and time.monotonic() > deadline:
+                raise TimeoutError(f"warm server {self.pid} still running after {timeout} s")
+            time.sleep(0.02)
+        assert self.returncode is not None
+        return self.returncode
+
+    def terminate(self) -> None:
+        self._signal(signal.SIGTERM)
+
+    def kill(self) -> None:
+        self._signal(signal.SIGKILL)
+
+    def _signal(self, sig: int) -> None:
+        if self.poll() is None:
+            with contextlib.suppress(ProcessLookupError):
+                os.kill(self.pid, sig)
+
+
+def _fork_server(socket_path: str, preload: Sequence[str],
+                 log_path: str | os.PathLike[str] | None, warm_s3: bool) -> _ForkedServer:
+    """Fork this process into a server (`serve`) in a session of its own, its stdout and
+    stderr on `log_path`; the child never returns into the caller's code."""
+    sys.stdout.flush()
+    sys.stderr.flush()
+    pid = os.fork()
+    if pid:
+        return _ForkedServer(pid)
+    code = 1
+    try:
+        os.setsid()
+        null = os.open(os.devnull, os.O_RDONLY)
+        os.dup2(null, 0)
+        os.close(null)
+        if log_path is not None:
+            out = os.open(log_path, os.O_WRONLY | os.O_CREAT | os.O_APPEND, 0o644)
+            os.dup2(out, 1)
+            os.dup2(out, 2)
+            os.close(out)
+        for sig in (signal.SIGQUIT, *_FORWARDED):
+            signal.signal(sig, signal.SIG_DFL)
+        serve(socket_path, preload, warm_s3=warm_s3)
+        code = 0
+    except SystemExit as exc:  # serve's SIGTERM handler
+        code = exc.code if isinstance(exc.code, int) else 0
+    except BaseException:  # noqa: BLE001 - the import error, in the server's log
+        traceback.print_exc()
+    finally:
+        with contextlib.suppress(Exception):
+            sys.stdout.flush()
+            sys.stderr.flush()
+        os._exit(code)
+
+
 def main(argv: Sequence[str] | None = None) -> int:
     p = argparse.ArgumentParser(prog="python -m elastic.warm", description=__doc__.split(
         "\n\n")[0])
@@ -420,12 +516,15 @@ def main(argv: Sequence[str] | None = None) -> int:
     s = sub.add_parser("serve", help="import the modules, then fork workers on request")
     s.add_argument("--socket", required=True)
     s.add_argument("--preload", default="torch", help="comma-separated modules")
+    s.add_argument("--no-s3-sdk", action="store_true",
+                   help="skip the S3 SDK's set-up (the job's checkpoints are not on S3)")
     r = sub.add_parser("run", help="start a worker through the server")
     r.add_argument("--socket", required=True)
     r.add_argument("command", nargs=argparse.REMAINDER)
     args = p.parse_args(argv)
     if args.cmd == "serve":
-        serve(args.socket, [m for m in args.preload.split(",") if m])
+        serve(args.socket, [m for m in args.preload.split(",") if m],
+              warm_s3=not args.no_s3_sdk)
         return 0
     command = args.command[1:] if args.command[:1] == ["--"] else args.command
     if not command:

@@ -198,13 +198,15 @@ class Checkpointer:
             if self.prometheus is not None:
                 self.prometheus.set_last_commit(step, rec.created)
 
-    def maybe_save(self, *, saves: bool = True) -> tuple[float, bool, bool]:
+    def maybe_save(self, *, saves: bool = True, due: bool = False) -> tuple[float, bool, bool]:
         """Start this step's checkpoint when one is due: (stall seconds, ok, whether due).
-        `saves` False: another replica group writes the job's checkpoints."""
+        `saves` False: another replica group writes the job's checkpoints. `due`: this
+        step is due whatever `checkpoint.every` says (replica groups: the state's last
+        copy in memory)."""
         c = self.cfg.checkpoint
         step = self._step()
         last = step in (self.cfg.train.steps, self.cfg.train.stop_at)
-        if self.manager is None or (step % c.every and not last):
+        if self.manager is None or (step % c.every and not last and not due):
             return 0.0, True, False
         if not saves:
             return 0.0, True, False  # the replicas hold the same state: one group writes it

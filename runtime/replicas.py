@@ -34,7 +34,7 @@ from elastic.replica import ReplicaManager, ReplicaSettings
 from runtime.config import ConfigError, ReplicaConfig
 from runtime.data import BatchPlan
 
-__all__ = ["ReplicaTraining", "replica_group_id"]
+__all__ = ["ReplicaTraining", "SoleCopy", "replica_group_id"]
 
 GROUP_ENV = "RELIGHT_REPLICA_GROUP"
 
@@ -50,6 +50,27 @@ def replica_group_id(cfg: ReplicaConfig) -> str:
     if "/" in group:
         raise ConfigError(f"replica group id {group!r} must not contain '/'")
     return group
+
+
+class SoleCopy:
+    """When a replica group's memory has just become the job's only copy of its state:
+    fed each step's quorum size, `committed()` after the step is True at the first
+    committed step of a quorum of one that follows quorums of several, then not again
+    until several groups have trained together once more."""
+
+    def __init__(self) -> None:
+        self._size = 0
+        self._shared = False
+
+    def quorum(self, size: int) -> None:
+        self._size = size
+        self._shared = self._shared or size > 1
+
+    def committed(self) -> bool:
+        if self._size != 1 or not self._shared:
+            return False
+        self._shared = False
+        return True
 
 
 class ReplicaTraining:
@@ -72,6 +93,7 @@ class ReplicaTraining:
         self.quorum: Quorum | None = None
         self.abandoned = 0
         """Steps abandoned on this group (a member of their quorum failed)."""
+        self._sole = SoleCopy()
 
     @property
     def healing(self) -> bool:
@@ -82,6 +104,7 @@ class ReplicaTraining:
     def begin_step(self) -> BatchPlan:
         """The quorum of the next step (a heal may land first) and this rank's plan in it."""
         self.quorum = q = self.manager.start_step()
+        self._sole.quorum(q.size)
         return dataclasses.replace(self.base_plan, replicas=q.size,
                                    replica_rank=q.rank(self.group))
 
@@ -108,6 +131,15 @@ class ReplicaTraining:
     def saves_checkpoints(self) -> bool:
         """Whether this group writes the job's checkpoints now (the quorum's first)."""
         return self.quorum is None or self.quorum.rank(self.group) == 0
+
+    def sole_copy(self) -> bool:
+        """After a committed step: True once when the job's state has just come to live in
+        this group's memory alone (the first step of a quorum of one after quorums of
+        several: the other replicas are lost). The trainer then checkpoints to storage
+        whatever `checkpoint.every` says: were this group lost too before the lost ones
+        are replaced, the job would restart from its last periodic checkpoint, or from
+        step 0. Once per such loss, not every step it trains alone."""
+        return self._sole.committed()
 
     @property
     def alone(self) -> bool:

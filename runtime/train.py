@@ -422,8 +422,9 @@ class Trainer:
                 noticed, left = rec.pop("_notice_ranks"), rec.pop("_notice_left_s")
                 preempt = bool(noticed) and self.step < end
                 saves = self.replicas is None or self.replicas.saves_checkpoints
+                sole = self.replicas is not None and self.replicas.sole_copy()
                 stall, ok, saved = ((0.0, True, False) if preempt
-                                    else ck.maybe_save(saves=saves))
+                                    else ck.maybe_save(saves=saves, due=sole))
                 ck.poll_save()
                 result.checkpoint_failures += 0 if ok else 1
                 self.log.step = self.step

@@ -12,6 +12,7 @@ missing they fail and say which. `tiers`, the user script and the broken resume 
 
 from __future__ import annotations
 
+import os
 import time
 from pathlib import Path
 
@@ -56,6 +57,48 @@ def test_ci_smoke_passes_within_budget(tmp_path: Path) -> None:
     assert sizes[0] == 2 and sizes[-1] == 1, sizes  # resumed at the smaller size
     assert (tmp_path / "junit.xml").is_file() and (out / "loss.png").is_file()
     assert not _ours(out), "processes leaked past teardown"
+
+
+def _harness_until_sigterm(scenario_doc: dict, out: str) -> None:
+    """A harness process with Python's default SIGTERM disposition (what `timeout` or a
+    CI runner stops), as a script calling `run_scenario` has."""
+    import signal
+
+    signal.signal(signal.SIGTERM, signal.SIG_DFL)
+    run_scenario(parse_scenario(scenario_doc), out)
+
+
+@pytest.mark.timeout(120)
+def test_a_harness_stopped_by_sigterm_tears_its_nodes_down(tmp_path: Path) -> None:
+    """SIGTERM to a harness whose nodes are up: its teardown runs (nodes run in sessions
+    of their own, so nothing else reaches them) and nothing it started outlives it."""
+    import multiprocessing
+    import signal
+
+    out = tmp_path / "sigterm"
+    doc = {"name": "sigterm", "target_step": 1000, "deadline_s": 300,
+           "cluster": {"nodes": 1, "ranks_per_node": 1, "min_nodes": 1, "max_nodes": 1},
+           "training": {"config": "configs/tiny.toml"}, "storage": {"kind": "local"},
+           "verify": {"reference": False}}
+    # Forked: the harness inherits this process's imports (torch) instead of paying them.
+    harness = multiprocessing.get_context("fork").Process(
+        target=_harness_until_sigterm, args=(doc, str(out)))
+    harness.start()
+    try:
+        deadline = time.monotonic() + 60
+        while not any("--run-dir" in " ".join(p.cmdline()) for p in _ours(out)):
+            assert harness.is_alive() and time.monotonic() < deadline, "no node started"
+            time.sleep(0.05)
+        os.kill(harness.pid, signal.SIGTERM)
+        harness.join(60)
+        assert harness.exitcode == 128 + signal.SIGTERM, harness.exitcode
+        _, alive = psutil.wait_procs(_ours(out), timeout=10)
+        assert not alive, f"left behind by a harness stopped by SIGTERM: {alive}"
+    finally:
+        for p in _ours(out):
+            p.kill()
+        if harness.is_alive():
+            harness.kill()
 
 
 # ~100 s on a quiet 2-core machine (the reference and the chaos run, two groups each).

@@ -130,3 +130,19 @@ def test_replicas_are_compared_within_each_run_of_the_job() -> None:
     assert "2 runs of the job" in result.summary
     bad = edit(ev, "node-3", 10, state_crc=(1, 2))
     assert not check_replicas_identical(bad).ok
+
+
+def test_a_run_with_no_join_while_training_holds_check_10_and_says_it_was_vacuous() -> None:
+    """Every replica lost at step 8, the job restarted from scratch with nobody training:
+    no group had anything to heal from, so check 10 holds, and says there was nothing
+    to check; a run with a heal is not vacuous."""
+    from chaos.verifier import check_heals_read_no_storage
+
+    lost = [rec(g, s, float(s)) for s in range(1, 9) for g in ("node-0", "node-1")]
+    again = [rec(g, s, float(s + 20), quorum=5) for s in range(1, 13)
+             for g in ("node-2", "node-3")]
+    result = check_heals_read_no_storage(replace(correct_run(), records=lost + again))
+    assert result.ok, result.summary
+    assert result.measured["vacuous"] and "nothing to check" in result.summary
+    healed = check_heals_read_no_storage(correct_run())
+    assert healed.ok and not healed.measured["vacuous"] and healed.measured["heals"] == 1

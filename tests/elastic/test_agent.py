@@ -17,7 +17,13 @@ import torch
 from elastic.agent_metrics import AgentMetrics, AgentMetricsConfig
 from elastic.etcd_client import EtcdClient, EtcdSettings
 from elastic.etcd_server import free_port
-from elastic.launch import SHUTDOWN_MARGIN_S, main, shutdown_timeout_s, training_hints
+from elastic.launch import (
+    SHUTDOWN_MARGIN_S,
+    main,
+    needs_s3_sdk,
+    shutdown_timeout_s,
+    training_hints,
+)
 from elastic.rendezvous import _notify, record_event
 from runtime.config import PreemptionConfig
 from tests.elastic.agents import RDZV_CONF, ROOT, SCRIPTS, Agents, events, wait_for
@@ -61,6 +67,10 @@ def test_shutdown_timeout_covers_the_preemption_grace(tmp_path, monkeypatch) -> 
                           None).preemption_grace_s == 75.0
     assert training_hints(["train.py"], None).preemption_grace_s == DEFAULT_GRACE
     assert training_hints(["train.py"], 50.0).preemption_grace_s == 50.0
+    # The warm server sets the S3 SDK up only where a worker may use it.
+    assert needs_s3_sdk(hints.ckpt_url) and needs_s3_sdk(None)
+    assert not needs_s3_sdk(training_hints([*runtime_train, "--checkpoint.url=/tmp/ck"],
+                                           None).ckpt_url)
 
 
 @pytest.mark.etcd

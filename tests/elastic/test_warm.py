@@ -99,6 +99,15 @@ def test_no_server_is_a_clear_error(tmp_path) -> None:
     assert res.returncode != 0 and "no warm server" in res.stderr
 
 
+def _kill_agent_then_server_gone(agent: subprocess.Popen, server_pid: int) -> None:
+    agent.kill()
+    agent.wait(10)
+    deadline = time.monotonic() + 30  # the server polls its parent every 0.5 s
+    while _alive(server_pid) and time.monotonic() < deadline:
+        time.sleep(0.1)
+    assert not _alive(server_pid), "the warm server outlived its agent"
+
+
 def test_server_exits_when_its_agent_is_killed(tmp_path) -> None:
     """An agent killed with SIGKILL cannot stop its server; the server must not outlive
     it (an orphan would keep its socket, its memory and its imports forever)."""
@@ -111,13 +120,41 @@ def test_server_exits_when_its_agent_is_killed(tmp_path) -> None:
     try:
         server_pid = int(agent.stdout.readline())
         assert _alive(server_pid)
-        agent.kill()
-        agent.wait(10)
-        deadline = time.monotonic() + 30  # the server polls its parent every 0.5 s
-        while _alive(server_pid) and time.monotonic() < deadline:
-            time.sleep(0.1)
-        assert not _alive(server_pid), "the warm server outlived its agent"
+        _kill_agent_then_server_gone(agent, server_pid)
         assert not (tmp_path / "s.sock").exists()
+    finally:
+        if agent.poll() is None:
+            agent.kill()
+
+
+def test_a_server_forked_from_its_agent_does_not_import_twice(tmp_path) -> None:
+    """`start(fork=True)`, as `relight run` starts it once it has imported torch: the
+    server is a fork of the agent (no second interpreter), the modules the agent had
+    imported are not imported again, its workers run, and it leaves with its agent.
+    (`decimal` stands for torch here: the same path, a fraction of the import time.)"""
+    code = ("import sys, time, decimal; from elastic.warm import WarmServer; "
+            "s = WarmServer(sys.argv[1], ['decimal', 'fractions'], log_path=sys.argv[2])"
+            ".start(fork=True); print(s._proc.pid, flush=True); time.sleep(600)")
+    agent = subprocess.Popen([sys.executable, "-c", code, str(tmp_path / "s.sock"),
+                              str(tmp_path / "server.log")],
+                             env={**os.environ, "PYTHONPATH": str(ROOT)},
+                             stdout=subprocess.PIPE, text=True)
+    try:
+        server_pid = int(agent.stdout.readline())
+        cmdline = Path(f"/proc/{server_pid}/cmdline").read_bytes()
+        assert cmdline == Path(f"/proc/{agent.pid}/cmdline").read_bytes(), cmdline
+        deadline = time.monotonic() + 30  # the ready line follows the socket's creation
+        while "ready on" not in (log := (tmp_path / "server.log").read_text()):
+            assert time.monotonic() < deadline, log
+            time.sleep(0.05)
+        assert "2 modules, 1 of them imported before it started" in log, log
+        srv = WarmServer(tmp_path / "s.sock", [])
+        client = _start(srv, tmp_path, "exit0")
+        out, err = client.communicate(timeout=60)
+        assert client.returncode == 0, err
+        (rec,) = _records(tmp_path)
+        assert rec["ppid"] == server_pid and rec["pid"] != client.pid
+        _kill_agent_then_server_gone(agent, server_pid)
     finally:
         if agent.poll() is None:
             agent.kill()

@@ -128,6 +128,12 @@ def test_trainer_groups_survive_a_lost_group_and_heal_it(etcd_server, tmp_path) 
         _kill_tree(procs["g1"])
         until(lambda: len([r for r in _records(g0) if r["time"] > t_kill
                            and r["quorum_size"] == 1]) >= 4, 120, "g0 training on alone")
+        # The state's last copy is in g0's memory: its first step alone is checkpointed
+        # (whatever checkpoint.every says), its next ones only on schedule.
+        alone = [r for r in _records(g0) if r["time"] > t_kill and r["quorum_size"] == 1]
+        assert alone[0]["ckpt_saved"], alone[0]
+        assert [r["step"] for r in alone[1:4] if r["ckpt_saved"]] == [
+            r["step"] for r in alone[1:4] if r["step"] % 5 == 0]
         start("g1-new", "g1")
         until(lambda: len(_records(g1b)) >= 4, 240, "the replacement healed and training")
         enough = max(r["step"] for r in _records(g0)) + 6
@@ -163,3 +169,17 @@ def test_trainer_groups_survive_a_lost_group_and_heal_it(etcd_server, tmp_path) 
     # by the global batch every step).
     pos = [r["data_position"] for r in survivor]
     assert pos == [16 * i for i in range(len(pos))]
+
+
+def test_the_first_step_of_a_lone_group_after_a_shared_quorum_is_due_for_storage() -> None:
+    """`SoleCopy`: a checkpoint is due at the first committed step of a quorum of one that
+    follows quorums of several (the other replicas are lost), once; a job that was never
+    replicated, or stays alone, is not checkpointed off schedule."""
+    from runtime.replicas import SoleCopy
+
+    sole = SoleCopy()
+    due = []
+    for size in (1, 1, 3, 2, 2, 1, 1, 1, 2, 1, 1):
+        sole.quorum(size)
+        due.append(sole.committed())
+    assert due == [False, False, False, False, False, True, False, False, False, True, False]
