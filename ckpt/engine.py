@@ -162,19 +162,57 @@ def save(
             raise exists_error(store.url)
     except Exception as e:  # noqa: BLE001 - re-raised below, after telling the others
         error = e
+    background = async_save and opts.pipelined_staging
+
+    def stage(cached: CachedPlan) -> _Staging:
+        """This rank's pieces under `cached`'s plan, copied now unless pipelined. A
+        failure is returned, not raised: the caller shares it with the group."""
+        out = _Staging(cached)
+        t_copy = time.perf_counter()
+        try:
+            out.writes = cached.writes_of(comm.rank)
+            need_copy = async_save or any(
+                flat.tensors[t.name].tensor.device.type != "cpu" for t, _ in out.writes)
+            held = {(name, x.offset, x.shape): x for name, xs in pieces_of.items() for x in xs}
+            copies = [(t, p, local_view(flat.tensors[t.name].tensor,
+                                        held[(t.name, p.offset, p.shape)]))
+                      for t, p in out.writes]
+            out.stager = Stager(copies, cached.bufs, need_copy=need_copy,
+                                packed_size=cached.plan.packed_size.get(comm.rank, 0),
+                                packed_inner=cached.plan.packed_inner, background=background)
+            if not background:
+                out.staged, out.packed = out.stager.run()
+        except Exception as e:  # noqa: BLE001 - shared with the group (async) or raised
+            out.error = e
+        if not background:
+            out.seconds = time.perf_counter() - t_copy
+        return out
+
+    # An async save whose layout is the cached plan's stages first: the handshake below
+    # then also says that every rank's copy is done, so the persist can start without a
+    # second collective (every rank of the group has the same cached plan, so all of
+    # them take this path or none). Should another rank's layout have changed, the plan
+    # is made again below and this rank stages again.
+    cached = res.cached
+    early: _Staging | None = None
+    if (async_save and not background and error is None and cached is not None
+            and cached.key[1] == comm.ranks
+            and cached.key[0][comm.ranks.index(comm.rank)] == digest):
+        early = stage(cached)
+    failed = error is not None or (early is not None and early.error is not None)
     attempt = uuid.uuid4().hex[:16]
     # One fixed-size all-gather per save: layout digest, attempt id, "I failed" flag.
     what = (f"the start of the save to {store.url} (step {step}; every rank of the group "
             "must call ckpt.save / CheckpointManager.save)")
-    hand = comm.allgather_fixed(f"{digest:32}{attempt}{'E' if error else '-'}".encode(), 49,
+    hand = comm.allgather_fixed(f"{digest:32}{attempt}{'E' if failed else '-'}".encode(), 49,
                                 what)
     got = [(h[:32].decode(), h[32:48].decode(), h[48:49] == b"E") for h in hand]
     if any(g[2] for g in got):
-        all_or_raise(comm, error, None, what, url=store.url)
+        all_or_raise(comm, error or (early.error if early is not None else None), None, what,
+                     url=store.url)
     assert lay is not None
     attempt = got[0][1]
     key = (tuple(g[0] for g in got), comm.ranks)
-    cached = res.cached
     if cached is None or cached.key != key:
         layouts = [RankLayout.from_json(j) for j in comm.allgather_json(lay.to_json(), what)]
         plan = plan_save(layouts, comm.ranks, pack_bytes=opts.pack_bytes,
@@ -183,33 +221,20 @@ def save(
         res.cached = cached
         logger.info("%s new save plan: %d tensors, this rank writes %d bytes", pre,
                     len(plan.tensors), plan.write_bytes.get(comm.rank, 0))
-    plan = cached.plan
-
-    t_planned = time.perf_counter()
-    # Stage: copy this rank's pieces into (reused) host buffers, here or (pipelined) in
-    # the background thread before it persists.
-    my_writes = cached.writes_of(comm.rank)
-    need_copy = async_save or any(
-        flat.tensors[t.name].tensor.device.type != "cpu" for t, _ in my_writes)
-    held = {(name, x.offset, x.shape): x for name, xs in pieces_of.items() for x in xs}
-    copies = [(t, p, local_view(flat.tensors[t.name].tensor, held[(t.name, p.offset, p.shape)]))
-              for t, p in my_writes]
-    background = async_save and opts.pipelined_staging
-    stager = Stager(copies, cached.bufs, need_copy=need_copy,
-                    packed_size=plan.packed_size.get(comm.rank, 0),
-                    packed_inner=plan.packed_inner, background=background)
-    staged: dict[tuple[str, tuple[int, ...]], torch.Tensor] = {}
-    packed_buf: np.ndarray | None = None
-    if not background:
-        stage_error: BaseException | None = None
-        try:
-            staged, packed_buf = stager.run()
-        except Exception as e:  # noqa: BLE001 - shared with the group (async) or raised
-            stage_error = e
-        if async_save:
-            _all_staged(comm, stage_error, store.url, step)
-        elif stage_error is not None:
-            raise stage_error
+        early = None
+    if early is not None:
+        done = early
+    else:
+        # Stage: copy this rank's pieces into (reused) host buffers, here or (pipelined)
+        # in the background thread before it persists.
+        done = stage(cached)
+        if async_save and not background:
+            _all_staged(comm, done.error, store.url, step)
+        elif done.error is not None:
+            raise done.error
+    plan, my_writes, stager = cached.plan, done.writes, done.stager
+    assert stager is not None  # a failed staging raised above
+    staged, packed_buf = done.staged, done.packed
     values = {n: flat.values[n].value for n, r in plan.value_owner.items() if r == comm.rank}
 
     handle = SaveHandle(store.url, step)
@@ -220,12 +245,13 @@ def save(
                    hooks or CommitHooks(), pre, stager if background else None,
                    writes=my_writes)
     if not background:
-        handle.stage_s = time.perf_counter() - t_planned
+        handle.stage_s = done.seconds
         handle._mark_staged()
     handle.stall_s = time.perf_counter() - t0
     handle.waited_s = waited
-    logger.debug("%s save stall %.3f s (waited %.3f, plan+handshake %.3f, staging %.3f%s)",
-                 pre, handle.stall_s, waited, t_planned - t0 - waited, handle.stage_s,
+    logger.debug("%s save stall %.3f s (waited %.3f, staging copy %.3f%s%s)",
+                 pre, handle.stall_s, waited, handle.stage_s,
+                 ", before the handshake" if done is early else "",
                  ", pipelined" if background else "")
     res.inflight = handle
     if async_save:
@@ -237,6 +263,21 @@ def save(
         job.run(comm)
         handle.wait()
     return handle
+
+
+@dataclass
+class _Staging:
+    """One rank's staging under one cached plan: its writes, the copy job, and (unless
+    pipelined) what the copy produced or why it failed."""
+
+    cached: CachedPlan
+    writes: list[Any] = field(default_factory=list)
+    stager: Stager | None = None
+    staged: dict[tuple[str, tuple[int, ...]], torch.Tensor] = field(default_factory=dict)
+    packed: np.ndarray | None = None
+    error: BaseException | None = None
+    seconds: float = 0.0
+    """How long the copy took (0 when pipelined: the background thread copies)."""
 
 
 def _all_staged(comm: Comm, error: BaseException | None, url: str, step: int | None) -> None:

@@ -295,9 +295,10 @@ def save_on_one_rank_only(url: str, timeout_s: float) -> dict[str, Any]:
 
 
 def async_staging_fails_on_one_rank(url: str, failing: int) -> dict[str, Any]:
-    """An async save whose staging copy fails on rank `failing`: every rank's `save()`
+    """Async saves whose staging copy fails on rank `failing`: every rank's `save()`
     must raise (no background persist starts, no coordinator waits for the rank's
-    index), and the next save of the same state commits."""
+    index), and the next save of the same state commits. Twice: on a new plan (the
+    copy, then an all-gather) and on the cached plan (the copy before the handshake)."""
     import ckpt.engine
 
     real = ckpt.engine.Stager.run
@@ -306,15 +307,19 @@ def async_staging_fails_on_one_rank(url: str, failing: int) -> dict[str, Any]:
         raise RuntimeError("staging copy failed (injected)")
 
     state = build([{"name": "w", "shape": [64, 48], "dtype": "float32"}], [4], [["S0"]], 1)
-    opts = ckpt.SaveOptions()
-    if dist.get_rank() == failing:
-        ckpt.engine.Stager.run = broken
-    error = None
-    try:
-        ckpt.save(state, url, async_save=True, options=opts)
-    except Exception as e:  # noqa: BLE001 - returned to the test
-        error = f"{type(e).__name__}: {e}"
-    finally:
-        ckpt.engine.Stager.run = real
-    ckpt.save(state, url, async_save=True, options=opts).wait()
-    return {"error": error, "committed": storage.open_store(url).exists("COMMIT")}
+    ckpt.engine.resources().cached = None  # the first failure meets a new plan
+    errors, committed = [], []
+    for attempt in range(2):
+        target = f"{url}/{attempt}"
+        if dist.get_rank() == failing:
+            ckpt.engine.Stager.run = broken
+        try:
+            ckpt.save(state, target, async_save=True)
+            errors.append(None)
+        except Exception as e:  # noqa: BLE001 - returned to the test
+            errors.append(f"{type(e).__name__}: {e}")
+        finally:
+            ckpt.engine.Stager.run = real
+        ckpt.save(state, target, async_save=True).wait()
+        committed.append(storage.open_store(target).exists("COMMIT"))
+    return {"errors": errors, "committed": committed}

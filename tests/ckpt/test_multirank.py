@@ -240,7 +240,8 @@ def test_async_staging_failure_on_one_rank_raises_on_every_rank(pool, tmp_path) 
                    url=str(tmp_path / "ck"), failing=2, timeout=120)
     for rank, r in enumerate(res):
         # Raised by save() itself on every rank, naming the failure: not a commit that
-        # times out waiting for rank 2's index.
-        assert r["error"] is not None and "staging copy failed (injected)" in r["error"], r
-        assert rank == 2 or "rank 2" in r["error"], (rank, r)
-        assert r["committed"], (rank, r)
+        # times out waiting for rank 2's index. On a new plan and on the cached one.
+        for error in r["errors"]:
+            assert error is not None and "staging copy failed (injected)" in error, r
+            assert rank == 2 or "rank 2" in error, (rank, r)
+        assert r["committed"] == [True, True], (rank, r)
