@@ -272,9 +272,13 @@ class QuorumClient:
     def training_elsewhere(self, probe_s: float = 2.0) -> bool:
         """Whether other groups are training now: then this group must heal before it
         trains. True when a quorum exists and one of its members, not this group, is
-        alive: its key is held and the store it advertises accepts a connection within
-        `probe_s`. A member killed under a lease that has not expired yet still holds its
-        key but answers nothing: it is no source to heal from."""
+        alive: its key is held and the store it advertises does not refuse a connection.
+        A member killed under a lease that has not expired yet still holds its key, but
+        its host refuses: it is no source to heal from. A store that does not answer
+        within `probe_s` (a host gone, or slow) counts as alive: were this group to skip
+        the heal of a live member, it would train with older state than the others; if
+        the member is gone, its lease ends and the joiners restore from storage instead
+        (`agree`)."""
         snap = self.snapshot()
         if snap.quorum is None:
             return False
@@ -285,10 +289,15 @@ class QuorumClient:
             try:
                 socket.create_connection(addr, timeout=probe_s).close()
                 return True
-            except OSError as exc:
+            except ConnectionRefusedError:
                 logger.info("[replica %s] quorum %d member %s holds its key but its store "
-                            "%s:%d does not answer (%s): not a source to heal from",
-                            self.group, snap.quorum.id, m, addr[0], addr[1], exc)
+                            "%s:%d refuses connections: its process is gone, not a "
+                            "source to heal from", self.group, snap.quorum.id, m, *addr)
+            except OSError as exc:
+                logger.info("[replica %s] quorum %d member %s: its store %s:%d did not "
+                            "answer within %.1fs (%s); counted as alive", self.group,
+                            snap.quorum.id, m, *addr, probe_s, exc)
+                return True
         return False
 
     def store_of(self, snap: Snapshot, group: str) -> tuple[str, int]:

@@ -75,9 +75,10 @@ class ReplicaSettings:
     re-forming without the silent ones: the survivors' pause per lost group is about
     this plus rebuilding the process group."""
     probe_timeout_s: float = 2.0
-    """At start, how long a quorum member's store may take to accept a connection before
-    the group counts it as gone (killed under a lease not yet expired) rather than as a
-    live group to heal from."""
+    """At start, the longest wait for a quorum member's store to take a connection. A store
+    that refuses means a member gone (killed under a lease not yet expired): no source
+    to heal from. One that does not answer in time counts as alive (the group heals;
+    if the member is gone, its lease ends and the group restores from storage)."""
 
     def __post_init__(self) -> None:
         if self.min_groups < 1:
@@ -164,12 +165,12 @@ class ReplicaManager:
         group heals (a replacement, a restarted group, a spare), where what it receives
         lands before its first step; `load(state_dict)` is then called with it. `heal=None`
         decides at start: heal when other groups are already training (a quorum with a
-        live member exists: its key held and its store answering within
-        `probe_timeout_s`). `restore()`: called on every rank when this group was to heal
-        but every group holding the state is gone: it loads the newest committed storage
-        checkpoint into the live state (or leaves the initial state, step 0, when there
-        is none), as a job with no live replica does; the group then trains as the
-        holder of the state (without `restore`, QuorumError). `group_pg`: the group's own
+        live member exists: its key held and its store not refusing connections).
+        `restore()`: called on every rank when this group was to heal but every group
+        holding the state is gone: it loads the newest committed storage checkpoint into
+        the live state (or leaves the initial state, step 0, when there is none), as a job
+        with no live replica does; the group then trains as the holder of the state
+        (without `restore`, QuorumError). `group_pg`: the group's own
         process group when the group has several ranks (default: the default group,
         when one is initialised)."""
         self.settings = settings

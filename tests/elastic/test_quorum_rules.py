@@ -301,3 +301,18 @@ def test_joiners_without_a_source_heal_from_the_first_that_restored(etcd_server)
     assert got == [q2]
     for x in (r1, r2):
         x.leave()
+
+
+def test_a_joiner_whose_source_is_lost_after_taking_it_in_re_forms_alone(
+        etcd_server) -> None:
+    job = f"rules-{uuid.uuid4().hex[:8]}"
+    a, q0 = _alone(etcd_server.endpoint, job, _closed_address())
+    r = _client(etcd_server.endpoint, job, "r")
+    r.join(("127.0.0.1", 2), ready=False, heal=True)
+    q1, _ = a.agree()  # a takes r in at its step boundary ...
+    assert q1.members == ("a", "r") and q1.healing == ("r",)
+    a.leave()  # ... and is lost before the heal
+    q2, _ = r.agree()
+    assert q2.id == q1.id + 1 and q2.members == ("r",) and q2.healthy == (), (
+        f"the joiner entered {q2}, whose only source of the state is gone")
+    r.leave()
