@@ -40,6 +40,7 @@ from __future__ import annotations
 
 import json
 import logging
+import socket
 import time
 from collections import deque
 from dataclasses import dataclass, field
@@ -250,10 +251,12 @@ class QuorumClient:
 
     def set_ready(self, ready: bool) -> None:
         """Mark this group ready to train (it holds the current state) or not. A group
-        that becomes ready records the quorum it saw then: it may enter the next one."""
+        that becomes ready records the quorum it saw then: it may enter the next one, and
+        it asks to heal no more (healed, or restored from storage)."""
         self._doc["ready"] = ready
         if ready:
             self._doc["since"] = self._current_quorum_id()
+            self._doc["heal"] = False
         self._publish()
 
     def _current_quorum_id(self) -> int:
@@ -266,12 +269,36 @@ class QuorumClient:
         self.client.put(self.root + "groups/" + self.group, json.dumps(self._doc),
                         lease=self._lease)
 
-    def training_elsewhere(self) -> bool:
-        """Whether other groups are training now (a quorum exists and one of its members,
-        not this group, is alive): then this group must heal before it trains."""
+    def training_elsewhere(self, probe_s: float = 2.0) -> bool:
+        """Whether other groups are training now: then this group must heal before it
+        trains. True when a quorum exists and one of its members, not this group, is
+        alive: its key is held and the store it advertises does not refuse a connection.
+        A member killed under a lease that has not expired yet still holds its key, but
+        its host refuses: it is no source to heal from. A store that does not answer
+        within `probe_s` (a host gone, or slow) counts as alive: were this group to skip
+        the heal of a live member, it would train with older state than the others; if
+        the member is gone, its lease ends and the joiners restore from storage instead
+        (`agree`)."""
         snap = self.snapshot()
-        return snap.quorum is not None and any(
-            m in snap.groups and m != self.group for m in snap.quorum.members)
+        if snap.quorum is None:
+            return False
+        for m in snap.quorum.members:
+            if m == self.group or m not in snap.groups:
+                continue
+            addr = self.store_of(snap, m)
+            try:
+                socket.create_connection(addr, timeout=probe_s).close()
+                return True
+            except ConnectionRefusedError:
+                logger.info("[replica %s] quorum %d member %s holds its key but its store "
+                            "%s:%d refuses connections: its process is gone, not a "
+                            "source to heal from", self.group, snap.quorum.id, m, *addr)
+            except OSError as exc:
+                logger.info("[replica %s] quorum %d member %s: its store %s:%d did not "
+                            "answer within %.1fs (%s); counted as alive", self.group,
+                            snap.quorum.id, m, *addr, probe_s, exc)
+                return True
+        return False
 
     def store_of(self, snap: Snapshot, group: str) -> tuple[str, int]:
         host, port = snap.groups[group]["store"]
@@ -312,6 +339,12 @@ class QuorumClient:
         (quorum, groups)`, groups that were named in a new quorum but did not enter it
         (`confirm`), the others re-form without them; those stay out until they write
         their key again. The first quorum waits for `min_groups` ready groups.
+
+        When every group holding the state is gone (keys expired or revoked), joiners
+        re-form alone: a quorum without a healthy member. It is returned to its first
+        live member only, which must restore the state from storage and `set_ready`;
+        its next `agree` then proposes a quorum that names it healthy, and the other
+        joiners, which waited, heal from it.
         """
         deadline = time.monotonic() + self.timeout
         while True:
@@ -337,9 +370,9 @@ class QuorumClient:
                     continue
                 # A joiner waits for the members to take it in at their next step
                 # boundary: replacing the quorum now would fence out the step they are
-                # in the middle of.
-                self.client.wait_for_change(self.root + "quorum", snap.revision,
-                                            self.lease_ttl)
+                # in the middle of. Any change wakes it, a member's key expiring too: once
+                # the last member is gone it re-forms without waiting out a watch.
+                self.client.wait_for_change(self.root, snap.revision, self.lease_ttl)
                 if time.monotonic() > deadline:
                     raise QuorumError(f"replica group {self.group}: not taken into a "
                                       f"quorum within {self.timeout:.0f}s under {self.root}")
@@ -359,10 +392,12 @@ class QuorumClient:
                                 if m not in absent[1] and m in snap.groups)
                 absent_now = absent
                 absent = None
-                if not any(m not in current.healing for m in members):
+                holders = [m for m in current.healthy if m in snap.groups]
+                if holders and not any(m not in current.healing for m in members):
                     # Only joiners entered; a group holding the state is named but silent.
                     # They cannot go on without it: wait for its key to change or expire.
-                    self._wait_for_holders("groups/", snap, deadline, list(current.healthy),
+                    # Once every holder's key is gone they re-form alone (and restore).
+                    self._wait_for_holders("groups/", snap, deadline, holders,
                                            f"did not enter quorum {current.id}")
                     continue
                 proposal = self._proposal(current.id + 1, members, snap, current,
@@ -370,12 +405,30 @@ class QuorumClient:
             else:
                 if (current is not None and self.group in snap.healing
                         and self.group in current.healing):
-                    return current, snap  # the members took this joiner in
+                    live = [m for m in current.members if m in snap.groups]
+                    if any(m in current.healthy for m in live):
+                        return current, snap  # the members took this joiner in
+                    if not current.healthy:
+                        # Joiners only: no live group holds the state. The first live one
+                        # restores it from storage (as a job with no live replica does)
+                        # and proposes the next quorum; the others then heal from it.
+                        if live[0] == self.group:
+                            return current, snap
+                        self.client.wait_for_change(self.root, snap.revision, self.lease_ttl)
+                        if time.monotonic() > deadline:
+                            raise QuorumError(
+                                f"replica group {self.group}: {live[0]} restored no state "
+                                f"from storage within {self.timeout:.0f}s under {self.root}")
+                        continue
+                    # Every member that holds the state is gone: re-form without them.
                 entitled = self._entitled(current, snap, self._admit_before)
                 # A group asking to heal enters only a quorum that names it as healing: a
                 # restarted group still listed in the quorum it fell out of holds no state.
+                # A quorum of joiners only is left once one of them holds the state
+                # (restored from storage): the next one names it healthy.
                 if current is not None and current.members == entitled and all(
-                        g in current.healing for g in entitled if g in snap.healing):
+                        g in current.healing for g in entitled if g in snap.healing) and (
+                        current.healthy or all(g in snap.healing for g in entitled)):
                     self._last_quorum = current.id
                     return current, snap
                 if current is None and len(entitled) < min_groups:

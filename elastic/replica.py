@@ -74,12 +74,17 @@ class ReplicaSettings:
     """After a failed step, how long survivors wait for every member's vote before
     re-forming without the silent ones: the survivors' pause per lost group is about
     this plus rebuilding the process group."""
+    probe_timeout_s: float = 2.0
+    """At start, the longest wait for a quorum member's store to take a connection. A store
+    that refuses means a member gone (killed under a lease not yet expired): no source
+    to heal from. One that does not answer in time counts as alive (the group heals;
+    if the member is gone, its lease ends and the group restores from storage)."""
 
     def __post_init__(self) -> None:
         if self.min_groups < 1:
             raise ValueError("ReplicaSettings.min_groups must be >= 1")
         for name in ("lease_ttl", "collective_timeout_s", "quorum_timeout_s",
-                     "failover_grace_s"):
+                     "failover_grace_s", "probe_timeout_s"):
             if getattr(self, name) <= 0:
                 raise ValueError(f"ReplicaSettings.{name} must be > 0")
 
@@ -153,18 +158,26 @@ class ReplicaManager:
                  state: Callable[[], Mapping[str, Any]] | None = None,
                  load: Callable[[Mapping[str, Any]], None] | None = None,
                  heal: bool | None = None,
+                 restore: Callable[[], None] | None = None,
                  group_pg: dist.ProcessGroup | None = None) -> None:
         """`state()` returns this rank's live state dict (tensors, stateful objects and
         JSON values, as for `ckpt.save`): what it sends to a healing group, or, when this
         group heals (a replacement, a restarted group, a spare), where what it receives
         lands before its first step; `load(state_dict)` is then called with it. `heal=None`
         decides at start: heal when other groups are already training (a quorum with a
-        live member exists). `group_pg`: the group's own process group when the group
-        has several ranks (default: the default group, when one is initialised)."""
+        live member exists: its key held and its store not refusing connections).
+        `restore()`: called on every rank when this group was to heal but every group
+        holding the state is gone: it loads the newest committed storage checkpoint into
+        the live state (or leaves the initial state, step 0, when there is none), as a job
+        with no live replica does; the group then trains as the holder of the state
+        (without `restore`, QuorumError). `group_pg`: the group's own
+        process group when the group has several ranks (default: the default group,
+        when one is initialised)."""
         self.settings = settings
         self.group = settings.group
         self._state = state
         self._load = load
+        self._restore = restore
         if group_pg is None and dist.is_initialized() and dist.get_world_size() > 1:
             group_pg = dist.group.WORLD
         # Covers the first rank's longest wait in etcd: a quorum, then a commit decision.
@@ -181,7 +194,7 @@ class ReplicaManager:
                                               timeout=settings.quorum_timeout_s,
                                               failover_grace_s=settings.failover_grace_s)
             if heal is None:
-                heal = self.quorum_client.training_elsewhere()
+                heal = self.quorum_client.training_elsewhere(settings.probe_timeout_s)
         heal = bool(self._link.share({"heal": heal} if self.local_rank == 0 else None)["heal"])
         if heal and state is None:
             raise ValueError("ReplicaManager: joining a job that is training needs state=: "
@@ -220,35 +233,13 @@ class ReplicaManager:
         """Agree on this step's quorum; rebuild the cross-group process group if it is
         a new one."""
         t0 = time.monotonic()
-        doc: dict[str, Any] | None = None
-        if self.quorum_client is not None:
-            try:
-                if not self._joined:
-                    self._join()
-                failed, absent = self._failed, None
-                while True:
-                    quorum, snap = self.quorum_client.agree(
-                        failed=failed, absent=absent, min_groups=self.settings.min_groups)
-                    failed = absent = None
-                    if quorum.size == 1 or quorum.id == self._pg_quorum:
-                        break
-                    # A new quorum: wait for its members to enter it; re-agree at once
-                    # when a newer one replaced it, or without the members that did not
-                    # come in.
-                    entry = self.quorum_client.confirm(quorum,
-                                                       self.settings.collective_timeout_s)
-                    if entry.complete:
-                        break
-                    if entry.absent:
-                        absent = (quorum, entry.absent)
-                store = (self.quorum_client.store_of(snap, quorum.host)
-                         if quorum.size > 1 else None)
-                doc = _quorum_doc(quorum, store)
-            except QuorumError as exc:
-                doc = {"error": str(exc)}  # every rank raises it, none hangs
-        doc = self._link.share(doc)
-        if "error" in doc:
-            raise QuorumError(doc["error"])
+        while True:
+            doc = self._link.share(self._agree() if self.quorum_client is not None else None)
+            if "error" in doc:
+                raise QuorumError(doc["error"])
+            if not doc.get("restore"):
+                break
+            self._restore_alone(_quorum_of(doc))
         quorum = _quorum_of(doc)
         self.stats = StepStats(quorum_s=time.monotonic() - t0)
         self.quorum, self._ok, self._failed = quorum, True, None
@@ -258,13 +249,64 @@ class ReplicaManager:
             self.stats.rebuild_s = time.monotonic() - t1
         return quorum
 
+    def _agree(self) -> dict[str, Any]:
+        """The first rank's part of `start_step`: the quorum to share with the group's
+        ranks, `restore` set when this group must restore the state from storage first,
+        or the error every rank raises (none hangs)."""
+        assert self.quorum_client is not None
+        try:
+            if not self._joined:
+                self._join()
+            failed, absent = self._failed, None
+            while True:
+                quorum, snap = self.quorum_client.agree(
+                    failed=failed, absent=absent, min_groups=self.settings.min_groups)
+                failed = absent = None
+                if quorum.healing and not quorum.healthy:
+                    if self._restore is None:
+                        raise QuorumError(
+                            f"quorum {quorum.id} has no healthy group to heal "
+                            f"{list(quorum.healing)} from: every replica is lost; restore "
+                            "the job from its storage checkpoint (ReplicaManager restore=)")
+                    return {**_quorum_doc(quorum, None), "restore": True}
+                if quorum.size == 1 or quorum.id == self._pg_quorum:
+                    break
+                # A new quorum: wait for its members to enter it; re-agree at once
+                # when a newer one replaced it, or without the members that did not
+                # come in.
+                entry = self.quorum_client.confirm(quorum, self.settings.collective_timeout_s)
+                if entry.complete:
+                    break
+                if entry.absent:
+                    absent = (quorum, entry.absent)
+            store = self.quorum_client.store_of(snap, quorum.host) if quorum.size > 1 else None
+            return _quorum_doc(quorum, store)
+        except QuorumError as exc:
+            return {"error": str(exc)}
+
+    def _restore_alone(self, quorum: Quorum) -> None:
+        """Every group holding the state is gone while this one waited to heal: restore
+        from storage on every rank, then mark the group ready; its next quorum names it
+        healthy (and a heal of other joiners then comes from it)."""
+        assert self._restore is not None
+        logger.warning("[replica %s/%d] quorum %d has no live group holding the state: "
+                       "restoring from storage instead of healing", self.group,
+                       self.local_rank, quorum.id)
+        failure: BaseException | None = None
+        try:
+            self._restore()
+        except Exception as exc:  # any failure: every rank must reach the AND below
+            failure = exc
+        if not self._link.all_ok(failure is None):
+            raise QuorumError(f"replica group {self.group}: restoring from storage in "
+                              f"quorum {quorum.id} failed on a rank") from failure
+        self.healing = False
+        if self.quorum_client is not None:
+            self.quorum_client.set_ready(True)
+
     def _rebuild(self, quorum: Quorum, leader_store: list[Any] | None) -> None:
         self._pg, self._pg_quorum = None, quorum.id
         self.stats.rebuilt = True
-        if quorum.healing and not quorum.healthy:
-            raise QuorumError(f"quorum {quorum.id} has no healthy group to heal "
-                              f"{list(quorum.healing)} from: every replica is lost; "
-                              "restore the job from its storage checkpoint")
         if quorum.size == 1:
             return
         timeout = timedelta(seconds=self.settings.collective_timeout_s)

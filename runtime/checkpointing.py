@@ -121,6 +121,15 @@ class Checkpointer:
             self.log.info("replica groups are training: this group's state comes from a "
                           "live group's memory, nothing is read from %s", c.url)
             return
+        self.restore()
+
+    def restore(self) -> None:
+        """Restore the newest committed step that loads (nothing when there is none: the
+        state stays at step 0). `open()` calls it; so does a replica group that was to
+        heal when every group holding the state is gone."""
+        c = self.cfg.checkpoint
+        if self.manager is None or not c.resume:
+            return
         if self.manager.latest_step() is None:
             self.log.info("no committed checkpoint under %s; starting from scratch", c.url)
             return

@@ -78,7 +78,11 @@ class ReplicaTraining:
 
     def __init__(self, cfg: ReplicaConfig, plan: BatchPlan, *,
                  state: Callable[[], Mapping[str, Any]],
-                 load: Callable[[Mapping[str, Any]], None]) -> None:
+                 load: Callable[[Mapping[str, Any]], None],
+                 restore: Callable[[], None] | None = None) -> None:
+        """`state`, `load`: the trainer's live state (sent to, or healed into, a group);
+        `restore()`: load the newest committed storage checkpoint, called when this group
+        was to heal but every group holding the state is gone."""
         self.group = replica_group_id(cfg)
         endpoints = tuple(e.strip() for e in cfg.etcd.split(",") if e.strip())
         settings = ReplicaSettings(
@@ -89,7 +93,7 @@ class ReplicaTraining:
             quorum_timeout_s=cfg.quorum_timeout_s, host=cfg.host or socket.gethostname(),
             min_groups=cfg.min_groups, failover_grace_s=cfg.failover_grace_s)
         self.base_plan = plan
-        self.manager = ReplicaManager(settings, state=state, load=load)
+        self.manager = ReplicaManager(settings, state=state, load=load, restore=restore)
         self.quorum: Quorum | None = None
         self.abandoned = 0
         """Steps abandoned on this group (a member of their quorum failed)."""
@@ -98,7 +102,8 @@ class ReplicaTraining:
     @property
     def healing(self) -> bool:
         """Whether this group waits to receive the state from a live group (then it must
-        not restore from storage)."""
+        not restore from storage). False once it healed, or restored from storage because
+        no live group held the state."""
         return self.manager.healing
 
     def begin_step(self) -> BatchPlan:

@@ -176,7 +176,8 @@ class Trainer:
             from runtime.replicas import ReplicaTraining
 
             self.replicas = ReplicaTraining(cfg.replica, self.plan, state=self.state_dict,
-                                            load=self.load_state_dict)
+                                            load=self.load_state_dict,
+                                            restore=lambda: self.checkpointer.restore())
         n_micro = self.plan.local_microbatches
         self.model.set_aux_scale(1.0 / n_micro)
         self.schedule = None

@@ -2,17 +2,22 @@
 heal never trains in the quorum it fell out of; groups that hold no state never form a
 quorum on their own while a group that holds it lives; a member replaced before everyone
 entered is dropped at once; a joiner that registered but does not enter is kept out
-until it asks again."""
+until it asks again; a newcomer heals only from a member that answers, and joiners whose
+last source of the state is lost restore it from storage (the first of them; the others
+heal from it) and are no longer named healing."""
 
 from __future__ import annotations
 
+import socket
 import threading
 import uuid
 
 import pytest
+import torch
 
 from elastic.etcd_client import EtcdClient, EtcdSettings
 from elastic.quorum import Quorum, QuorumClient
+from elastic.replica import ReplicaManager, ReplicaSettings
 
 pytestmark = [pytest.mark.etcd]
 
@@ -152,3 +157,162 @@ def test_a_joiner_that_does_not_enter_is_kept_out_until_it_asks_again(etcd_serve
     assert joined == [q3] and b.agree()[0] == q3
     for x in (a, b, c):
         x.leave()
+
+
+# -- the last group holding the state is lost while a newcomer joins ----------------------
+
+def _settings(endpoint: str, job: str, group: str) -> ReplicaSettings:
+    return ReplicaSettings(job=job, group=group,
+                           etcd=EtcdSettings(endpoints=(endpoint,), prefix="/relight-test"),
+                           lease_ttl=30.0, collective_timeout_s=5.0, quorum_timeout_s=30.0,
+                           failover_grace_s=0.5, probe_timeout_s=2.0)
+
+
+def _closed_address() -> tuple[str, int]:
+    """An address nothing listens on: the store of a group killed under a live lease."""
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        host, port = s.getsockname()
+    return host, port
+
+
+def _alone(endpoint: str, job: str, store: tuple[str, int]) -> tuple[QuorumClient, Quorum]:
+    a = _client(endpoint, job, "a")
+    a.join(store, ready=True)
+    q0, _ = a.agree()
+    assert q0.members == ("a",)
+    return a, q0
+
+
+class _Storage:
+    """What the newcomer restores when no live group holds the state."""
+
+    def __init__(self) -> None:
+        self.weight = torch.zeros(4)
+        self.restores = 0
+
+    def state(self) -> dict:
+        return {"w": self.weight}
+
+    def restore(self) -> None:
+        self.restores += 1
+        self.weight.fill_(11.0)  # the newest committed checkpoint's value
+
+
+def _start_step(mgr: ReplicaManager) -> tuple[threading.Thread, list]:
+    out: list = []
+
+    def run() -> None:
+        try:
+            out.append(mgr.start_step())
+        except Exception as exc:  # the test asserts on it
+            out.append(exc)
+
+    t = threading.Thread(target=run, daemon=True)
+    t.start()
+    return t, out
+
+
+def test_a_newcomer_does_not_heal_from_a_member_killed_under_a_live_lease(
+        etcd_server) -> None:
+    job = f"rules-{uuid.uuid4().hex[:8]}"
+    # a is the last group training; its process is killed: its key (lease) lives on,
+    # its store answers nothing.
+    a, q0 = _alone(etcd_server.endpoint, job, _closed_address())
+    disk = _Storage()
+    r = ReplicaManager(_settings(etcd_server.endpoint, job, "r"), state=disk.state,
+                       restore=disk.restore)
+    try:
+        assert not r.healing, "the newcomer chose to heal from a group that answers nothing"
+        t, out = _start_step(r)
+        a.leave()  # a's lease goes (revoked here: as it expires)
+        t.join(30)
+        assert out and not isinstance(out[0], Exception), f"the newcomer failed: {out}"
+        q = out[0]
+        assert q.members == ("r",) and q.healing == () and q.id > q0.id
+        assert r.should_commit(0), "the newcomer's own quorum does not train"
+        assert disk.restores == 0  # it restores at start, as a job with no live group
+    finally:
+        r.close()
+
+
+def test_a_joiner_whose_last_source_is_lost_restores_from_storage_and_trains(
+        etcd_server) -> None:
+    job = f"rules-{uuid.uuid4().hex[:8]}"
+    with socket.socket() as listener:
+        listener.bind(("127.0.0.1", 0))
+        listener.listen()
+        a, q0 = _alone(etcd_server.endpoint, job, listener.getsockname())
+        disk = _Storage()
+        r = ReplicaManager(_settings(etcd_server.endpoint, job, "r"), state=disk.state,
+                           restore=disk.restore)
+    try:
+        assert r.healing, "a live member answers: the newcomer heals from it"
+        a.leave()  # ... and then the last holder is lost before the heal
+        t, out = _start_step(r)
+        t.join(30)
+        assert out and not isinstance(out[0], Exception), f"the joiner failed: {out}"
+        q = out[0]
+        assert disk.restores == 1 and torch.equal(disk.weight, torch.full((4,), 11.0))
+        assert q.members == ("r",) and q.healing == () and not r.healing
+        assert r.should_commit(0)
+        # The mark is gone: the next step stays in the same quorum, nothing to heal.
+        assert r.start_step() == q and disk.restores == 1
+    finally:
+        r.close()
+
+
+def test_a_group_that_restored_is_not_named_healing_again(etcd_server) -> None:
+    job = f"rules-{uuid.uuid4().hex[:8]}"
+    a, q0 = _alone(etcd_server.endpoint, job, _closed_address())
+    r = _client(etcd_server.endpoint, job, "r")
+    r.join(("127.0.0.1", 2), ready=False, heal=True)
+    a.leave()
+    q1, _ = r.agree()
+    assert q1.members == ("r",) and q1.healing == ("r",)  # nobody to heal it: restore
+    # Its process restarts, restores from storage and registers as holding the state.
+    r.leave()
+    r2 = _client(etcd_server.endpoint, job, "r")
+    r2.join(("127.0.0.1", 3), ready=True)
+    q2, _ = r2.agree()
+    assert q2.id == q1.id + 1 and q2.members == ("r",) and q2.healing == (), (
+        f"the restored group was still named healing: {q2}")
+    r2.leave()
+
+
+def test_joiners_without_a_source_heal_from_the_first_that_restored(etcd_server) -> None:
+    job = f"rules-{uuid.uuid4().hex[:8]}"
+    a, q0 = _alone(etcd_server.endpoint, job, _closed_address())
+    r1, r2 = _client(etcd_server.endpoint, job, "r1"), _client(etcd_server.endpoint, job, "r2")
+    r1.join(("127.0.0.1", 2), ready=False, heal=True)
+    r2.join(("127.0.0.1", 3), ready=False, heal=True)
+    a.leave()
+    q1, _ = r1.agree()
+    assert q1.members == ("r1", "r2") and q1.healthy == ()
+    # r2 is not the first: it waits for r1 to restore instead of restoring too.
+    got: list = []
+    t = _run(lambda: r2.agree()[0], got)
+    t.join(1.0)
+    assert t.is_alive() and not got, f"r2 took {got} with nobody holding the state"
+    r1.set_ready(True)  # r1 restored from storage
+    q2, _ = r1.agree()
+    t.join(30)
+    assert q2.members == ("r1", "r2") and q2.healing == ("r2",) and q2.host == "r1"
+    assert got == [q2]
+    for x in (r1, r2):
+        x.leave()
+
+
+def test_a_joiner_whose_source_is_lost_after_taking_it_in_re_forms_alone(
+        etcd_server) -> None:
+    job = f"rules-{uuid.uuid4().hex[:8]}"
+    a, q0 = _alone(etcd_server.endpoint, job, _closed_address())
+    r = _client(etcd_server.endpoint, job, "r")
+    r.join(("127.0.0.1", 2), ready=False, heal=True)
+    q1, _ = a.agree()  # a takes r in at its step boundary ...
+    assert q1.members == ("a", "r") and q1.healing == ("r",)
+    a.leave()  # ... and is lost before the heal
+    q2, _ = r.agree()
+    assert q2.id == q1.id + 1 and q2.members == ("r",) and q2.healthy == (), (
+        f"the joiner entered {q2}, whose only source of the state is gone")
+    r.leave()
