@@ -167,7 +167,7 @@ def save(
     def stage(cached: CachedPlan) -> _Staging:
         """This rank's pieces under `cached`'s plan, copied now unless pipelined. A
         failure is returned, not raised: the caller shares it with the group."""
-        out = _Staging(cached)
+        out = _Staging()
         t_copy = time.perf_counter()
         try:
             out.writes = cached.writes_of(comm.rank)
@@ -270,7 +270,6 @@ class _Staging:
     """One rank's staging under one cached plan: its writes, the copy job, and (unless
     pipelined) what the copy produced or why it failed."""
 
-    cached: CachedPlan
     writes: list[Any] = field(default_factory=list)
     stager: Stager | None = None
     staged: dict[tuple[str, tuple[int, ...]], torch.Tensor] = field(default_factory=dict)

@@ -62,8 +62,9 @@ several times slower than one encoder per rank)."""
 
 
 class _EncodeBuffers:
-    """The buffers one persist encodes its shard objects into: at most
-    PERSIST_THREADS + 1 live at once (one per put in flight and the one being filled),
+    """The buffers one persist encodes its shard objects into: at most PERSIST_THREADS
+    live at once (the puts in flight and the one being filled; `take` drops a free
+    buffer too small for the next object before it allocates another),
     each reused once its put has returned, so the pages of an object are faulted in
     and zeroed by the kernel once per buffer rather than once per object. Freed with
     the persist: a rank holds no encode memory between saves."""

@@ -372,10 +372,7 @@ class QuorumClient:
                 # boundary: replacing the quorum now would fence out the step they are
                 # in the middle of. Any change wakes it, a member's key expiring too: once
                 # the last member is gone it re-forms without waiting out a watch.
-                self.client.wait_for_change(self.root, snap.revision, self.lease_ttl)
-                if time.monotonic() > deadline:
-                    raise QuorumError(f"replica group {self.group}: not taken into a "
-                                      f"quorum within {self.timeout:.0f}s under {self.root}")
+                self._wait_or_give_up("", snap, deadline, "not taken into a quorum")
                 continue
             if failed is not None and current is not None and current.id == failed[0].id:
                 members = self._survivors(failed[0], failed[1], snap)
@@ -384,7 +381,8 @@ class QuorumClient:
                     # Only groups without the state voted in time. They cannot go on
                     # alone while a group that holds it lives (it is slow, not dead):
                     # wait for it to re-form the quorum, or for its lease to expire.
-                    self._wait_for_holders("quorum", snap, deadline, holders, "formed no quorum")
+                    self._wait_or_give_up("quorum", snap, deadline,
+                                          f"groups holding the state {holders} formed no quorum")
                     continue
                 proposal = self._proposal(current.id + 1, members, snap, current)
             elif absent is not None and current is not None and current.id == absent[0].id:
@@ -397,8 +395,9 @@ class QuorumClient:
                     # Only joiners entered; a group holding the state is named but silent.
                     # They cannot go on without it: wait for its key to change or expire.
                     # Once every holder's key is gone they re-form alone (and restore).
-                    self._wait_for_holders("groups/", snap, deadline, holders,
-                                           f"did not enter quorum {current.id}")
+                    self._wait_or_give_up("groups/", snap, deadline,
+                                          f"groups holding the state {holders} did not enter "
+                                          f"quorum {current.id}")
                     continue
                 proposal = self._proposal(current.id + 1, members, snap, current,
                                           absent_now[1])
@@ -414,11 +413,8 @@ class QuorumClient:
                         # and proposes the next quorum; the others then heal from it.
                         if live[0] == self.group:
                             return current, snap
-                        self.client.wait_for_change(self.root, snap.revision, self.lease_ttl)
-                        if time.monotonic() > deadline:
-                            raise QuorumError(
-                                f"replica group {self.group}: {live[0]} restored no state "
-                                f"from storage within {self.timeout:.0f}s under {self.root}")
+                        self._wait_or_give_up("", snap, deadline,
+                                              f"{live[0]} restored no state from storage")
                         continue
                     # Every member that holds the state is gone: re-form without them.
                 entitled = self._entitled(current, snap, self._admit_before)
@@ -432,12 +428,8 @@ class QuorumClient:
                     self._last_quorum = current.id
                     return current, snap
                 if current is None and len(entitled) < min_groups:
-                    self.client.wait_for_change(self.root + "groups/", snap.revision,
-                                                self.lease_ttl)
-                    if time.monotonic() > deadline:
-                        raise QuorumError(
-                            f"replica group {self.group}: {len(entitled)} of {min_groups} "
-                            f"groups ready after {self.timeout:.0f}s under {self.root}")
+                    self._wait_or_give_up("groups/", snap, deadline,
+                                          f"only {len(entitled)} of {min_groups} groups ready")
                     continue
                 proposal = self._proposal(current.id + 1 if current else 0, entitled, snap,
                                           current)
@@ -451,14 +443,14 @@ class QuorumClient:
                 raise QuorumError(f"replica group {self.group}: no quorum within "
                                   f"{self.timeout:.0f}s under {self.root}")
 
-    def _wait_for_holders(self, key: str, snap: Snapshot, deadline: float,
-                          holders: list[str], what: str) -> None:
-        """Wait for a change under `key` while groups that hold the state are alive but
-        silent; QuorumError once the agree deadline has passed."""
+    def _wait_or_give_up(self, key: str, snap: Snapshot, deadline: float, what: str) -> None:
+        """One wait of `agree` for a change under `key` (relative to the root; "": any),
+        at most a lease TTL; QuorumError saying `what` did not happen once the agree
+        deadline has passed."""
         self.client.wait_for_change(self.root + key, snap.revision, self.lease_ttl)
         if time.monotonic() > deadline:
-            raise QuorumError(f"replica group {self.group}: groups holding the state "
-                              f"{holders} {what} within {self.timeout:.0f}s under {self.root}")
+            raise QuorumError(f"replica group {self.group}: {what} within "
+                              f"{self.timeout:.0f}s under {self.root}")
 
     @staticmethod
     def _entitled(current: Quorum | None, snap: Snapshot,
