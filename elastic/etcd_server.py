@@ -24,7 +24,7 @@ from pathlib import Path
 logger = logging.getLogger(__name__)
 
 __all__ = ["EtcdCluster", "EtcdServer", "EtcdServerError", "EtcdTLS", "etcd_binary",
-           "free_port"]
+           "free_port", "free_ports"]
 
 
 class EtcdServerError(RuntimeError):
@@ -37,9 +37,24 @@ class _PortTaken(EtcdServerError):
 
 def free_port(host: str = "127.0.0.1") -> int:
     """A port that was free a moment ago on `host` (the OS picks it)."""
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
-        sock.bind((host, 0))
-        return sock.getsockname()[1]
+    return free_ports(1, host)[0]
+
+
+def free_ports(count: int, host: str = "127.0.0.1") -> list[int]:
+    """`count` distinct ports that were free a moment ago on `host`.
+
+    Every socket stays bound until all are picked: one bind-and-close after another
+    may be handed the same port twice, and two etcd members told to listen on one
+    port fail at start (a full CI run lost a 3-member cluster that way).
+    """
+    socks = [socket.socket(socket.AF_INET, socket.SOCK_STREAM) for _ in range(count)]
+    try:
+        for sock in socks:
+            sock.bind((host, 0))
+        return [sock.getsockname()[1] for sock in socks]
+    finally:
+        for sock in socks:
+            sock.close()
 
 
 def etcd_binary(name: str = "etcd") -> str:
@@ -96,9 +111,11 @@ class EtcdServer:
     def __post_init__(self) -> None:
         self.data_dir = Path(self.data_dir)
         self._ports_movable = not self.client_port and not self.peer_port
-        if not self.client_port:
+        if self._ports_movable:
+            self.client_port, self.peer_port = free_ports(2)
+        elif not self.client_port:
             self.client_port = free_port()
-        if not self.peer_port:
+        elif not self.peer_port:
             self.peer_port = free_port()
 
     @property
@@ -141,7 +158,7 @@ class EtcdServer:
                     "etcd ports %d/%d were taken before etcd bound them; picking new ones",
                     self.client_port, self.peer_port,
                 )
-                self.client_port, self.peer_port = free_port(), free_port()
+                self.client_port, self.peer_port = free_ports(2)
                 continue
             self._ports_movable = False
             return self
@@ -198,22 +215,27 @@ class EtcdServer:
     def _wait_healthy(self, timeout: float, log_path: Path, log_start: int) -> None:
         deadline = time.monotonic() + timeout
         while time.monotonic() < deadline:
-            if self._proc is not None and self._proc.poll() is not None:
-                code = self._proc.returncode
-                self._proc = None
-                with open(log_path, "rb") as log:
-                    log.seek(log_start)
-                    this_start = log.read().decode(errors="replace")
-                tail = this_start[-2000:]
-                error = _PortTaken if "address already in use" in this_start else EtcdServerError
-                raise error(f"etcd exited with code {code} at start; log tail:\n{tail}")
-            if self._healthy():
+            if self._started(log_path, log_start):
                 return
             time.sleep(0.1)
         self.kill()
         raise EtcdServerError(
             f"etcd at {self.url} not healthy after {timeout:.0f}s (log {log_path})"
         )
+
+    def _started(self, log_path: Path, log_start: int) -> bool:
+        """Whether the process spawned at `log_start` of its log is healthy yet;
+        raises if it exited (`_PortTaken` when a port was taken)."""
+        if self._proc is not None and self._proc.poll() is not None:
+            code = self._proc.returncode
+            self._proc = None
+            with open(log_path, "rb") as log:
+                log.seek(log_start)
+                this_start = log.read().decode(errors="replace")
+            tail = this_start[-2000:]
+            error = _PortTaken if "address already in use" in this_start else EtcdServerError
+            raise error(f"etcd exited with code {code} at start; log tail:\n{tail}")
+        return self._healthy()
 
     def _healthy(self) -> bool:
         if self.tls:
@@ -295,6 +317,14 @@ class EtcdCluster:
                        log_path=self.base_dir / f"m{i}.etcd.log")
             for i in range(self.size)
         ]
+        self._pick_ports()
+
+    def _pick_ports(self) -> None:
+        """Distinct ports for every member at once (each member picking its own may
+        repeat another's), and the `initial_cluster` that names them."""
+        ports = free_ports(2 * len(self.members))
+        for i, m in enumerate(self.members):
+            m.client_port, m.peer_port = ports[2 * i], ports[2 * i + 1]
         cluster = ",".join(f"{m.name}={m.peer_url}" for m in self.members)
         for m in self.members:
             m.initial_cluster = cluster
@@ -305,13 +335,51 @@ class EtcdCluster:
         joined by commas)."""
         return [m.endpoint for m in self.members]
 
-    def start(self, timeout: float = 60.0) -> EtcdCluster:
-        """Start every member and wait until each is healthy (has a leader)."""
-        spawned = [m._spawn() for m in self.members]
-        for m, (log_path, log_start) in zip(self.members, spawned, strict=True):
-            m._wait_healthy(timeout, log_path, log_start)
-            m._ports_movable = False
-        return self
+    def start(self, timeout: float = 60.0, *, port_attempts: int = 5) -> EtcdCluster:
+        """Start every member and wait until each is healthy (has a leader).
+
+        A first start whose ports were taken between picking and binding (by any
+        process's outgoing connection) starts the whole cluster again on new ports
+        with fresh data dirs, `port_attempts` times in all: every member's peer URL
+        is part of the cluster's identity, so one member cannot move alone. Once a
+        start succeeded the ports stay, as clients hold them.
+        """
+        for attempt in range(1, port_attempts + 1):
+            try:
+                self._wait_started([m._spawn() for m in self.members], timeout)
+            except _PortTaken:
+                movable = all(m._ports_movable for m in self.members)
+                self.stop()
+                if not movable or attempt == port_attempts:
+                    raise
+                logger.warning("etcd cluster ports %s were taken before etcd bound them; "
+                               "starting the cluster on new ones", self.endpoints)
+                for m in self.members:
+                    shutil.rmtree(m.data_dir, ignore_errors=True)
+                self._pick_ports()
+                continue
+            for m in self.members:
+                m._ports_movable = False
+            return self
+        raise AssertionError("unreachable")
+
+    def _wait_started(self, spawned: list[tuple[Path, int]], timeout: float) -> None:
+        """Wait until every member is healthy; a member that exits at start raises at
+        once (the others cannot elect a leader without it while it is needed)."""
+        deadline = time.monotonic() + timeout
+        waiting = set(range(len(self.members)))
+        while waiting:
+            for i in sorted(waiting):
+                if self.members[i]._started(*spawned[i]):
+                    waiting.discard(i)
+            if not waiting:
+                return
+            if time.monotonic() > deadline:
+                self.stop()
+                names = ", ".join(self.members[i].url for i in sorted(waiting))
+                raise EtcdServerError(f"etcd members {names} not healthy after "
+                                      f"{timeout:.0f}s (logs in {self.base_dir})")
+            time.sleep(0.1)
 
     def start_member(self, i: int, timeout: float = 30.0) -> None:
         """Start member `i` again on its ports and data dir (it rejoins the cluster)."""

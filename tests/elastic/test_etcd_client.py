@@ -312,6 +312,44 @@ def test_server_start_moves_off_a_port_taken_after_it_was_picked(tmp_path) -> No
         squatter.close()
 
 
+def test_ports_picked_together_are_distinct() -> None:
+    from elastic.etcd_server import free_ports
+
+    ports = free_ports(32)
+    assert len(set(ports)) == 32
+
+
+def test_cluster_start_moves_every_member_off_a_taken_port(tmp_path) -> None:
+    """A 3-member cluster whose last member's peer port was taken after it was picked
+    (a full CI run lost a cluster that way) starts on new ports, all members together:
+    the peer URLs are part of the cluster's identity."""
+    import socket
+
+    from elastic.etcd_server import EtcdCluster
+
+    cluster = EtcdCluster(tmp_path / "cluster", size=3)
+    taken = cluster.members[2].peer_port
+    before = cluster.endpoints
+    squatter = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
+    squatter.bind(("127.0.0.1", taken))
+    squatter.listen()
+    try:
+        cluster.start()
+        try:
+            assert taken not in [p for m in cluster.members for p in (m.client_port,
+                                                                      m.peer_port)]
+            assert cluster.endpoints != before
+            assert all(m.running() for m in cluster.members)
+            c = EtcdClient(EtcdSettings(endpoints=tuple(cluster.endpoints), timeout=5))
+            c.put("/moved", b"1")
+            assert c.get("/moved").value == b"1"
+            assert cluster.leader() in range(3)
+        finally:
+            cluster.stop()
+    finally:
+        squatter.close()
+
+
 def test_wait_for_event_follows_one_stream_to_the_change_it_wants(client: EtcdClient,
                                                                   ns: str) -> None:
     key = ns + "state"
