@@ -201,6 +201,23 @@ def decide_votes(snap: Snapshot, quorum: Quorum, step: int) -> bool | None:
     return None
 
 
+_PROBE_S = 0.25
+"""Longest wait for a peer's store to take a connection while deciding whether the peer
+is gone: a refusal comes back at once; silence proves nothing and is not waited out."""
+
+
+def _store_answers(addr: tuple[str, int], timeout: float) -> bool | None:
+    """Whether a group's store at `addr` takes a connection (True), refuses it (False:
+    nothing listens there, so the process hosting it is gone), or stays silent for
+    `timeout` (None)."""
+    try:
+        socket.create_connection(addr, timeout=max(timeout, 0.001)).close()
+        return True
+    except ConnectionRefusedError:
+        return False
+    except OSError:
+        return None
+
 class QuorumClient:
     """One replica group's side of the protocol.
 
@@ -286,19 +303,32 @@ class QuorumClient:
             if m == self.group or m not in snap.groups:
                 continue
             addr = self.store_of(snap, m)
-            try:
-                socket.create_connection(addr, timeout=probe_s).close()
-                return True
-            except ConnectionRefusedError:
+            answers = _store_answers(addr, probe_s)
+            if answers is False:
                 logger.info("[replica %s] quorum %d member %s holds its key but its store "
                             "%s:%d refuses connections: its process is gone, not a "
                             "source to heal from", self.group, snap.quorum.id, m, *addr)
-            except OSError as exc:
+                continue
+            if answers is None:
                 logger.info("[replica %s] quorum %d member %s: its store %s:%d did not "
-                            "answer within %.1fs (%s); counted as alive", self.group,
-                            snap.quorum.id, m, *addr, probe_s, exc)
-                return True
+                            "answer within %.1fs; counted as alive", self.group,
+                            snap.quorum.id, m, *addr, probe_s)
+            return True
         return False
+
+    def _gone(self, snap: Snapshot, quorum: Quorum, group: str, probe_s: float) -> bool:
+        """Whether the process that speaks for `group` in `quorum` is gone for certain, so
+        that waiting for it to vote or to enter can only end in a timeout: its key is
+        gone; or it asks to heal while `quorum` names it healthy (its agent restarted it:
+        the new process holds no state and never acts in that quorum); or its store
+        refuses connections (the store lives in that process: it exited, as after a
+        crash or a kill, under a lease not yet expired). A store that does not answer
+        within `probe_s` (a host unreachable, a process frozen) proves nothing."""
+        if group not in snap.groups:
+            return True
+        if group in snap.healing and group not in quorum.healing:
+            return True
+        return _store_answers(self.store_of(snap, group), probe_s) is False
 
     def store_of(self, snap: Snapshot, group: str) -> tuple[str, int]:
         host, port = snap.groups[group]["store"]
@@ -483,13 +513,17 @@ class QuorumClient:
         return Quorum(qid, tuple(sorted(members)), 0, healing, tuple(sorted(out.items())))
 
     def _survivors(self, quorum: Quorum, step: int, snap: Snapshot) -> tuple[str, ...]:
-        """Members of `quorum` that voted on `step` within the grace, and are alive."""
+        """Members of `quorum` that voted on `step` within the grace, and are alive. The
+        wait ends early once every member that has not voted is gone for certain
+        (`_gone`): a crashed or killed group costs its peers no grace."""
         grace_end = time.monotonic() + self.failover_grace_s
         while True:
             votes = snap.votes.get((quorum.id, step), {})
             voters = [m for m in quorum.members if m in votes and m in snap.groups]
             remaining = grace_end - time.monotonic()
-            if len(voters) == quorum.size or remaining <= 0:
+            silent = [m for m in quorum.members if m not in voters and m != self.group]
+            if remaining <= 0 or all(self._gone(snap, quorum, m, min(_PROBE_S, remaining))
+                                     for m in silent):
                 return tuple(sorted({*voters, self.group}))
             self.client.wait_for_change(self.root + "votes/", snap.revision, remaining)
             snap = self.snapshot()
@@ -504,7 +538,8 @@ class QuorumClient:
         key is gone, or one still alive that did not enter within `timeout` (a joiner
         that registered but is still starting, a process that died under a lease not
         yet expired); building with it would cost the whole collective timeout, and
-        then the same again with the next quorum that still names it."""
+        then the same again with the next quorum that still names it. A member gone for
+        certain (`_gone`) is absent at once."""
         self._doc["at"] = quorum.id
         self._publish()
         deadline = time.monotonic() + timeout
@@ -513,17 +548,18 @@ class QuorumClient:
             if snap.quorum is None or snap.quorum.revision != quorum.revision:
                 return Entry(replaced=True)
             docs = {m: snap.groups.get(m) for m in quorum.members}
-            gone = tuple(m for m, d in docs.items() if d is None)
             waiting = tuple(m for m, d in docs.items()
                             if d is not None and d.get("at") != quorum.id)
             remaining = deadline - time.monotonic()
+            gone = tuple(m for m in quorum.members if m not in snap.groups or (
+                m in waiting and self._gone(snap, quorum, m, min(_PROBE_S, remaining))))
             if not gone and not waiting:
                 return Entry()
             if gone or remaining <= 0:
                 absent = gone or waiting
                 logger.warning("[replica %s] quorum %d: %s did not enter it (%s)", self.group,
                                quorum.id, list(absent),
-                               "key gone" if gone else f"not within {timeout:.0f}s")
+                               "gone" if gone else f"not within {timeout:.0f}s")
                 return Entry(absent=absent)
             self.client.wait_for_change(self.root, snap.revision, remaining)
 

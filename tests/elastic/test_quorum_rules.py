@@ -4,12 +4,18 @@ quorum on their own while a group that holds it lives; a member replaced before 
 entered is dropped at once; a joiner that registered but does not enter is kept out
 until it asks again; a newcomer heals only from a member that answers, and joiners whose
 last source of the state is lost restore it from storage (the first of them; the others
-heal from it) and are no longer named healing."""
+heal from it) and are no longer named healing; a member whose process is gone (its store
+refuses connections, or its agent restarted it) costs no failover grace and no entry wait,
+while a silent one that lives is waited for.
+
+A live group's store is a listening socket (`_live_store`): the protocol probes stores to
+tell a dead group from a slow one."""
 
 from __future__ import annotations
 
 import socket
 import threading
+import time
 import uuid
 
 import pytest
@@ -22,11 +28,31 @@ from elastic.replica import ReplicaManager, ReplicaSettings
 pytestmark = [pytest.mark.etcd]
 
 
-def _client(endpoint: str, job: str, group: str) -> QuorumClient:
+def _client(endpoint: str, job: str, group: str, *,
+            failover_grace_s: float = 0.5) -> QuorumClient:
     etcd = EtcdClient(EtcdSettings(endpoints=(endpoint,), prefix="/relight-test"))
     # A long lease: the test decides who is alive, not a lease expiry on a loaded machine.
     return QuorumClient(etcd, job, group, lease_ttl=30.0, timeout=60.0,
-                        failover_grace_s=0.5)
+                        failover_grace_s=failover_grace_s)
+
+
+_LISTENERS: list[socket.socket] = []
+
+
+@pytest.fixture(autouse=True, scope="module")
+def _close_listeners():
+    yield
+    while _LISTENERS:
+        _LISTENERS.pop().close()
+
+
+def _live_store() -> tuple[str, int]:
+    """The address of a store that takes connections: a group whose process lives."""
+    listener = socket.socket()
+    listener.bind(("127.0.0.1", 0))
+    listener.listen()
+    _LISTENERS.append(listener)
+    return listener.getsockname()
 
 
 def _run(fn, out: list) -> threading.Thread:
@@ -38,8 +64,8 @@ def _run(fn, out: list) -> threading.Thread:
 def _two_groups(endpoint: str) -> tuple[str, QuorumClient, QuorumClient, Quorum]:
     job = f"rules-{uuid.uuid4().hex[:8]}"
     a, b = _client(endpoint, job, "a"), _client(endpoint, job, "b")
-    a.join(("127.0.0.1", 1), ready=True)
-    b.join(("127.0.0.1", 2), ready=True)
+    a.join(_live_store(), ready=True)
+    b.join(_live_store(), ready=True)
     got: list = []
     t = _run(lambda: b.agree(min_groups=2)[0], got)
     q0, _ = a.agree(min_groups=2)
@@ -53,7 +79,7 @@ def _restarted(endpoint: str, job: str, b: QuorumClient) -> QuorumClient:
     this time asking to heal, while the quorum key still names it as a member."""
     b.leave()
     b2 = _client(endpoint, job, "b")
-    b2.join(("127.0.0.1", 3), ready=False, heal=True)
+    b2.join(_live_store(), ready=False, heal=True)
     return b2
 
 
@@ -98,7 +124,7 @@ def test_a_member_drops_a_quorum_replaced_before_everyone_entered(etcd_server) -
     # A third group asks to heal before `a` read q1: at its step boundary `a` sees both
     # joiners and proposes q2 right after.
     c = _client(etcd_server.endpoint, job, "c")
-    c.join(("127.0.0.1", 4), ready=False, heal=True)
+    c.join(_live_store(), ready=False, heal=True)
     q2, _ = a.agree()
     assert q2.id == q1.id + 1 and q2.members == ("a", "b", "c")
     # b2 entered q1 and waits for a: the replacement shows at once, not after the timeout.
@@ -124,9 +150,9 @@ def _commit_step(q: Quorum, step: int, *groups: QuorumClient) -> None:
 def test_a_joiner_that_does_not_enter_is_kept_out_until_it_asks_again(etcd_server) -> None:
     job, a, b, q0 = _two_groups(etcd_server.endpoint)
     # c registers to heal, then does not come to its first step boundary (still
-    # starting, or dead under a lease that has not expired).
+    # starting: its process lives).
     c = _client(etcd_server.endpoint, job, "c")
-    c.join(("127.0.0.1", 4), ready=False, heal=True)
+    c.join(_live_store(), ready=False, heal=True)
     q1, _ = a.agree()
     assert b.agree()[0] == q1 and q1.healing == ("c",)
     got: list = []
@@ -266,14 +292,14 @@ def test_a_group_that_restored_is_not_named_healing_again(etcd_server) -> None:
     job = f"rules-{uuid.uuid4().hex[:8]}"
     a, q0 = _alone(etcd_server.endpoint, job, _closed_address())
     r = _client(etcd_server.endpoint, job, "r")
-    r.join(("127.0.0.1", 2), ready=False, heal=True)
+    r.join(_live_store(), ready=False, heal=True)
     a.leave()
     q1, _ = r.agree()
     assert q1.members == ("r",) and q1.healing == ("r",)  # nobody to heal it: restore
     # Its process restarts, restores from storage and registers as holding the state.
     r.leave()
     r2 = _client(etcd_server.endpoint, job, "r")
-    r2.join(("127.0.0.1", 3), ready=True)
+    r2.join(_live_store(), ready=True)
     q2, _ = r2.agree()
     assert q2.id == q1.id + 1 and q2.members == ("r",) and q2.healing == (), (
         f"the restored group was still named healing: {q2}")
@@ -284,8 +310,8 @@ def test_joiners_without_a_source_heal_from_the_first_that_restored(etcd_server)
     job = f"rules-{uuid.uuid4().hex[:8]}"
     a, q0 = _alone(etcd_server.endpoint, job, _closed_address())
     r1, r2 = _client(etcd_server.endpoint, job, "r1"), _client(etcd_server.endpoint, job, "r2")
-    r1.join(("127.0.0.1", 2), ready=False, heal=True)
-    r2.join(("127.0.0.1", 3), ready=False, heal=True)
+    r1.join(_live_store(), ready=False, heal=True)
+    r2.join(_live_store(), ready=False, heal=True)
     a.leave()
     q1, _ = r1.agree()
     assert q1.members == ("r1", "r2") and q1.healthy == ()
@@ -308,7 +334,7 @@ def test_a_joiner_whose_source_is_lost_after_taking_it_in_re_forms_alone(
     job = f"rules-{uuid.uuid4().hex[:8]}"
     a, q0 = _alone(etcd_server.endpoint, job, _closed_address())
     r = _client(etcd_server.endpoint, job, "r")
-    r.join(("127.0.0.1", 2), ready=False, heal=True)
+    r.join(_live_store(), ready=False, heal=True)
     q1, _ = a.agree()  # a takes r in at its step boundary ...
     assert q1.members == ("a", "r") and q1.healing == ("r",)
     a.leave()  # ... and is lost before the heal
@@ -316,3 +342,92 @@ def test_a_joiner_whose_source_is_lost_after_taking_it_in_re_forms_alone(
     assert q2.id == q1.id + 1 and q2.members == ("r",) and q2.healthy == (), (
         f"the joiner entered {q2}, whose only source of the state is gone")
     r.leave()
+
+
+# -- a member whose process is gone is not waited for ---------------------------------------
+
+def _three_groups(endpoint: str, *, grace: float, c_store: tuple[str, int]
+                  ) -> tuple[str, QuorumClient, QuorumClient, QuorumClient, Quorum]:
+    job = f"rules-{uuid.uuid4().hex[:8]}"
+    a, b, c = (_client(endpoint, job, g, failover_grace_s=grace) for g in "abc")
+    a.join(_live_store(), ready=True)
+    b.join(_live_store(), ready=True)
+    c.join(c_store, ready=True)
+    got: list = []
+    threads = [_run(lambda x=x: x.agree(min_groups=3)[0], got) for x in (b, c)]
+    q0, _ = a.agree(min_groups=3)
+    for t in threads:
+        t.join(60)
+    assert got == [q0, q0] and q0.members == ("a", "b", "c")
+    return job, a, b, c, q0
+
+
+def _fail_step(q: Quorum, *voters: QuorumClient) -> None:
+    for g in voters:
+        assert g.vote(q, 0, ok=False)
+
+
+def test_survivors_skip_the_grace_for_a_member_whose_process_is_gone(etcd_server) -> None:
+    # c is killed during step 0: its key lives on under its lease, its store refuses.
+    # The grace is longer than this test may run: a survivor that waited it fails here.
+    _, a, b, c, q0 = _three_groups(etcd_server.endpoint, grace=600.0,
+                                   c_store=_closed_address())
+    _fail_step(q0, a, b)
+    got: list = []
+    threads = [_run(lambda x=x: x.agree(failed=(q0, 0))[0], got) for x in (a, b)]
+    for t in threads:
+        t.join(60)
+    assert len(got) == 2, "a survivor waited the failover grace for a dead member's vote"
+    assert got[0] == got[1] and got[0].members == ("a", "b") and got[0].id == q0.id + 1
+    for x in (a, b, c):
+        x.leave()
+
+
+def test_survivors_wait_the_grace_for_a_silent_member_that_lives(etcd_server) -> None:
+    # c is alive (its store takes connections) but does not vote: frozen, or slow.
+    _, a, b, c, q0 = _three_groups(etcd_server.endpoint, grace=1.0, c_store=_live_store())
+    _fail_step(q0, a, b)
+    t0 = time.monotonic()
+    q1, _ = a.agree(failed=(q0, 0))
+    waited = time.monotonic() - t0
+    assert waited >= 1.0, f"a gave up on a live member after {waited:.2f}s, not the grace"
+    assert q1.members == ("a", "b")
+    for x in (a, b, c):
+        x.leave()
+
+
+def test_survivors_skip_the_grace_for_a_member_its_agent_restarted(etcd_server) -> None:
+    # c's workers die in step 0 and its agent starts new ones at once: the same group id
+    # registers again, asking to heal. The old process never votes; the new one never
+    # acts in q0.
+    job, a, b, c, q0 = _three_groups(etcd_server.endpoint, grace=600.0,
+                                     c_store=_live_store())
+    _fail_step(q0, a, b)
+    c.leave()
+    c2 = _client(etcd_server.endpoint, job, "c")
+    c2.join(_live_store(), ready=False, heal=True)
+    got: list = []
+    t = _run(lambda: a.agree(failed=(q0, 0))[0], got)
+    t.join(60)
+    assert got, "a survivor waited the failover grace for a restarted member's vote"
+    assert "c" not in got[0].healthy
+    for x in (a, b, c2):
+        x.leave()
+
+
+def test_a_member_whose_process_is_gone_is_absent_from_a_new_quorum_at_once(
+        etcd_server) -> None:
+    job, a, b, q0 = _two_groups(etcd_server.endpoint)
+    # c asks to heal, is taken in, and is killed before it enters (its lease lives on).
+    c = _client(etcd_server.endpoint, job, "c")
+    c.join(_closed_address(), ready=False, heal=True)
+    q1, _ = a.agree()
+    assert q1.healing == ("c",)
+    got: list = []
+    threads = [_run(lambda x=x: x.confirm(q1, timeout=600.0), got) for x in (a, b)]
+    for t in threads:
+        t.join(60)
+    assert len(got) == 2, "a member waited for a dead member to enter the quorum"
+    assert [e.absent for e in got] == [("c",), ("c",)]
+    for x in (a, b, c):
+        x.leave()
