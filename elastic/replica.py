@@ -71,9 +71,10 @@ class ReplicaSettings:
     min_groups: int = 1
     """Groups that must be ready before the first quorum forms (the job's start)."""
     failover_grace_s: float = 1.0
-    """After a failed step, how long survivors wait for every member's vote before
-    re-forming without the silent ones: the survivors' pause per lost group is about
-    this plus rebuilding the process group."""
+    """After a failed step, how long survivors wait for the vote of a silent member that
+    may be alive (its store still takes connections) before re-forming without it. A
+    member whose process is gone is not waited for: the survivors' pause per lost group
+    is then rebuilding the process group and redoing the step."""
     probe_timeout_s: float = 2.0
     """At start, the longest wait for a quorum member's store to take a connection. A store
     that refuses means a member gone (killed under a lease not yet expired): no source

@@ -464,8 +464,9 @@ class ReplicaConfig:
     collective_timeout_s: float = 10.0
     """Bound on every cross-group collective: a dead peer fails the step within it."""
     failover_grace_s: float = 1.0
-    """After a failed step, how long survivors wait for every member's vote before
-    re-forming without the silent ones."""
+    """After a failed step, how long survivors wait for the vote of a silent member that
+    may be alive before re-forming without it (a member whose process is gone is not
+    waited for)."""
     quorum_timeout_s: float = 300.0
     """Longest wait for a quorum or a commit decision (a fault, not a slow step)."""
     digest_every: int = 0

@@ -71,8 +71,9 @@ class PlanInputs:
     """Healing in place (docs/healing.md): the job's replica groups; None: the restart
     path only."""
     heal_pause_s: float | None = None
-    """Healing in place: the survivors' pause per fault (failover grace + rebuilding the
-    cross-group process group)."""
+    """Healing in place: the survivors' pause per fault (rebuilding the cross-group
+    process group and redoing the step, plus the failover grace when the lost group's
+    process cannot be seen to be gone)."""
     heal_time_s: float | None = None
     """Healing in place: a lost group's replacement from its start to healed (its GPUs
     are idle that long)."""
