@@ -326,6 +326,20 @@ class Trainer:
             self.plan = self.data.plan = plan
             self.model.set_aux_scale(1.0 / plan.local_microbatches)
 
+    def _warm_up(self) -> None:
+        """One forward and backward on the next batch, thrown away, before a healing group
+        asks to be taken in: a process's first step pays for lazy set-up (allocator,
+        autograd, FSDP's lazy init, kernels' first calls), and the groups already training
+        would wait that long for this one in its first cross-group reduction. Nothing
+        stays: the data position is put back, the gradients dropped, the heal overwrites
+        parameters and optimizer state, and every step reseeds the RNG."""
+        t0 = time.perf_counter()
+        position = self.data.position
+        self._forward_backward(self.data.next_step())
+        self.data.position = position
+        self.optimizer.zero_grad(set_to_none=True)
+        self.log.info("warm-up step before healing: %.2fs", time.perf_counter() - t0)
+
     def train_step(self) -> dict[str, Any] | None:
         """One optimizer step; None when replica groups abandoned it (a member of the
         quorum failed): nothing was applied, and the same samples are redone."""
@@ -412,6 +426,8 @@ class Trainer:
                                      "restore_started_at": ck.restore_started_at}
             if ck.restore_tier_bytes is not None:
                 first["restore_tier_bytes"] = ck.restore_tier_bytes
+            if self.replicas is not None and self.replicas.healing:
+                self._warm_up()
             while self.step < end:
                 t0 = time.perf_counter()
                 rec = self.train_step()

@@ -63,6 +63,34 @@ def state_shapes(config: str = "configs/tiny.toml",
     return out
 
 
+def warm_up_leaves_no_trace(config: str = "configs/tiny.toml",
+                            overrides: list[str] | None = None) -> dict[str, Any]:
+    """A healing group's warm-up step: whether the state, the data position and the
+    gradients are as before it, and the losses of the two steps that follow it against
+    those of a trainer that never warmed up."""
+    import torch
+
+    from runtime.state import flat_names
+
+    trainer = _trainer(config, overrides)
+    trainer.train_step()  # the optimizer state exists: the warm-up must not touch it
+    before = {k: _full(v) for k, v in flat_names(trainer.state_dict()).items()}
+    position = trainer.data.position
+    trainer._warm_up()
+    after = {k: _full(v) for k, v in flat_names(trainer.state_dict()).items()}
+    changed = sorted(k for k in before if not (
+        torch.equal(before[k], after[k]) if isinstance(before[k], torch.Tensor)
+        else before[k] == after[k]))
+    grads = [n for n, p in trainer.model.named_parameters() if p.grad is not None]
+    warmed = [trainer.train_step()["loss"] for _ in range(2)]
+    plain = _trainer(config, overrides)
+    plain.train_step()
+    unwarmed = [plain.train_step()["loss"] for _ in range(2)]
+    return {"changed": changed, "position": (position, trainer.data.position - 2 *
+                                             trainer.plan.global_batch),
+            "grads": grads, "warmed": warmed, "unwarmed": unwarmed}
+
+
 def cli(argv: list[str]) -> int:
     from runtime.train import main
 

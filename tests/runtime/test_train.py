@@ -38,6 +38,18 @@ def test_main_writes_metrics_per_step(rank_pool: RankPool, tmp_path: Path) -> No
 
 
 @pytest.mark.multirank
+def test_a_healing_groups_warm_up_step_leaves_no_trace(rank_pool: RankPool) -> None:
+    """The forward and backward a healing group runs before it asks to be taken in
+    changes nothing a checkpoint or the next steps see (FSDP over 2 ranks)."""
+    out = rank_pool.run("tests.runtime.cases:warm_up_leaves_no_trace", 2)
+    for rank in out:
+        assert rank["changed"] == [], f"the warm-up changed {rank['changed']}"
+        assert rank["position"][0] == rank["position"][1], "the warm-up consumed samples"
+        assert rank["grads"] == [], f"gradients left after the warm-up: {rank['grads']}"
+        assert rank["warmed"] == rank["unwarmed"], "the steps after a warm-up differ"
+
+
+@pytest.mark.multirank
 @pytest.mark.long  # plain torchrun; CI runs the same entry point under relight run
 def test_torchrun_entry_point(tmp_path: Path) -> None:
     path = tmp_path / "m.jsonl"
