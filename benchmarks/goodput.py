@@ -59,6 +59,7 @@ from benchmarks.goodput_metrics import (
     outage_pause,
     pauses,
     read_records,
+    steps_in_window,
     window_start,
 )
 from chaos.faults import FaultKind, draw_mtbf_schedule
@@ -205,6 +206,7 @@ def _harness_arm(arm: str, times: list[float], cfg: GoodputConfig, out: Path
                      if p is not None],
         "rejoins_s": [round(v, 3) for v in heals.values() if v is not None],
         "steps": len({r["step"] for r in records}),
+        "steps_in_window": steps_in_window(records, first, cfg.duration_s),
         "report": str(out / "report.json"),
     }
     if arm == "heal":
@@ -273,12 +275,13 @@ def run_arm(arm: str, mtbf_s: float, cfg: GoodputConfig, out: Path,
 
 
 def _table(results: list[dict[str, Any]]) -> str:
-    rows = ["| MTBF s | arm | faults | fleet goodput | survivors' pause median s | "
-            "heal time median s | coordinator killed: pause s | load before / after |",
-            "| ---: | --- | ---: | ---: | ---: | ---: | ---: | --- |"]
+    rows = ["| MTBF s | arm | faults | fleet goodput | steps kept in the window | "
+            "survivors' pause median s | heal time median s | coordinator killed: pause s | "
+            "load before / after |",
+            "| ---: | --- | ---: | ---: | ---: | ---: | ---: | ---: | --- |"]
     for r in results:
         if "skipped" in r or "error" in r:
-            rows.append(f"| {r['mtbf_s']:g} | {r['arm']} | - | - | - | - | - | "
+            rows.append(f"| {r['mtbf_s']:g} | {r['arm']} | - | - | - | - | - | - | "
                         f"{r.get('skipped') or r.get('error', '')[:80]} |")
             continue
         g = r.get("fleet_goodput")
@@ -288,7 +291,8 @@ def _table(results: list[dict[str, Any]]) -> str:
             pause = "no step within 30 s"
         rows.append(
             f"| {r['mtbf_s']:g} | {r['arm']} | {r.get('faults', '-')} | "
-            f"{'-' if g is None else f'{g:.3f}'} | {'-' if pause is None else pause} | "
+            f"{'-' if g is None else f'{g:.3f}'} | {r.get('steps_in_window', '-')} | "
+            f"{'-' if pause is None else pause} | "
             f"{r.get('rejoins_median_s', '-')} | "
             f"{', '.join(f'{p:.2f}' for p in coord) or '-'} | {r['loadavg_before'][0]} / "
             f"{r['loadavg_after'][0]} |")

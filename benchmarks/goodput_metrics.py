@@ -21,6 +21,7 @@ from pathlib import Path
 from typing import Any
 
 __all__ = ["MetricsError", "fleet_goodput", "heal_times", "kept_steps", "outage_pause",
+           "steps_in_window",
            "pauses", "read_records", "window_start"]
 
 Record = Mapping[str, Any]
@@ -73,6 +74,16 @@ def kept_steps(records: Iterable[Record]) -> list[Record]:
         if s not in last or float(r["time"]) >= float(last[s]["time"]):
             last[s] = r
     return [last[s] for s in sorted(last)]
+
+
+def steps_in_window(records: Iterable[Record], start: float | None, duration_s: float
+                    ) -> int:
+    """How many kept steps committed in ``[start, start + duration_s]``: the work done,
+    where every arm trains the same job (the same global batch per step). The fleet
+    goodput is a share of time and does not see how long a step takes."""
+    if start is None:
+        return 0
+    return sum(1 for r in kept_steps(records) if start < float(r["time"]) <= start + duration_s)
 
 
 def fleet_goodput(records: Iterable[Record], start: float | None, duration_s: float,

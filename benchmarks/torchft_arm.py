@@ -64,6 +64,7 @@ from benchmarks.goodput_metrics import (  # noqa: E402
     outage_pause,
     pauses,
     read_records,
+    steps_in_window,
     window_start,
 )
 
@@ -511,6 +512,7 @@ def summarize(records: list[dict[str, Any]], heals: list[dict[str, Any]],
                                               args.groups), 4)
                           if start is not None else 0.0),
         "committed_steps": len(steps),
+        "steps_in_window": steps_in_window(in_window, start, args.duration),
         "last_step": steps[-1]["step"] if steps else None,
         "median_step_s": round(statistics.median(step_times), 4) if step_times else None,
         "faults_fired": len([f for f in fired if "skipped" not in f]),

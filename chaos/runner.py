@@ -111,6 +111,17 @@ def _resolve(path: str, scenario: Scenario) -> str:
                         f"{REPO_ROOT} or {scenario.base_dir}")
 
 
+def threads_per_rank(scenario: Scenario) -> int:
+    """Intra-op threads for each training process: the simulated nodes all run on this
+    machine, so its cores are shared by every rank the cluster can hold at once.
+    torchrun sets one thread only for agents of several workers; a node of one worker
+    would take every core, and four such nodes on two cores ran their steps 10x slower
+    (torch's thread pools spinning against each other) than with one thread each."""
+    c = scenario.cluster
+    ranks = max(c.nodes, c.max_nodes) * c.ranks_per_node
+    return max(1, (os.cpu_count() or 1) // ranks)
+
+
 def training_command(scenario: Scenario, ckpt_url: str, metrics: Path) -> tuple[list[str],
                                                                                 dict[str, str]]:
     """argv and extra environment of the training processes."""
@@ -128,6 +139,8 @@ def training_command(scenario: Scenario, ckpt_url: str, metrics: Path) -> tuple[
         "RELIGHT_METRICS_PATH": str(metrics),
         "RELIGHT_TARGET_STEP": values["target_step"],
         "RELIGHT_CKPT_INTERVAL": values["interval"],
+        **({} if "OMP_NUM_THREADS" in os.environ
+           else {"OMP_NUM_THREADS": str(threads_per_rank(scenario))}),
         **tr.env,
     }
     overrides = [f"--{k}={_toml_value(v)}" for k, v in tr.overrides.items()]

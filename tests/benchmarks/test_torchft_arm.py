@@ -20,6 +20,7 @@ from benchmarks.goodput_metrics import (
     outage_pause,
     pauses,
     read_records,
+    steps_in_window,
     window_start,
 )
 
@@ -55,6 +56,15 @@ def test_a_steps_wait_for_its_quorum_is_not_goodput() -> None:
     # step 2 waited 4 s of its 5 s for a new quorum after a fault
     records = [rec("a", 1, 1.0, participants=2), {**rec("a", 2, 6.0, 5.0, 1), "quorum_s": 4.0}]
     assert fleet_goodput(records, 0.0, 6.0, 2) == pytest.approx((2 + 1) / 12)
+
+
+def test_steps_in_the_window_count_each_kept_step_once() -> None:
+    # step 2 was redone (counted once); step 4 commits after the window
+    records = [rec("a", 1, 1.0), rec("b", 1, 1.1), rec("a", 2, 2.0), rec("a", 2, 3.0),
+               rec("a", 3, 3.5), rec("a", 4, 9.0)]
+    assert steps_in_window(records, 0.0, 4.0) == 3
+    assert steps_in_window(records, 1.15, 4.0) == 2  # step 1 (kept: b at 1.1) is before it
+    assert steps_in_window(records, None, 4.0) == 0
 
 
 def test_a_rolled_back_step_counts_once_as_its_redo() -> None:

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import os
 from pathlib import Path
 
 import pytest
@@ -166,3 +167,25 @@ def test_drawn_faults_wait_until_they_can_happen(tmp_path: Path) -> None:
     assert due(FaultKind.CORRUPT_CHECKPOINT) and due(FaultKind.TRUNCATE_CHECKPOINT)
     assert not due(FaultKind.SCALE_DOWN)        # at min_nodes: shrinking would stop the job
     watch.close()
+
+
+def test_training_processes_share_the_machines_cores(monkeypatch) -> None:
+    """The simulated nodes run on one machine: each training process gets its share of
+    the cores as intra-op threads, unless the caller or the scenario says otherwise."""
+    from chaos.runner import training_command
+
+    monkeypatch.delenv("OMP_NUM_THREADS", raising=False)
+    monkeypatch.setattr(os, "cpu_count", lambda: 8)
+
+    def threads(cluster: dict, env: dict | None = None) -> str | None:
+        training = {**BASE.get("training", {}), **({"env": env} if env else {})}
+        s = parse_scenario({**BASE, "cluster": cluster, "training": training})
+        return training_command(s, "/tmp/ck", Path("/tmp/m.jsonl"))[1].get("OMP_NUM_THREADS")
+
+    assert threads({"nodes": 4, "ranks_per_node": 1}) == "2"
+    assert threads({"nodes": 2, "ranks_per_node": 2, "max_nodes": 4}) == "1"
+    assert threads({"nodes": 16, "ranks_per_node": 2}) == "1"  # never 0
+    assert threads({"nodes": 1, "ranks_per_node": 1}) == "8"
+    assert threads({"nodes": 4, "ranks_per_node": 1}, env={"OMP_NUM_THREADS": "3"}) == "3"
+    monkeypatch.setenv("OMP_NUM_THREADS", "5")  # the caller's own setting is inherited
+    assert threads({"nodes": 4, "ranks_per_node": 1}) is None
