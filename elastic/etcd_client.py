@@ -44,6 +44,7 @@ __all__ = [
     "LeaseKeeper",
     "OpDelete",
     "OpPut",
+    "OpRange",
     "TxnResult",
     "etcd_version_advice",
 ]
@@ -190,9 +191,24 @@ class OpDelete:
 
 
 @dataclass(frozen=True, slots=True)
+class OpRange:
+    """Every key under `prefix`, read inside a transaction: at the transaction's revision,
+    after the operations before it in the same branch."""
+
+    prefix: str
+
+    def to_json(self) -> dict[str, Any]:
+        return {"request_range": {"key": _b64(self.prefix),
+                                  "range_end": _b64(_prefix_end(self.prefix)),
+                                  "sort_order": "ASCEND", "sort_target": "KEY"}}
+
+
+@dataclass(frozen=True, slots=True)
 class TxnResult:
     succeeded: bool
     revision: int
+    ranges: tuple[tuple[KeyValue, ...], ...] = ()
+    """The keys each `OpRange` of the branch that ran read, in order."""
 
 
 def _b64(data: str | bytes) -> str:
@@ -473,8 +489,8 @@ class EtcdClient:
     def txn(
         self,
         compare: Sequence[Compare],
-        success: Sequence[OpPut | OpDelete] = (),
-        failure: Sequence[OpPut | OpDelete] = (),
+        success: Sequence[OpPut | OpDelete | OpRange] = (),
+        failure: Sequence[OpPut | OpDelete | OpRange] = (),
     ) -> TxnResult:
         body = {
             "compare": [c.to_json() for c in compare],
@@ -483,8 +499,11 @@ class EtcdClient:
         }
         keys = ",".join(c.key for c in compare)
         resp = self.call("kv/txn", body, what=f"txn on {keys}")
+        ranges = tuple(tuple(_kv(i) for i in r["response_range"].get("kvs") or [])
+                       for r in resp.get("responses") or [] if "response_range" in r)
         # proto3 JSON leaves false booleans out.
-        return TxnResult(bool(resp.get("succeeded", False)), int(resp["header"]["revision"]))
+        return TxnResult(bool(resp.get("succeeded", False)), int(resp["header"]["revision"]),
+                         ranges)
 
     def cas(self, key: str, mod_revision: int, value: bytes | str, *, lease: int = 0) -> bool:
         """Write `key` only if its mod_revision is still `mod_revision` (0: absent)."""

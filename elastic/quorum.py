@@ -41,6 +41,7 @@ from __future__ import annotations
 import json
 import logging
 import socket
+import threading
 import time
 from collections import deque
 from dataclasses import dataclass, field
@@ -54,6 +55,7 @@ from elastic.etcd_client import (
     LeaseKeeper,
     OpDelete,
     OpPut,
+    OpRange,
 )
 
 logger = logging.getLogger(__name__)
@@ -247,6 +249,12 @@ class QuorumClient:
         self._keeper: LeaseKeeper | None = None
         self._doc: dict[str, Any] = {}
         self._my_votes: deque[str] = deque()
+        self._after_vote: tuple[int, int, Snapshot] | None = None
+        """`(quorum id, step, snapshot)`: everything under the root as this group's vote
+        left it, read in the vote's own transaction; `decide` starts from it."""
+        self._next: tuple[threading.Thread, list[Snapshot]] | None = None
+        """The read `agree` starts from, begun as soon as the previous step committed:
+        it runs while the training loop applies the step, off the step's path."""
         self.requests = 0
         """etcd requests made by the per-step calls (agree, vote, decide)."""
 
@@ -335,6 +343,7 @@ class QuorumClient:
         return str(host), int(port)
 
     def leave(self) -> None:
+        self._take_prefetched()
         if self._keeper is not None:
             self._keeper.stop()
             self._keeper = None
@@ -354,6 +363,33 @@ class QuorumClient:
         self.requests += 1
         kvs, revision = self.client.get_prefix(self.root)
         return Snapshot.parse(kvs, self.root, revision)
+
+    def _prefetch(self) -> None:
+        """Start the read the next `agree` begins with. It is taken after this step's
+        commit, as `agree`'s own first read would be, only earlier; anything that changes
+        after it is fenced as ever (a proposal is a compare-and-swap on the quorum key's
+        revision, a vote requires the quorum key unchanged)."""
+        out: list[Snapshot] = []
+
+        def read() -> None:
+            try:
+                out.append(self.snapshot())
+            except Exception as exc:  # agree reads again, and meets the error itself
+                logger.debug("[replica %s] prefetch of the next quorum read failed: %s",
+                             self.group, exc)
+
+        thread = threading.Thread(target=read, daemon=True,
+                                  name=f"relight-quorum-prefetch-{self.group}")
+        thread.start()
+        self._next = (thread, out)
+
+    def _take_prefetched(self) -> Snapshot | None:
+        if self._next is None:
+            return None
+        thread, out = self._next
+        self._next = None
+        thread.join()
+        return out[0] if out else None
 
     def agree(self, *, failed: tuple[Quorum, int] | None = None,
               absent: tuple[Quorum, tuple[str, ...]] | None = None,
@@ -377,9 +413,10 @@ class QuorumClient:
         joiners, which waited, heal from it.
         """
         deadline = time.monotonic() + self.timeout
+        prefetched = self._take_prefetched()
         while True:
             self._check_lease()
-            snap = self.snapshot()
+            snap, prefetched = prefetched or self.snapshot(), None
             current = snap.quorum
             if self.group not in snap.ready and self.group not in snap.healing:
                 raise QuorumError(f"replica group {self.group} is not registered as ready "
@@ -569,28 +606,42 @@ class QuorumClient:
         key = f"{self.root}votes/{quorum.id}/{step}/{self.group}"
         cond = [Compare(self.root + "groups/" + self.group, "version", ">", 0),
                 Compare(self.root + "quorum", "mod", "==", quorum.revision)]
-        ops: list[OpPut | OpDelete] = [OpPut(key, "ok" if ok else "fail")]
+        ops: list[OpPut | OpDelete | OpRange] = [OpPut(key, "ok" if ok else "fail")]
         # Two steps back is safe to delete: every member finished deciding it before the
         # reduction of the step after it could complete.
         while len(self._my_votes) >= 2:
             ops.append(OpDelete(self._my_votes.popleft()))
+        # The snapshot `decide` starts from, in the same round trip: when this vote is
+        # the last one in, the step is decided without another read.
+        ops.append(OpRange(self.root))
         self.requests += 1
+        self._after_vote = None
         try:
             result = self.client.txn(cond, ops)
         except EtcdLeaseLostError:
             return False
         if result.succeeded:
             self._my_votes.append(key)
+            self._after_vote = (quorum.id, step,
+                                Snapshot.parse(list(result.ranges[0]), self.root,
+                                               result.revision))
         return result.succeeded
 
     def decide(self, quorum: Quorum, step: int) -> bool:
         """Wait until `step` of `quorum` commits (True) or is abandoned (False)."""
         deadline = time.monotonic() + self.timeout
+        after_vote, self._after_vote = self._after_vote, None
         while True:
-            snap = self.snapshot()
+            if after_vote is not None and after_vote[:2] == (quorum.id, step):
+                snap = after_vote[2]
+            else:
+                snap = self.snapshot()
+            after_vote = None
             verdict = decide_votes(snap, quorum, step)
             if verdict is not None:
                 self._admit_before = snap.voted.get((quorum.id, step)) if verdict else None
+                if verdict:
+                    self._prefetch()
                 return verdict
             remaining = deadline - time.monotonic()
             if remaining <= 0:

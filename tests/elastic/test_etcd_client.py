@@ -69,6 +69,23 @@ def test_cas_on_mod_revision(client: EtcdClient, ns: str) -> None:
     assert res.succeeded and client.get(key) is None and client.get(ns + "other") is not None
 
 
+def test_a_range_inside_a_transaction_sees_the_branchs_writes(client: EtcdClient,
+                                                               ns: str) -> None:
+    from elastic.etcd_client import OpRange
+
+    client.put(ns + "a", b"1")
+    res = client.txn([Compare(ns + "a", "value", "==", b"1")],
+                     [OpPut(ns + "b", b"2"), OpDelete(ns + "a"), OpRange(ns)],
+                     [OpRange(ns)])
+    assert res.succeeded and len(res.ranges) == 1
+    assert [(kv.key, kv.value) for kv in res.ranges[0]] == [(ns + "b", b"2")]
+    assert res.ranges[0][0].mod_revision == res.revision
+    # The failure branch's range runs instead when the compare fails.
+    res = client.txn([Compare(ns + "a", "value", "==", b"1")], [OpRange(ns + "none/")],
+                     [OpRange(ns)])
+    assert not res.succeeded and [kv.key for kv in res.ranges[0]] == [ns + "b"]
+
+
 def test_concurrent_cas_exactly_one_wins(client: EtcdClient, ns: str) -> None:
     key = ns + "counter"
     client.put(key, b"0")

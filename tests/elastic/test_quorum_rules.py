@@ -431,3 +431,20 @@ def test_a_member_whose_process_is_gone_is_absent_from_a_new_quorum_at_once(
     assert [e.absent for e in got] == [("c",), ("c",)]
     for x in (a, b, c):
         x.leave()
+
+
+def test_a_step_in_an_unchanged_quorum_costs_two_requests_off_its_path(etcd_server) -> None:
+    """The last vote's transaction also reads the votes (the step is decided without a
+    second read), and the next quorum read starts as soon as the step committed."""
+    job, a, b, q0 = _two_groups(etcd_server.endpoint)
+    for step in range(3):
+        assert a.vote(q0, step, ok=True)
+        before = b.requests
+        assert b.vote(q0, step, ok=True) and b.decide(q0, step)
+        assert b.agree()[0] == q0
+        # The vote's transaction, and the read agree took from its prefetch: no read to
+        # decide, none more to agree.
+        assert b.requests - before == 2, f"{b.requests - before} requests for one step"
+        assert a.decide(q0, step) and a.agree()[0] == q0
+    for x in (a, b):
+        x.leave()
