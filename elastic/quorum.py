@@ -632,10 +632,8 @@ class QuorumClient:
         deadline = time.monotonic() + self.timeout
         after_vote, self._after_vote = self._after_vote, None
         while True:
-            if after_vote is not None and after_vote[:2] == (quorum.id, step):
-                snap = after_vote[2]
-            else:
-                snap = self.snapshot()
+            from_vote = after_vote is not None and after_vote[:2] == (quorum.id, step)
+            snap = after_vote[2] if from_vote else self.snapshot()
             after_vote = None
             verdict = decide_votes(snap, quorum, step)
             if verdict is not None:
@@ -643,6 +641,10 @@ class QuorumClient:
                 if verdict:
                     self._prefetch()
                 return verdict
+            if from_vote:
+                # Votes still missing as this one went in: read again before setting up a
+                # watch (a watch costs more than a read, and the others vote within ms).
+                continue
             remaining = deadline - time.monotonic()
             if remaining <= 0:
                 raise QuorumError(f"replica group {self.group}: step {step} of quorum "
