@@ -220,6 +220,7 @@ def _store_answers(addr: tuple[str, int], timeout: float) -> bool | None:
     except OSError:
         return None
 
+
 class QuorumClient:
     """One replica group's side of the protocol.
 
