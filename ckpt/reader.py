@@ -11,7 +11,6 @@ from collections.abc import Callable
 from typing import Any
 
 import numpy as np
-import tensorstore as ts
 import torch
 
 from ckpt.errors import CheckpointError
@@ -19,7 +18,7 @@ from ckpt.format import StorageKind, chunk_key, numel
 from ckpt.manifest import Manifest, PieceEntry, TensorEntry
 from ckpt.resources import resources
 from ckpt.shardio import ShardGeometry, direct_read_ok, grid_geometry, read_shard_region
-from ckpt.tsio import map_ts_error, open_array, to_numpy
+from ckpt.tsio import map_ts_error, open_array, tensorstore, to_numpy
 from storage import StorageError, Store
 
 __all__ = ["PACKED_WHOLE_READ", "RegionReader"]
@@ -189,7 +188,7 @@ class RegionReader:
 
     def _ts(self, src: Any, dst: tuple[slice, ...], obj: str) -> None:
         view = self.out[dst] if dst else self.out
-        target = ts.array(to_numpy(view), copy=False, write=True)
+        target = tensorstore().array(to_numpy(view), copy=False, write=True)
         self.parts.append((target.write(src), dst, None, obj))
 
     def drain(self) -> None:

@@ -13,15 +13,26 @@ import os
 import threading
 from typing import Any
 
-import ml_dtypes
 import numpy as np
-import tensorstore as ts
 import torch
 
 from ckpt.errors import ChecksumMismatchError, CorruptCheckpointError, MissingChunkError
 from storage import Store
 
 __all__ = ["to_numpy", "from_numpy", "open_array", "put_metadata", "map_ts_error"]
+
+# tensorstore and ml_dtypes are imported on first use: together they are over a second
+# of a worker's start (ml_dtypes' extension alone ~1.1 s on this 2-core machine), and a
+# job whose arrays all take the direct path (`ckpt.shardio`: uncompressed, whole shards)
+# never needs them before its first step.
+
+
+def tensorstore() -> Any:
+    """The `tensorstore` module, imported on first use."""
+    import tensorstore as ts
+
+    return ts
+
 
 _CTX_LOCK = threading.Lock()
 _CTX: Any = None
@@ -34,7 +45,7 @@ def _default_context() -> Any:
     with _CTX_LOCK:
         if _CTX is None:
             threads = int(os.environ.get("RELIGHT_TS_IO_THREADS", "8"))
-            _CTX = ts.Context({"file_io_concurrency": {"limit": threads}})
+            _CTX = tensorstore().Context({"file_io_concurrency": {"limit": threads}})
         return _CTX
 
 
@@ -47,12 +58,14 @@ def to_numpy(t: torch.Tensor) -> np.ndarray:
     """A numpy view of a CPU tensor (bfloat16 through ml_dtypes)."""
     t = t.detach()
     if t.dtype == torch.bfloat16:
+        import ml_dtypes
+
         return t.view(torch.int16).numpy().view(ml_dtypes.bfloat16)
     return t.numpy()
 
 
 def from_numpy(a: np.ndarray) -> torch.Tensor:
-    if a.dtype == ml_dtypes.bfloat16:
+    if a.dtype.name == "bfloat16":  # ml_dtypes' bfloat16, by name: no import for others
         return torch.from_numpy(np.ascontiguousarray(a).view(np.int16)).view(torch.bfloat16)
     return torch.from_numpy(np.ascontiguousarray(a))
 
@@ -74,7 +87,7 @@ def open_array(store: Store, path: str, meta: dict[str, Any], *, read: bool) -> 
         # tensorstore drops chunks equal to the fill value (an all-zero shard or tile
         # would be unreadable). Also what `ckpt.shardio` writes, byte for byte.
         spec["store_data_equal_to_fill_value"] = True
-    return ts.open(spec, context=context_of(store))
+    return tensorstore().open(spec, context=context_of(store))
 
 
 def put_metadata(store: Store, path: str, meta: dict[str, Any]) -> None:

@@ -8,7 +8,6 @@ from typing import Any
 from storage.base import Store
 from storage.fault_env import FAULT_PLAN_ENV, wrap_store_from_env
 from storage.fsspec_store import LocalStore, S3Store
-from storage.memory_store import MemoryStore
 from storage.retry import RetryPolicy
 from storage.settings import S3Settings
 from storage.url import parse_url
@@ -56,6 +55,10 @@ def open_store(
     if location.scheme == "file":
         store = LocalStore(location, retry)
     elif location.scheme == "memory":
+        # Only here: the memory store lives in tensorstore, whose import is over a
+        # second of a process's start; file and S3 stores never need it.
+        from storage.memory_store import MemoryStore
+
         store = MemoryStore(location, retry)
     else:
         settings = s3 or S3Settings.from_env(**s3_overrides)

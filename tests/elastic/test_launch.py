@@ -177,3 +177,22 @@ def test_the_agent_starts_its_warm_server_before_importing_torch() -> None:
         timeout=120, cwd=ROOT)
     assert res.returncode == 0, res.stderr
     assert res.stdout.strip() == "[]", f"imported before the warm server starts: {res.stdout}"
+
+
+def test_a_worker_imports_tensorstore_only_when_an_array_needs_it(tmp_path: Path) -> None:
+    """tensorstore and ml_dtypes are over a second of every worker's (and warm server's)
+    start: the trainer, the agent's config check and a file store must not import them;
+    a memory store (which lives in tensorstore) still works."""
+    res = subprocess.run([sys.executable, "-c", (
+        "import sys, runtime.train, elastic.launch, storage\n"
+        f"elastic.launch.training_hints(['--module', 'runtime.train', "
+        f"'--checkpoint.url={tmp_path}'], None)\n"
+        f"storage.open_store({str(tmp_path)!r}).put('k', b'v')\n"
+        "print(sorted(m for m in ('tensorstore', 'ml_dtypes') if m in sys.modules))\n"
+        "store = storage.open_store('memory://lazy/p')\n"
+        "store.put('k', b'v')\n"
+        "print(store.get('k'), 'tensorstore' in sys.modules)\n")],
+        env={**os.environ, "PYTHONPATH": str(ROOT)}, capture_output=True, text=True,
+        timeout=120, cwd=ROOT)
+    assert res.returncode == 0, res.stderr
+    assert res.stdout.splitlines() == ["[]", "b'v' True"], res.stdout
