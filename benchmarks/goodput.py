@@ -56,6 +56,7 @@ from typing import Any
 from benchmarks.goodput_metrics import (
     fleet_goodput,
     heal_times,
+    live_fraction,
     outage_pause,
     pauses,
     read_records,
@@ -263,6 +264,10 @@ def run_arm(arm: str, mtbf_s: float, cfg: GoodputConfig, out: Path,
         summary = _torchft_arm(times, cfg, out, torchft_python)
     else:
         summary = _harness_arm(arm, times, cfg, out)
+    live = live_fraction(times, cfg.replace_after_s, cfg.duration_s, cfg.groups)
+    goodput = summary.get("fleet_goodput")
+    summary.update(live_fraction=round(live, 4),
+                   goodput_over_live=None if goodput is None else round(goodput / live, 4))
     summary.update(arm=arm, mtbf_s=mtbf_s, fault_times_s=times,
                    wall_s=round(time.monotonic() - t0, 1),
                    loadavg_before=[round(x, 1) for x in load0],
@@ -275,23 +280,25 @@ def run_arm(arm: str, mtbf_s: float, cfg: GoodputConfig, out: Path,
 
 
 def _table(results: list[dict[str, Any]]) -> str:
-    rows = ["| MTBF s | arm | faults | fleet goodput | steps kept in the window | "
-            "survivors' pause median s | heal time median s | coordinator killed: pause s | "
-            "load before / after |",
-            "| ---: | --- | ---: | ---: | ---: | ---: | ---: | ---: | --- |"]
+    rows = ["| MTBF s | arm | faults | fleet goodput | ÷ live fraction | "
+            "steps kept in the window | survivors' pause median s | heal time median s | "
+            "coordinator killed: pause s | load before / after |",
+            "| ---: | --- | ---: | ---: | ---: | ---: | ---: | ---: | ---: | --- |"]
     for r in results:
         if "skipped" in r or "error" in r:
-            rows.append(f"| {r['mtbf_s']:g} | {r['arm']} | - | - | - | - | - | - | "
+            rows.append(f"| {r['mtbf_s']:g} | {r['arm']} | - | - | - | - | - | - | - | "
                         f"{r.get('skipped') or r.get('error', '')[:80]} |")
             continue
-        g = r.get("fleet_goodput")
+        g, over_live = r.get("fleet_goodput"), r.get("goodput_over_live")
         coord = [p for p in r.get("coordinator_pauses_s") or [] if p is not None]
         pause = r.get("pauses_median_s")
         if pause is None and r.get("faults"):
             pause = "no step within 30 s"
         rows.append(
             f"| {r['mtbf_s']:g} | {r['arm']} | {r.get('faults', '-')} | "
-            f"{'-' if g is None else f'{g:.3f}'} | {r.get('steps_in_window', '-')} | "
+            f"{'-' if g is None else f'{g:.3f}'} | "
+            f"{'-' if over_live is None else f'{over_live:.3f}'} | "
+            f"{r.get('steps_in_window', '-')} | "
             f"{'-' if pause is None else pause} | "
             f"{r.get('rejoins_median_s', '-')} | "
             f"{', '.join(f'{p:.2f}' for p in coord) or '-'} | {r['loadavg_before'][0]} / "

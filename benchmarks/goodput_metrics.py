@@ -20,9 +20,8 @@ from collections.abc import Collection, Hashable, Iterable, Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
-__all__ = ["MetricsError", "fleet_goodput", "heal_times", "kept_steps", "outage_pause",
-           "steps_in_window",
-           "pauses", "read_records", "window_start"]
+__all__ = ["MetricsError", "fleet_goodput", "heal_times", "kept_steps", "live_fraction",
+           "outage_pause", "pauses", "read_records", "steps_in_window", "window_start"]
 
 Record = Mapping[str, Any]
 _FIELDS = ("group", "step", "time", "step_time_s", "participants")
@@ -116,6 +115,24 @@ def fleet_goodput(records: Iterable[Record], start: float | None, duration_s: fl
             busy += max(0.0, min(work, t - prev)) * int(r["participants"])
         prev = max(prev, t)
     return busy / (duration_s * fleet_size)
+
+
+def live_fraction(fault_times: Iterable[float], down_s: float, duration_s: float,
+                  fleet_size: int) -> float:
+    """Share of the fleet's group-seconds in a window of ``duration_s`` (fault times
+    counted from its start) during which the group's machines existed: each fault takes
+    one group's machines away for ``down_s`` (until its replacement starts), or until the
+    window ends. What the best possible arm could train; the fleet goodput over it is
+    the share of the fleet's capacity that trained."""
+    if duration_s <= 0:
+        raise MetricsError(f"duration_s must be > 0, got {duration_s}")
+    if fleet_size < 1:
+        raise MetricsError(f"fleet_size must be >= 1, got {fleet_size}")
+    if down_s < 0:
+        raise MetricsError(f"down_s must be >= 0, got {down_s}")
+    lost = sum(max(0.0, min(down_s, duration_s - t)) for t in fault_times
+               if 0.0 <= t < duration_s)
+    return 1.0 - lost / (duration_s * fleet_size)
 
 
 def _by_group(records: Iterable[Record]) -> dict[Hashable, list[Record]]:

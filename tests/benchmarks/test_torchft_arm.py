@@ -17,6 +17,7 @@ from benchmarks.goodput_metrics import (
     fleet_goodput,
     heal_times,
     kept_steps,
+    live_fraction,
     outage_pause,
     pauses,
     read_records,
@@ -65,6 +66,15 @@ def test_steps_in_the_window_count_each_kept_step_once() -> None:
     assert steps_in_window(records, 0.0, 4.0) == 3
     assert steps_in_window(records, 1.15, 4.0) == 2  # step 1 (kept: b at 1.1) is before it
     assert steps_in_window(records, None, 4.0) == 0
+
+
+def test_the_live_fraction_takes_each_lost_group_out_until_its_replacement() -> None:
+    # 4 groups x 100 s; two faults, each group gone 10 s; the second's replacement
+    # would come after the window's end (5 s of it inside); one fault before the window
+    assert live_fraction([20.0, 95.0, -3.0], 10.0, 100.0, 4) == pytest.approx(1 - 15 / 400)
+    assert live_fraction([], 10.0, 100.0, 4) == 1.0
+    with pytest.raises(MetricsError, match="down_s"):
+        live_fraction([1.0], -1.0, 100.0, 4)
 
 
 def test_a_rolled_back_step_counts_once_as_its_redo() -> None:
