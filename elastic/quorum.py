@@ -203,6 +203,11 @@ def decide_votes(snap: Snapshot, quorum: Quorum, step: int) -> bool | None:
     return None
 
 
+_VOTE_WAIT_BEFORE_PROBE_S = 0.5
+"""How long `decide` waits for missing votes before it checks whether their voters are
+gone: votes come within milliseconds of each other; a connection attempt per missing
+voter is not worth making on every step."""
+
 _PROBE_S = 0.25
 """Longest wait for a peer's store to take a connection while deciding whether the peer
 is gone: a refusal comes back at once; silence proves nothing and is not waited out."""
@@ -629,8 +634,15 @@ class QuorumClient:
         return result.succeeded
 
     def decide(self, quorum: Quorum, step: int) -> bool:
-        """Wait until `step` of `quorum` commits (True) or is abandoned (False)."""
+        """Wait until `step` of `quorum` commits (True) or is abandoned (False).
+
+        A member that dies between the reduction (which it finished) and its vote holds
+        its key until its lease expires: the step would wait out the lease TTL. Once
+        votes are missing for `_VOTE_WAIT_BEFORE_PROBE_S`, members whose process is gone
+        for certain (their store refuses connections) are fenced out (`_fence_dead`),
+        which abandons the step at once on every member."""
         deadline = time.monotonic() + self.timeout
+        probe_at = time.monotonic() + _VOTE_WAIT_BEFORE_PROBE_S
         after_vote, self._after_vote = self._after_vote, None
         while True:
             from_vote = after_vote is not None and after_vote[:2] == (quorum.id, step)
@@ -646,9 +658,42 @@ class QuorumClient:
                 # Votes still missing as this one went in: read again before setting up a
                 # watch (a watch costs more than a read, and the others vote within ms).
                 continue
-            remaining = deadline - time.monotonic()
+            now = time.monotonic()
+            if now >= probe_at:
+                probe_at = now + _VOTE_WAIT_BEFORE_PROBE_S
+                if self._fence_dead(snap, quorum, step):
+                    continue
+            remaining = deadline - now
             if remaining <= 0:
                 raise QuorumError(f"replica group {self.group}: step {step} of quorum "
                                   f"{quorum.id} undecided after {self.timeout:.0f}s")
             self.client.wait_for_change(self.root, snap.revision,
-                                        min(remaining, self.lease_ttl))
+                                        min(remaining, self.lease_ttl,
+                                            max(probe_at - now, 0.001)))
+
+    def _fence_dead(self, snap: Snapshot, quorum: Quorum, step: int) -> bool:
+        """Delete the key of each member of `quorum` that has not voted on `step` and
+        whose store refuses connections (its process is gone), as its lease's expiry
+        would: its vote (one still in flight included) can then never land, since a vote
+        requires the voter's key, and every member decides the step abandoned. Each
+        delete is conditional: on the vote being absent and the key unchanged (a
+        restarted process that registered again is not touched). True if a key went."""
+        votes = snap.votes.get((quorum.id, step), {})
+        fenced = []
+        for m in quorum.members:
+            if m == self.group or m in votes or m not in snap.groups:
+                continue
+            if _store_answers(self.store_of(snap, m), _PROBE_S) is not False:
+                continue
+            key = self.root + "groups/" + m
+            self.requests += 1
+            if self.client.txn([Compare(f"{self.root}votes/{quorum.id}/{step}/{m}", "mod",
+                                        "==", 0),
+                                Compare(key, "mod", "==", snap.written[m])],
+                               [OpDelete(key)]).succeeded:
+                fenced.append(m)
+        if fenced:
+            logger.warning("[replica %s] quorum %d step %d: %s did not vote and its process "
+                           "is gone (its store refuses connections): fenced out",
+                           self.group, quorum.id, step, fenced)
+        return bool(fenced)

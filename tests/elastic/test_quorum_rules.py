@@ -415,6 +415,43 @@ def test_survivors_skip_the_grace_for_a_member_its_agent_restarted(etcd_server) 
         x.leave()
 
 
+def test_a_member_killed_before_its_vote_costs_the_step_no_lease_ttl(etcd_server) -> None:
+    # c finished the reduction of step 0 and was killed before it voted: its key lives
+    # on under its 30 s lease, its store refuses. The step is abandoned on the survivors
+    # well before the lease could expire, and c's vote, had it still been in flight,
+    # can no longer land.
+    _, a, b, c, q0 = _three_groups(etcd_server.endpoint, grace=600.0,
+                                   c_store=_closed_address())
+    assert a.vote(q0, 0, ok=True) and b.vote(q0, 0, ok=True)
+    got: list = []
+    threads = [_run(lambda x=x: x.decide(q0, 0), got) for x in (a, b)]
+    for t in threads:
+        t.join(20)  # well under the 30 s lease: only fencing c ends the wait in time
+    assert got == [False, False], "the survivors waited for a dead member's vote"
+    assert not c.vote(q0, 0, ok=True), "the dead member's vote landed after the fence"
+    q1, _ = a.agree(failed=(q0, 0))
+    assert q1.members == ("a", "b")
+    for x in (a, b):
+        x.leave()
+
+
+def test_a_slow_voter_that_lives_is_waited_for(etcd_server) -> None:
+    # c's store takes connections: it is slow, not dead. Its vote, a second late, still
+    # commits the step on everyone.
+    _, a, b, c, q0 = _three_groups(etcd_server.endpoint, grace=600.0,
+                                   c_store=_live_store())
+    assert a.vote(q0, 0, ok=True) and b.vote(q0, 0, ok=True)
+    got: list = []
+    threads = [_run(lambda x=x: x.decide(q0, 0), got) for x in (a, b)]
+    time.sleep(1.2)  # past the first probe of the missing voter
+    assert c.vote(q0, 0, ok=True), "a live member was fenced out for voting late"
+    for t in threads:
+        t.join(60)
+    assert got == [True, True] and c.decide(q0, 0)
+    for x in (a, b, c):
+        x.leave()
+
+
 def test_a_member_whose_process_is_gone_is_absent_from_a_new_quorum_at_once(
         etcd_server) -> None:
     job, a, b, q0 = _two_groups(etcd_server.endpoint)
