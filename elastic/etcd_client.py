@@ -1,9 +1,10 @@
 """The one door to etcd v3: a small synchronous client over etcd's JSON gateway.
 
-Why the gateway (through `etcd3gw`'s transport) and not a gRPC client: see
-docs/design/etcd-client.md. In short, it recovers at once when etcd restarts, has no
-protobuf/gRPC version coupling, and runs no background threads of its own inside
-the torchrun agent. This module adds what `etcd3gw` lacks: user/password auth with
+Why the gateway and not a gRPC client: see docs/design/etcd-client.md. In short, it
+recovers at once when etcd restarts, has no protobuf/gRPC version coupling, and runs no
+background threads of its own inside the torchrun agent. Unary calls go over plain
+kept-alive HTTP/1.1 (`elastic.etcd_http`), watches over `requests` streams. This module
+adds user/password auth with
 re-authentication, TLS settings that environment CA bundles cannot override,
 compare-and-swap transactions on `mod_revision`, a lease keepalive thread, bounded
 waits for changes, retries within a deadline, and typed errors that say which
@@ -26,8 +27,8 @@ from dataclasses import dataclass, field
 from typing import Any, Literal
 
 import requests
-from etcd3gw import exceptions as gw_exc
-from etcd3gw.client import Etcd3Client
+
+from elastic.etcd_http import GatewayConnections, GatewayError, GatewayUnreachable, TlsFiles
 
 logger = logging.getLogger(__name__)
 
@@ -299,6 +300,9 @@ class EtcdClient:
         self._endpoints = _endpoints or _Endpoints(self._urls)
         self._auth = _auth or _Auth()
         self._local = threading.local()
+        self._http = GatewayConnections(
+            TlsFiles(settings.ca_file, settings.cert_file, settings.key_file)
+            if settings.tls else None)
 
     def sibling(self, *, timeout: float, attempt_timeout: float | None = None) -> EtcdClient:
         """A client with other deadlines that shares this one's endpoint rotation and
@@ -327,17 +331,6 @@ class EtcdClient:
             self._local.session = session
         return session
 
-    def _gateway(self, url: str, timeout: float) -> Etcd3Client:
-        host, _, port = url.split("://", 1)[1].rpartition(":")
-        return Etcd3Client(
-            host=host,
-            port=int(port),
-            protocol=url.split("://", 1)[0],
-            timeout=timeout,
-            api_path="/v3/",
-            session=self._session(),
-        )
-
     @property
     def endpoint(self) -> str:
         """The endpoint currently in use (for messages)."""
@@ -352,21 +345,19 @@ class EtcdClient:
         with self._auth.lock:
             self._auth.token = value
 
-    def _authenticate(self, gw: Etcd3Client, endpoint: str) -> None:
+    def _authenticate(self, endpoint: str, timeout: float) -> None:
         assert self.settings.username is not None
         try:
-            resp = gw.post(
-                gw.get_url("/auth/authenticate"),
-                json={"name": self.settings.username, "password": self.settings.password},
-            )
-        except gw_exc.Etcd3Exception as exc:
-            if isinstance(exc, gw_exc.ConnectionFailedError | gw_exc.ConnectionTimeoutError):
-                raise
-            if "commonname" in (exc.detail_text or "").lower():
+            resp = self._http.post(
+                endpoint, "/v3/auth/authenticate",
+                {"name": self.settings.username, "password": self.settings.password},
+                timeout=timeout)
+        except GatewayError as exc:
+            if "commonname" in exc.text.lower():
                 raise EtcdAuthError(_CN_HINT.format(endpoint=endpoint)) from None
             raise EtcdAuthError(
                 f"etcd at {endpoint} refused user {self.settings.username!r}: "
-                f"{(exc.detail_text or '').strip()[:200]}; check the etcd username/password"
+                f"{exc.text.strip()[:200]}; check the etcd username/password"
             ) from None
         with self._auth.lock:
             self._auth.token = resp["token"]
@@ -385,18 +376,18 @@ class EtcdClient:
         while True:
             url = self.endpoint
             per_try = max(0.05, min(attempt, deadline - time.monotonic()))
-            gw = self._gateway(url, per_try)
             try:
                 if self.settings.username and self._token is None:
-                    self._authenticate(gw, url)
+                    self._authenticate(url, per_try)
                 headers = {"Authorization": self._token} if self._token else None
-                resp = gw.post(gw.get_url(path), json=body, headers=headers)
+                resp = self._http.post(url, "/v3/" + path, body, timeout=per_try,
+                                       headers=headers)
                 _check_version_once(self, url)
                 return resp
-            except (gw_exc.ConnectionFailedError, gw_exc.ConnectionTimeoutError) as exc:
+            except GatewayUnreachable as exc:
                 last = exc
-            except gw_exc.Etcd3Exception as exc:
-                text = (exc.detail_text or "").lower()
+            except GatewayError as exc:
+                text = exc.text.lower()
                 if self.settings.username and not reauthed and any(
                     m in text for m in _REAUTH_MARKERS
                 ):
@@ -600,6 +591,8 @@ class EtcdClient:
         return "broken", None
 
     def close(self) -> None:
+        """Close this thread's connections."""
+        self._http.close()
         session = getattr(self._local, "session", None)
         if session is not None:
             session.close()
@@ -609,7 +602,7 @@ class EtcdClient:
 def _short(exc: BaseException | None) -> str:
     if exc is None:
         return "none"
-    text = getattr(exc, "detail_text", None) or str(exc) or type(exc).__name__
+    text = getattr(exc, "text", None) or str(exc) or type(exc).__name__
     # Long enough for requests' nested causes ("...(Caused by ReadTimeoutError(...))").
     return f"{type(exc).__name__}: {str(text)[:600]}"
 
