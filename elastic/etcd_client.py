@@ -2,8 +2,8 @@
 
 Why the gateway and not a gRPC client: see docs/design/etcd-client.md. In short, it
 recovers at once when etcd restarts, has no protobuf/gRPC version coupling, and runs no
-background threads of its own inside the torchrun agent. Unary calls go over plain
-kept-alive HTTP/1.1 (`elastic.etcd_http`), watches over `requests` streams. This module
+background threads of its own inside the torchrun agent. Calls go over plain HTTP/1.1
+(`elastic.etcd_http`: kept-alive connections for unary calls, one per watch). This module
 adds user/password auth with
 re-authentication, TLS settings that environment CA bundles cannot override,
 compare-and-swap transactions on `mod_revision`, a lease keepalive thread, bounded
@@ -25,8 +25,6 @@ import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Any, Literal
-
-import requests
 
 from elastic.etcd_http import GatewayConnections, GatewayError, GatewayUnreachable, TlsFiles
 
@@ -299,7 +297,6 @@ class EtcdClient:
         self._urls = settings.urls()
         self._endpoints = _endpoints or _Endpoints(self._urls)
         self._auth = _auth or _Auth()
-        self._local = threading.local()
         self._http = GatewayConnections(
             TlsFiles(settings.ca_file, settings.cert_file, settings.key_file)
             if settings.tls else None)
@@ -313,23 +310,6 @@ class EtcdClient:
         return EtcdClient(settings, _endpoints=self._endpoints, _auth=self._auth)
 
     # -- transport ------------------------------------------------------------
-
-    def _session(self) -> requests.Session:
-        # One session per thread: requests.Session is not documented thread-safe,
-        # and the keepalive thread must never queue behind a long call.
-        session = getattr(self._local, "session", None)
-        if session is None:
-            session = requests.Session()
-            # Without this, REQUESTS_CA_BUNDLE / CURL_CA_BUNDLE in the environment
-            # silently replace `verify` (a long-standing requests behaviour), and
-            # HTTP(S)_PROXY would route etcd traffic through a proxy.
-            session.trust_env = False
-            if self.settings.tls:
-                session.verify = self.settings.ca_file or True
-            if self.settings.cert_file and self.settings.key_file:
-                session.cert = (self.settings.cert_file, self.settings.key_file)
-            self._local.session = session
-        return session
 
     @property
     def endpoint(self) -> str:
@@ -553,38 +533,27 @@ class EtcdClient:
         `("broken", None)` when the stream ended early, `("timeout", None)`."""
         if timeout <= 0:
             return "timeout", None
-        url = self.endpoint + "/v3/watch"
+        url = self.endpoint
         create: dict[str, Any] = {"key": _b64(key), "start_revision": str(after_revision + 1)}
         if prefix:
             create["range_end"] = _b64(_prefix_end(key))
         headers = {"Authorization": self._token} if self._token else None
         deadline = time.monotonic() + timeout
         try:
-            with self._session().post(
-                url, json={"create_request": create}, headers=headers, stream=True,
-                timeout=(min(timeout, self.settings.timeout), timeout),
-            ) as resp:
-                if resp.status_code != 200:
-                    time.sleep(min(0.2, timeout))
+            for msg in self._http.stream(url, "/v3/watch", {"create_request": create},
+                                         connect_timeout=min(timeout, self.settings.timeout),
+                                         deadline=deadline, headers=headers):
+                result = msg.get("result", {})
+                if result.get("canceled") or result.get("compact_revision"):
                     return "broken", None
-                for line in resp.iter_lines(chunk_size=None):
-                    if not line.strip():
-                        continue
-                    result = json.loads(line).get("result", {})
-                    if result.get("canceled") or result.get("compact_revision"):
-                        return "broken", None
-                    for event in result.get("events") or []:
-                        kv = None if event.get("type") == "DELETE" else _kv(event["kv"])
-                        if until(kv):
-                            return "event", kv
-                    if time.monotonic() >= deadline:
-                        return "timeout", None
-        except requests.exceptions.ReadTimeout:
+                for event in result.get("events") or []:
+                    kv = None if event.get("type") == "DELETE" else _kv(event["kv"])
+                    if until(kv):
+                        return "event", kv
+        except TimeoutError:
             return "timeout", None
-        except (requests.exceptions.RequestException, ValueError) as exc:
-            # ConnectionError, and ChunkedEncodingError when etcd dies mid-stream.
-            if "Read timed out" in str(exc):
-                return "timeout", None
+        except (GatewayUnreachable, GatewayError, ValueError) as exc:
+            # Refused, reset, an error status, or etcd dying mid-stream.
             logger.debug("watch on %s broke (%s); caller re-reads", key, _short(exc))
             time.sleep(min(0.2, max(0.0, deadline - time.monotonic())))
             return "broken", None
@@ -593,17 +562,13 @@ class EtcdClient:
     def close(self) -> None:
         """Close this thread's connections."""
         self._http.close()
-        session = getattr(self._local, "session", None)
-        if session is not None:
-            session.close()
-            self._local.session = None
 
 
 def _short(exc: BaseException | None) -> str:
     if exc is None:
         return "none"
     text = getattr(exc, "text", None) or str(exc) or type(exc).__name__
-    # Long enough for requests' nested causes ("...(Caused by ReadTimeoutError(...))").
+    # Long enough for a TLS failure's reason in full.
     return f"{type(exc).__name__}: {str(text)[:600]}"
 
 
@@ -645,10 +610,9 @@ def _check_version_once(client: EtcdClient, url: str) -> None:
             return
         _versions_checked.add(url)
     try:
-        resp = client._session().get(url + "/version",
-                                     timeout=client.settings.attempt_timeout)
-        version = str(resp.json().get("etcdserver", ""))
-    except (requests.exceptions.RequestException, ValueError) as exc:
+        version = str(client._http.get(url, "/version", timeout=client.settings.attempt_timeout)
+                      .get("etcdserver", ""))
+    except (GatewayUnreachable, GatewayError) as exc:
         logger.debug("could not read the version of etcd at %s: %s", url, exc)
         return
     advice = etcd_version_advice(version)

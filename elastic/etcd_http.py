@@ -1,12 +1,13 @@
-"""HTTP/1.1 to etcd's JSON gateway for unary calls: one kept-alive connection per thread
-and endpoint, JSON in and out, nothing else.
+"""HTTP/1.1 to etcd's JSON gateway: unary calls on one kept-alive connection per thread
+and endpoint, watch streams each on a connection of their own; JSON in and out.
 
 Why not `requests` (and `etcd3gw` on top of it) for these: a unary call through them
 cost the client 1.1-1.2 ms of CPU on this 2-core machine, against 0.22 ms for the same
 POST over `http.client` (docs/design/etcd-client.md). The replica groups' commit vote
 makes several such calls per training step, and a rendezvous of a thousand agents makes
-thousands at once, on cores the training and etcd itself need. Watches (long-lived
-streams) stay on `requests` in `elastic.etcd_client`.
+thousands at once, on cores the training and etcd itself need. A watch is a POST whose
+answer is a stream of JSON lines; it gets a connection of its own, closed when the
+caller stops reading (the gateway has no way to cancel a watch on a live connection).
 
 Errors are two kinds, which `EtcdClient.call` maps to failover and typed errors:
 `GatewayUnreachable` (no answer: refused, reset, closed, TLS failure, past the
@@ -21,6 +22,8 @@ import http.client
 import json
 import ssl
 import threading
+import time
+from collections.abc import Iterator
 from typing import Any
 
 __all__ = ["GatewayConnections", "GatewayError", "GatewayUnreachable", "TlsFiles"]
@@ -68,22 +71,23 @@ class GatewayConnections:
         self._tls = tls
         self._local = threading.local()
 
+    def _new_conn(self, url: str, timeout: float) -> http.client.HTTPConnection:
+        scheme, _, hostport = url.partition("://")
+        host, _, port = hostport.rpartition(":")
+        host = host.strip("[]")
+        if scheme == "https":
+            return http.client.HTTPSConnection(
+                host, int(port), timeout=timeout,
+                context=self._tls.context if self._tls else ssl.create_default_context())
+        return http.client.HTTPConnection(host, int(port), timeout=timeout)
+
     def _conn(self, url: str, timeout: float) -> http.client.HTTPConnection:
         conns: dict[str, http.client.HTTPConnection] | None = getattr(self._local, "conns", None)
         if conns is None:
             conns = self._local.conns = {}
         conn = conns.get(url)
         if conn is None:
-            scheme, _, hostport = url.partition("://")
-            host, _, port = hostport.rpartition(":")
-            host = host.strip("[]")
-            if scheme == "https":
-                conn = http.client.HTTPSConnection(
-                    host, int(port), timeout=timeout,
-                    context=self._tls.context if self._tls else ssl.create_default_context())
-            else:
-                conn = http.client.HTTPConnection(host, int(port), timeout=timeout)
-            conns[url] = conn
+            conn = conns[url] = self._new_conn(url, timeout)
         elif conn.sock is not None:
             conn.sock.settimeout(timeout)
         conn.timeout = timeout
@@ -127,24 +131,89 @@ class GatewayConnections:
                                          timed_out=False) from exc
             if resp.will_close:
                 self._drop(url)
-            text = raw.decode("utf-8", "replace")
-            if resp.status in _UNAVAILABLE:
-                # A member without a leader, mid-election ("leader changed"), or timed
-                # out inside etcd: another member, or a later attempt, may answer.
-                raise GatewayUnreachable(f"{url}: HTTP {resp.status}: {text.strip()[:300]}",
-                                         timed_out=_UNAVAILABLE[resp.status])
-            if resp.status != 200:
-                raise GatewayError(resp.status, text)
-            try:
-                out = json.loads(text) if text else {}
-            except ValueError as exc:
-                raise GatewayError(resp.status, f"not JSON: {text[:200]}") from exc
-            if not isinstance(out, dict):
-                raise GatewayError(resp.status, f"not a JSON object: {text[:200]}")
-            return out
+            return _decode(resp.status, raw, url)
         raise AssertionError("unreachable")  # pragma: no cover
+
+    def get(self, url: str, path: str, *, timeout: float) -> dict[str, Any]:
+        """GET `url + path` on a connection of its own (rare calls: `/version`); the
+        decoded JSON object. Raises as `post` does."""
+        conn = self._new_conn(url, timeout)
+        try:
+            conn.request("GET", path)
+            resp = conn.getresponse()
+            status, raw = resp.status, resp.read()
+        except TimeoutError as exc:
+            raise GatewayUnreachable(f"no answer from {url} within {timeout:.2f}s",
+                                     timed_out=True) from exc
+        except (OSError, http.client.HTTPException) as exc:
+            raise GatewayUnreachable(f"{url}: {type(exc).__name__}: {exc}",
+                                     timed_out=False) from exc
+        finally:
+            conn.close()
+        return _decode(status, raw, url)
+
+    def stream(self, url: str, path: str, body: dict[str, Any], *, connect_timeout: float,
+               deadline: float, headers: dict[str, str] | None = None,
+               ) -> Iterator[dict[str, Any]]:
+        """POST `body` and yield each JSON object of the streamed answer (one a line)
+        until `deadline` (a `time.monotonic()` value): then `TimeoutError`. A stream
+        the server ends raises `GatewayUnreachable`; an HTTP error status
+        `GatewayError`. The connection is closed when the caller stops."""
+        conn = self._new_conn(url, connect_timeout)
+        try:
+            try:
+                conn.request("POST", path, body=json.dumps(body).encode(),
+                             headers={"Content-Type": "application/json", **(headers or {})})
+                resp = conn.getresponse()
+            except (OSError, http.client.HTTPException) as exc:
+                if isinstance(exc, TimeoutError):
+                    raise
+                raise GatewayUnreachable(f"{url}: {type(exc).__name__}: {exc}",
+                                         timed_out=False) from exc
+            if resp.status != 200:
+                _decode(resp.status, resp.read(), url)
+            while True:
+                remaining = deadline - time.monotonic()
+                if remaining <= 0:
+                    raise TimeoutError(f"watch on {url}: deadline reached")
+                assert conn.sock is not None
+                conn.sock.settimeout(remaining)
+                try:
+                    line = resp.readline()
+                except (OSError, http.client.HTTPException) as exc:
+                    if isinstance(exc, TimeoutError):
+                        raise
+                    raise GatewayUnreachable(f"{url}: stream broke: {type(exc).__name__}",
+                                             timed_out=False) from exc
+                if not line:
+                    raise GatewayUnreachable(f"{url}: the stream ended", timed_out=False)
+                if line.strip():
+                    msg = json.loads(line)
+                    if isinstance(msg, dict):
+                        yield msg
+        finally:
+            conn.close()
 
     def close(self) -> None:
         """Close this thread's connections."""
         for url in list(getattr(self._local, "conns", None) or {}):
             self._drop(url)
+
+
+def _decode(status: int, raw: bytes, url: str) -> dict[str, Any]:
+    """The JSON object of a 200 answer; the typed error of any other."""
+    text = raw.decode("utf-8", "replace")
+    if status in _UNAVAILABLE:
+        # A member without a leader, mid-election ("leader changed"), or timed out
+        # inside etcd: another member, or a later attempt, may answer.
+        raise GatewayUnreachable(f"{url}: HTTP {status}: {text.strip()[:300]}",
+                                 timed_out=_UNAVAILABLE[status])
+    if status != 200:
+        raise GatewayError(status, text)
+    try:
+        out = json.loads(text) if text else {}
+    except ValueError as exc:
+        raise GatewayError(status, f"not JSON: {text[:200]}") from exc
+    if not isinstance(out, dict):
+        raise GatewayError(status, f"not a JSON object: {text[:200]}")
+    return out

@@ -260,7 +260,8 @@ def test_tls_and_auth(etcd_secure, tls_certs) -> None:
 
 
 def test_tls_ignores_ambient_ca_bundle(etcd_secure, tls_certs, monkeypatch, tmp_path) -> None:
-    # requests lets REQUESTS_CA_BUNDLE override Session.verify; the client must not.
+    # An ambient CA bundle or proxy (requests would honour both) must not change how
+    # or where the client connects.
     bogus = tmp_path / "bundle.pem"
     bogus.write_text("")
     monkeypatch.setenv("REQUESTS_CA_BUNDLE", str(bogus))

@@ -8,6 +8,7 @@ from __future__ import annotations
 import json
 import socket
 import threading
+import time
 from collections.abc import Iterator
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 
@@ -20,10 +21,26 @@ class _Scripted(BaseHTTPRequestHandler):
     protocol_version = "HTTP/1.1"  # keep-alive, as etcd's gateway
     answers: list[tuple[int, bytes]] = []
     bodies: list[dict] = []
+    stream: tuple[list[bytes], float] | None = None
+    """Lines to send as a chunked stream, then how long to hold it open at most."""
+    release = threading.Event()
+    """Set at teardown: a held stream ends."""
 
     def do_POST(self) -> None:  # noqa: N802 - http.server's name
         length = int(self.headers["Content-Length"])
         type(self).bodies.append(json.loads(self.rfile.read(length)))
+        if type(self).stream is not None:
+            lines, hold = type(self).stream
+            self.send_response(200)
+            self.send_header("Transfer-Encoding", "chunked")
+            self.end_headers()
+            for line in lines:  # etcd sends each message as one chunk, a line each
+                self.wfile.write(b"%x\r\n%s\r\n" % (len(line), line))
+                self.wfile.flush()
+            type(self).release.wait(hold)
+            self.wfile.write(b"0\r\n\r\n")
+            self.close_connection = True
+            return
         status, body = type(self).answers.pop(0)
         self.send_response(status)
         self.send_header("Content-Type", "application/json")
@@ -37,11 +54,14 @@ class _Scripted(BaseHTTPRequestHandler):
 
 @pytest.fixture
 def server() -> Iterator[tuple[ThreadingHTTPServer, str]]:
-    _Scripted.answers, _Scripted.bodies = [], []
+    _Scripted.answers, _Scripted.bodies, _Scripted.stream = [], [], None
+    _Scripted.release = threading.Event()
     srv = ThreadingHTTPServer(("127.0.0.1", 0), _Scripted)
     srv.daemon_threads = True
-    threading.Thread(target=srv.serve_forever, daemon=True).start()
+    threading.Thread(target=srv.serve_forever, kwargs={"poll_interval": 0.05},
+                     daemon=True).start()
     yield srv, f"http://127.0.0.1:{srv.server_address[1]}"
+    _Scripted.release.set()
     srv.shutdown()
     srv.server_close()
 
@@ -107,3 +127,29 @@ def test_no_answer_within_the_timeout_is_a_timeout() -> None:
         assert err.value.timed_out
     finally:
         listener.close()
+
+
+def test_a_watch_yields_each_streamed_message_until_its_deadline(server) -> None:
+    _, url = server
+    _Scripted.stream = ([b'{"result": {"created": true}}\n',
+                         b'{"result": {"events": [{"kv": {}}]}}\n'], 60.0)
+    got = []
+    t0 = time.monotonic()
+    with pytest.raises(TimeoutError):
+        for msg in GatewayConnections(None).stream(
+                url, "/v3/watch", {"create_request": {}}, connect_timeout=5.0,
+                deadline=time.monotonic() + 1.0):
+            got.append(msg)
+    assert got == [{"result": {"created": True}}, {"result": {"events": [{"kv": {}}]}}]
+    # Ended by its 1 s deadline, not by the server, which holds the stream for 60 s (the
+    # bound is generous for a loaded machine).
+    assert time.monotonic() - t0 < 30.0
+
+
+def test_a_watch_the_server_ends_is_broken_not_a_timeout(server) -> None:
+    _, url = server
+    _Scripted.stream = ([b'{"result": {"created": true}}\n'], 0.0)
+    with pytest.raises(GatewayUnreachable, match="ended"):
+        for _ in GatewayConnections(None).stream(
+                url, "/v3/watch", {}, connect_timeout=5.0, deadline=time.monotonic() + 30):
+            pass
