@@ -113,22 +113,15 @@ class GatewayConnections:
                 conn.request("POST", path, body=data, headers=hdrs)
                 resp = conn.getresponse()
                 raw = resp.read()
-            except TimeoutError as exc:
-                self._drop(url)
-                raise GatewayUnreachable(f"no answer from {url} within {timeout:.2f}s",
-                                         timed_out=True) from exc
-            except (http.client.RemoteDisconnected, BrokenPipeError,
-                    ConnectionResetError) as exc:
-                self._drop(url)
-                if reused and not fresh:
-                    continue  # the server closed an idle kept-alive connection
-                raise GatewayUnreachable(f"{url}: {type(exc).__name__}: {exc}",
-                                         timed_out=False) from exc
             except (OSError, http.client.HTTPException) as exc:
-                # Refused, unreachable, TLS failures (ssl.SSLError is an OSError).
+                # Refused, reset, unreachable, timed out, TLS failures (ssl.SSLError is
+                # an OSError).
                 self._drop(url)
-                raise GatewayUnreachable(f"{url}: {type(exc).__name__}: {exc}",
-                                         timed_out=False) from exc
+                idle_drop = isinstance(exc, http.client.RemoteDisconnected | BrokenPipeError
+                                       | ConnectionResetError)
+                if idle_drop and reused and not fresh:
+                    continue  # the server closed an idle kept-alive connection
+                raise _unreachable(url, exc, timeout) from exc
             if resp.will_close:
                 self._drop(url)
             return _decode(resp.status, raw, url)
@@ -142,12 +135,8 @@ class GatewayConnections:
             conn.request("GET", path)
             resp = conn.getresponse()
             status, raw = resp.status, resp.read()
-        except TimeoutError as exc:
-            raise GatewayUnreachable(f"no answer from {url} within {timeout:.2f}s",
-                                     timed_out=True) from exc
         except (OSError, http.client.HTTPException) as exc:
-            raise GatewayUnreachable(f"{url}: {type(exc).__name__}: {exc}",
-                                     timed_out=False) from exc
+            raise _unreachable(url, exc, timeout) from exc
         finally:
             conn.close()
         return _decode(status, raw, url)
@@ -168,8 +157,7 @@ class GatewayConnections:
             except (OSError, http.client.HTTPException) as exc:
                 if isinstance(exc, TimeoutError):
                     raise
-                raise GatewayUnreachable(f"{url}: {type(exc).__name__}: {exc}",
-                                         timed_out=False) from exc
+                raise _unreachable(url, exc, connect_timeout) from exc
             if resp.status != 200:
                 _decode(resp.status, resp.read(), url)
             while True:
@@ -217,3 +205,10 @@ def _decode(status: int, raw: bytes, url: str) -> dict[str, Any]:
     if not isinstance(out, dict):
         raise GatewayError(status, f"not a JSON object: {text[:200]}")
     return out
+
+
+def _unreachable(url: str, exc: BaseException, timeout: float) -> GatewayUnreachable:
+    if isinstance(exc, TimeoutError):
+        return GatewayUnreachable(f"no answer from {url} within {timeout:.2f}s",
+                                  timed_out=True)
+    return GatewayUnreachable(f"{url}: {type(exc).__name__}: {exc}", timed_out=False)

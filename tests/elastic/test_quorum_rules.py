@@ -415,16 +415,23 @@ def test_survivors_skip_the_grace_for_a_member_its_agent_restarted(etcd_server) 
         x.leave()
 
 
+def _c_silent_after_the_reduction(endpoint: str, c_store: tuple[str, int]):
+    """Three groups in a quorum; a and b voted ok on step 0 and decide it in threads
+    (their verdicts go to `got`); c has not voted."""
+    _, a, b, c, q0 = _three_groups(endpoint, grace=600.0, c_store=c_store)
+    assert a.vote(q0, 0, ok=True) and b.vote(q0, 0, ok=True)
+    got: list = []
+    threads = [_run(lambda x=x: x.decide(q0, 0), got) for x in (a, b)]
+    return a, b, c, q0, got, threads
+
+
 def test_a_member_killed_before_its_vote_costs_the_step_no_lease_ttl(etcd_server) -> None:
     # c finished the reduction of step 0 and was killed before it voted: its key lives
     # on under its 30 s lease, its store refuses. The step is abandoned on the survivors
     # well before the lease could expire, and c's vote, had it still been in flight,
     # can no longer land.
-    _, a, b, c, q0 = _three_groups(etcd_server.endpoint, grace=600.0,
-                                   c_store=_closed_address())
-    assert a.vote(q0, 0, ok=True) and b.vote(q0, 0, ok=True)
-    got: list = []
-    threads = [_run(lambda x=x: x.decide(q0, 0), got) for x in (a, b)]
+    a, b, c, q0, got, threads = _c_silent_after_the_reduction(etcd_server.endpoint,
+                                                              _closed_address())
     for t in threads:
         t.join(20)  # well under the 30 s lease: only fencing c ends the wait in time
     assert got == [False, False], "the survivors waited for a dead member's vote"
@@ -438,11 +445,8 @@ def test_a_member_killed_before_its_vote_costs_the_step_no_lease_ttl(etcd_server
 def test_a_slow_voter_that_lives_is_waited_for(etcd_server) -> None:
     # c's store takes connections: it is slow, not dead. Its vote, a second late, still
     # commits the step on everyone.
-    _, a, b, c, q0 = _three_groups(etcd_server.endpoint, grace=600.0,
-                                   c_store=_live_store())
-    assert a.vote(q0, 0, ok=True) and b.vote(q0, 0, ok=True)
-    got: list = []
-    threads = [_run(lambda x=x: x.decide(q0, 0), got) for x in (a, b)]
+    a, b, c, q0, got, threads = _c_silent_after_the_reduction(etcd_server.endpoint,
+                                                              _live_store())
     time.sleep(1.2)  # past the first probe of the missing voter
     assert c.vote(q0, 0, ok=True), "a live member was fenced out for voting late"
     for t in threads:
