@@ -212,6 +212,9 @@ class ReplicaManager:
         self._pg: dist.ProcessGroup | None = None
         self._pg_quorum = -1
         self._failed: tuple[Quorum, int] | None = None
+        self._absent: tuple[Quorum, tuple[str, ...]] | None = None
+        """Members of a new quorum that did not enter it: the next `agree` leaves them
+        out."""
         self._ok = True
         self.stats = StepStats()
 
@@ -238,9 +241,22 @@ class ReplicaManager:
             doc = self._link.share(self._agree() if self.quorum_client is not None else None)
             if "error" in doc:
                 raise QuorumError(doc["error"])
-            if not doc.get("restore"):
+            if doc.get("restore"):
+                self._restore_alone(_quorum_of(doc))
+                continue
+            if not doc.get("enter"):
                 break
-            self._restore_alone(_quorum_of(doc))
+            # A new quorum. Every rank lets go of the old quorum's process group before
+            # the first rank waits for the members to enter: a member still in the old
+            # quorum's collective (it began the step before this group saw the change)
+            # then fails at once instead of at the collective timeout.
+            self._pg, self._pg_quorum = None, -1
+            doc = self._link.share(self._enter(_quorum_of(doc), doc)
+                                   if self.quorum_client is not None else None)
+            if "error" in doc:
+                raise QuorumError(doc["error"])
+            if not doc.get("again"):
+                break
         quorum = _quorum_of(doc)
         self.stats = StepStats(quorum_s=time.monotonic() - t0)
         self.quorum, self._ok, self._failed = quorum, True, None
@@ -258,32 +274,38 @@ class ReplicaManager:
         try:
             if not self._joined:
                 self._join()
-            failed, absent = self._failed, None
-            while True:
-                quorum, snap = self.quorum_client.agree(
-                    failed=failed, absent=absent, min_groups=self.settings.min_groups)
-                failed = absent = None
-                if quorum.healing and not quorum.healthy:
-                    if self._restore is None:
-                        raise QuorumError(
-                            f"quorum {quorum.id} has no healthy group to heal "
-                            f"{list(quorum.healing)} from: every replica is lost; restore "
-                            "the job from its storage checkpoint (ReplicaManager restore=)")
-                    return {**_quorum_doc(quorum, None), "restore": True}
-                if quorum.size == 1 or quorum.id == self._pg_quorum:
-                    break
-                # A new quorum: wait for its members to enter it; re-agree at once
-                # when a newer one replaced it, or without the members that did not
-                # come in.
-                entry = self.quorum_client.confirm(quorum, self.settings.collective_timeout_s)
-                if entry.complete:
-                    break
-                if entry.absent:
-                    absent = (quorum, entry.absent)
+            failed, absent, self._failed, self._absent = self._failed, self._absent, None, None
+            quorum, snap = self.quorum_client.agree(
+                failed=failed, absent=absent, min_groups=self.settings.min_groups)
+            if quorum.healing and not quorum.healthy:
+                if self._restore is None:
+                    raise QuorumError(
+                        f"quorum {quorum.id} has no healthy group to heal "
+                        f"{list(quorum.healing)} from: every replica is lost; restore "
+                        "the job from its storage checkpoint (ReplicaManager restore=)")
+                return {**_quorum_doc(quorum, None), "restore": True}
             store = self.quorum_client.store_of(snap, quorum.host) if quorum.size > 1 else None
-            return _quorum_doc(quorum, store)
+            doc = _quorum_doc(quorum, store)
+            # A new quorum is entered (`_enter`) once every rank has let go of the old one.
+            return {**doc, "enter": True} if (quorum.size > 1
+                                              and quorum.id != self._pg_quorum) else doc
         except QuorumError as exc:
             return {"error": str(exc)}
+
+    def _enter(self, quorum: Quorum, doc: dict[str, Any]) -> dict[str, Any]:
+        """The first rank's entry into a new quorum: wait for its members to enter it.
+        `again` when the group must agree once more: a newer quorum replaced it, or
+        some members did not come in (the next quorum forms without them)."""
+        assert self.quorum_client is not None
+        try:
+            entry = self.quorum_client.confirm(quorum, self.settings.collective_timeout_s)
+        except QuorumError as exc:
+            return {"error": str(exc)}
+        if entry.complete:
+            return {k: v for k, v in doc.items() if k != "enter"}
+        if entry.absent:
+            self._absent = (quorum, entry.absent)
+        return {"again": True}
 
     def _restore_alone(self, quorum: Quorum) -> None:
         """Every group holding the state is gone while this one waited to heal: restore
