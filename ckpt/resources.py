@@ -113,7 +113,10 @@ class EngineResources:
         dies of an uncaught exception (a fault: its peers may be gone, the commit may
         never come, and a supervisor waits for this process to exit before restarting)."""
         h = self.inflight
-        if h is None or h._done.is_set():
+        if h is None:
+            return
+        if h._done.is_set():
+            _join_tail(h)
             return
         if self.crashed:
             logger.warning("exiting on an uncaught exception while the async save of step %s "
@@ -132,6 +135,22 @@ class EngineResources:
             logger.error("the save of step %s to %s failed: %s", h.step, h.url, h._error)
         else:
             logger.warning("the save of step %s to %s committed before exit", h.step, h.url)
+        _join_tail(h)
+
+
+def _join_tail(h: SaveHandle) -> None:
+    """Wait for a finished save's thread to end, not only for its handle to be done: the
+    thread is a daemon, and one still running (freeing its buffers, calling back) when
+    the interpreter finalizes is stopped by a forced unwind that aborts the process
+    inside torch's C++ ("terminate called without an active exception"), after the
+    commit, with exit status 134."""
+    th = h._thread
+    if th is not None and th is not threading.current_thread():
+        th.join(_TAIL_JOIN_S)
+
+
+_TAIL_JOIN_S = 60.0
+"""Bound on the wait for a done save's thread to return: it only frees and calls back."""
 
 
 _RESOURCES = EngineResources()
