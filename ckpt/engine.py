@@ -28,7 +28,7 @@ import os
 import threading
 import time
 import uuid
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -256,13 +256,24 @@ def save(
     res.inflight = handle
     if async_save:
         res.note_crashes()
-        th = threading.Thread(target=job.run, name=f"ckpt-save-{step}", daemon=True)
+        released = threading.Event()
+        th = threading.Thread(target=_run_when_released, args=(released, job.run),
+                              name=f"ckpt-save-{step}", daemon=True)
         handle._thread = th
         th.start()
+        released.set()
     else:
         job.run(comm)
         handle.wait()
     return handle
+
+
+def _run_when_released(released: threading.Event, run: Callable[[], None]) -> None:
+    """The save thread's body: it waits until `save()` is on its way out. Started
+    running at once, it holds the GIL for up to the switch interval (5 ms) while the
+    caller, woken from `Thread.start()`, waits for it before `save()` can return."""
+    released.wait()
+    run()
 
 
 @dataclass
