@@ -489,3 +489,102 @@ def test_a_step_in_an_unchanged_quorum_costs_two_requests_off_its_path(etcd_serv
         assert a.decide(q0, step) and a.agree()[0] == q0
     for x in (a, b):
         x.leave()
+
+
+# -- a member still reducing in the old quorum while another enters a new one -------------
+
+def test_a_group_entering_a_new_quorum_lets_go_of_the_old_one_first(etcd_server) -> None:
+    """a and d are inside step 1's reduction in quorum 0 when d's key goes (its lease
+    revoked, as a preempted node's agent does, while its worker still holds the
+    collective); b, still agreeing on that step, sees d gone and enters quorum 1. b lets
+    go of quorum 0's process group before it waits for the members to enter, so a's
+    reduction fails then, and a abandons the step and enters quorum 1 while b still
+    waits there. Holding it, b would wait for a to enter while a waits in the reduction
+    for b: both until the collective timeout, long here, so that only the drop can end
+    a's reduction soon."""
+    job = f"rules-{uuid.uuid4().hex[:8]}"
+    timeout_s = 120.0
+
+    def manager(group: str) -> ReplicaManager:
+        settings = ReplicaSettings(job=job, group=group,
+                                   etcd=EtcdSettings(endpoints=(etcd_server.endpoint,),
+                                                     prefix="/relight-test"),
+                                   lease_ttl=30.0, collective_timeout_s=timeout_s,
+                                   quorum_timeout_s=timeout_s, failover_grace_s=0.5,
+                                   probe_timeout_s=2.0, min_groups=3)
+        return ReplicaManager(settings, heal=False)
+
+    a, b, d = manager("a"), manager("b"), manager("d")
+    order: list[tuple[str, object]] = []
+    lock = threading.Lock()
+
+    def note(what: str, value: object = None) -> None:
+        with lock:
+            order.append((what, value))
+
+    def step(mgr: ReplicaManager, n: int) -> bool:
+        mgr.start_step()
+        mgr.allreduce([torch.ones(4)])
+        return mgr.should_commit(n)
+
+    def reduce_in_q0(mgr: ReplicaManager) -> bool:
+        """Step 1 begun in quorum 0; True when it was then done in a later quorum."""
+        assert mgr.start_step().id == q0.id
+        note(f"{mgr.group} reducing")
+        t0 = time.monotonic()
+        mgr.allreduce([torch.ones(4)])
+        note(f"{mgr.group} reduced", (mgr._ok, time.monotonic() - t0))
+        if mgr.should_commit(1):
+            return False  # committed without b's reduction
+        return step(mgr, 1)
+
+    try:
+        got: list = []
+        threads = [_run(lambda m=m: step(m, 0), got) for m in (a, b, d)]
+        for t in threads:
+            t.join(120)
+        assert got == [True, True, True], f"step 0 of quorum 0 did not commit: {got}"
+        q0 = a.quorum
+        assert q0 is not None and q0.members == ("a", "b", "d")
+
+        a_out: list = []
+        ta = _run(lambda: reduce_in_q0(a), a_out)
+        td = _run(lambda: reduce_in_q0(d), [])
+        deadline = time.monotonic() + 60  # bound on two threads' first lines (ms)
+        while len([w for w, _ in order if w.endswith("reducing")]) < 2:
+            assert time.monotonic() < deadline, f"a and d never began step 1: {order}"
+            time.sleep(0.01)
+        assert d.quorum_client is not None and b.quorum_client is not None
+        d.quorum_client.leave()
+        # b agrees on step 1 now. Each group's agree starts from a read prefetched when
+        # the last step committed; b's is dropped, so that b reads after d's key went,
+        # as a run's timing can have it (a's read came before).
+        b.quorum_client._take_prefetched()
+        confirm = b.quorum_client.confirm
+
+        def noted_confirm(quorum: Quorum, wait_s: float):
+            entry = confirm(quorum, wait_s)
+            note("b entered", (quorum.id, entry.complete))
+            return entry
+
+        b.quorum_client.confirm = noted_confirm  # type: ignore[method-assign]
+        b_out: list = []
+        tb = _run(lambda: step(b, 1), b_out)
+        for t in (ta, tb):
+            t.join(2 * timeout_s)
+        assert a_out == [True] and b_out == [True], (a_out, b_out, order)
+        reduced = [v for what, v in order if what == "a reduced"]
+        entered = [v for what, v in order if what == "b entered"]
+        assert reduced and reduced[0][0] is False, f"a's reduction in quorum 0 succeeded: {order}"
+        # Far below the collective timeout: the drop ended it, not the timeout.
+        assert reduced[0][1] < timeout_s / 2, order
+        # b's first entry found every member there: a came in while b waited, after its
+        # reduction in the old quorum had failed.
+        assert entered and entered[0][1] is True, order
+        whats = [what for what, _ in order]
+        assert whats.index("a reduced") < whats.index("b entered"), order
+        assert a.quorum == b.quorum and a.quorum is not None
+        assert a.quorum.members == ("a", "b") and a.quorum.id > q0.id
+    finally:
+        for m in (a, b, d):
+            m.close()
