@@ -708,7 +708,14 @@ class _Watch:
             self._poll_commits(now)
             workers = self.cluster.workers()
             for node, ws in workers.items():
-                self.worker_pids.setdefault(node, set()).update(w.pid for w in ws)
+                known = self.worker_pids.setdefault(node, set())
+                for w in ws:
+                    if w.pid not in known:
+                        # Each start in the log: what check 8 counts, one line each.
+                        known.add(w.pid)
+                        logger.info("node %d: worker process %d (rank %d, local rank %d, "
+                                    "agent restart %d)", node, w.pid, w.rank, w.local_rank,
+                                    w.restart_count)
             self.cluster.track_all()
             for rc in list(self.recoveries):
                 done = (rc.update(self.records[seen:]) if isinstance(rc, _QuorumRecovery)
