@@ -22,7 +22,7 @@ import pytest
 import torch
 
 from elastic.etcd_client import EtcdClient, EtcdSettings
-from elastic.quorum import Quorum, QuorumClient
+from elastic.quorum import Quorum, QuorumClient, QuorumError
 from elastic.replica import ReplicaManager, ReplicaSettings
 
 pytestmark = [pytest.mark.etcd]
@@ -549,7 +549,15 @@ def test_a_group_entering_a_new_quorum_lets_go_of_the_old_one_first(etcd_server)
 
         a_out: list = []
         ta = _run(lambda: reduce_in_q0(a), a_out)
-        td = _run(lambda: reduce_in_q0(d), [])
+        d_out: list = []
+
+        def d_steps() -> object:
+            try:
+                return reduce_in_q0(d)
+            except QuorumError as exc:  # its key is gone: it may not train on
+                return exc
+
+        td = _run(d_steps, d_out)
         deadline = time.monotonic() + 60  # bound on two threads' first lines (ms)
         while len([w for w, _ in order if w.endswith("reducing")]) < 2:
             assert time.monotonic() < deadline, f"a and d never began step 1: {order}"
@@ -570,9 +578,10 @@ def test_a_group_entering_a_new_quorum_lets_go_of_the_old_one_first(etcd_server)
         b.quorum_client.confirm = noted_confirm  # type: ignore[method-assign]
         b_out: list = []
         tb = _run(lambda: step(b, 1), b_out)
-        for t in (ta, tb):
+        for t in (ta, tb, td):
             t.join(2 * timeout_s)
         assert a_out == [True] and b_out == [True], (a_out, b_out, order)
+        assert len(d_out) == 1 and d_out[0] is not True, f"d, gone, trained on: {d_out}"
         reduced = [v for what, v in order if what == "a reduced"]
         entered = [v for what, v in order if what == "b entered"]
         assert reduced and reduced[0][0] is False, f"a's reduction in quorum 0 succeeded: {order}"
