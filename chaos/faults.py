@@ -214,13 +214,18 @@ def find_workers(agent_pid: int) -> list[WorkerProc]:
             parent = proc.parent()
             if parent is not None and "LOCAL_RANK" in parent.environ():
                 continue
+            cmdline = proc.cmdline()
+            if not cmdline:
+                # Exiting: its memory is gone, so its command line reads empty before it
+                # is a zombie (a warm client whose worker ended would count as a worker).
+                continue
             target = proc
-            forked = worker_of(proc.cmdline(), proc.pid)
+            forked = worker_of(cmdline, proc.pid)
             if forked is not None:
                 # A warm start: the agent's child is a client that forwards signals
                 # (not SIGSTOP); the worker is the process the fork server made for it.
                 target = psutil.Process(forked)
-            elif "elastic.warm" in proc.cmdline():
+            elif "elastic.warm" in cmdline:
                 continue  # a warm client whose worker is not forked yet
             out.append(
                 WorkerProc(
