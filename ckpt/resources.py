@@ -131,11 +131,16 @@ class EngineResources:
         if not h._done.wait(limit):
             logger.error("the save of step %s to %s did not finish within %.0f s: the process "
                          "exits and leaves it uncommitted", h.step, h.url, limit)
-        elif h._error is not None:
+            return
+        if h._error is not None:
             logger.error("the save of step %s to %s failed: %s", h.step, h.url, h._error)
         else:
             logger.warning("the save of step %s to %s committed before exit", h.step, h.url)
         _join_tail(h)
+
+
+_TAIL_JOIN_S = 60.0
+"""Bound on the wait for a done save's thread to return: it only frees and calls back."""
 
 
 def _join_tail(h: SaveHandle) -> None:
@@ -147,10 +152,6 @@ def _join_tail(h: SaveHandle) -> None:
     th = h._thread
     if th is not None and th is not threading.current_thread():
         th.join(_TAIL_JOIN_S)
-
-
-_TAIL_JOIN_S = 60.0
-"""Bound on the wait for a done save's thread to return: it only frees and calls back."""
 
 
 _RESOURCES = EngineResources()

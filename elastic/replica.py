@@ -238,9 +238,7 @@ class ReplicaManager:
         a new one."""
         t0 = time.monotonic()
         while True:
-            doc = self._link.share(self._agree() if self.quorum_client is not None else None)
-            if "error" in doc:
-                raise QuorumError(doc["error"])
+            doc = self._first_rank_says(self._agree)
             if doc.get("restore"):
                 self._restore_alone(_quorum_of(doc))
                 continue
@@ -251,10 +249,7 @@ class ReplicaManager:
             # quorum's collective (it began the step before this group saw the change)
             # then fails at once instead of at the collective timeout.
             self._pg, self._pg_quorum = None, -1
-            doc = self._link.share(self._enter(_quorum_of(doc), doc)
-                                   if self.quorum_client is not None else None)
-            if "error" in doc:
-                raise QuorumError(doc["error"])
+            doc = self._first_rank_says(self._enter, doc)
             if not doc.get("again"):
                 break
         quorum = _quorum_of(doc)
@@ -265,6 +260,15 @@ class ReplicaManager:
             self._rebuild(quorum, doc["store"])
             self.stats.rebuild_s = time.monotonic() - t1
         return quorum
+
+    def _first_rank_says(self, decide: Callable[..., dict[str, Any]], *args: Any
+                         ) -> dict[str, Any]:
+        """What the first rank's `decide(*args)` returns (it alone talks to etcd), on
+        every rank; its `error` raised on every rank, so none hangs."""
+        doc = self._link.share(decide(*args) if self.quorum_client is not None else None)
+        if "error" in doc:
+            raise QuorumError(doc["error"])
+        return doc
 
     def _agree(self) -> dict[str, Any]:
         """The first rank's part of `start_step`: the quorum to share with the group's
@@ -292,11 +296,12 @@ class ReplicaManager:
         except QuorumError as exc:
             return {"error": str(exc)}
 
-    def _enter(self, quorum: Quorum, doc: dict[str, Any]) -> dict[str, Any]:
-        """The first rank's entry into a new quorum: wait for its members to enter it.
-        `again` when the group must agree once more: a newer quorum replaced it, or
-        some members did not come in (the next quorum forms without them)."""
+    def _enter(self, doc: dict[str, Any]) -> dict[str, Any]:
+        """The first rank's entry into the new quorum `doc` names: wait for its members to
+        enter it. `again` when the group must agree once more: a newer quorum replaced
+        it, or some members did not come in (the next quorum forms without them)."""
         assert self.quorum_client is not None
+        quorum = _quorum_of(doc)
         try:
             entry = self.quorum_client.confirm(quorum, self.settings.collective_timeout_s)
         except QuorumError as exc:
@@ -432,23 +437,22 @@ class ReplicaManager:
         t0 = time.monotonic()
         quorum = self.quorum
         ok = self._link.all_ok(self._ok)
-        doc: dict[str, Any] | None = None
-        if self.quorum_client is not None:
-            try:
-                voted = self.quorum_client.vote(quorum, step, ok)
-                doc = {"commit": bool(voted and self.quorum_client.decide(quorum, step))}
-            except QuorumError as exc:
-                doc = {"error": str(exc)}
-        doc = self._link.share(doc)
-        if "error" in doc:
-            raise QuorumError(doc["error"])
-        verdict = bool(doc["commit"])
+        verdict = bool(self._first_rank_says(self._vote, quorum, step, ok)["commit"])
         self.stats.commit_s = time.monotonic() - t0
         if not verdict:
             logger.warning("[replica %s/%d] step %d abandoned in quorum %d: redone in the "
                            "next quorum", self.group, self.local_rank, step, quorum.id)
             self._failed, self._pg, self._pg_quorum = (quorum, step), None, -1
         return verdict
+
+    def _vote(self, quorum: Quorum, step: int, ok: bool) -> dict[str, Any]:
+        """The first rank's vote on `step` and the quorum's decision."""
+        assert self.quorum_client is not None
+        try:
+            voted = self.quorum_client.vote(quorum, step, ok)
+            return {"commit": bool(voted and self.quorum_client.decide(quorum, step))}
+        except QuorumError as exc:
+            return {"error": str(exc)}
 
     def close(self) -> None:
         self._pg = None
