@@ -212,6 +212,11 @@ _PROBE_S = 0.25
 """Longest wait for a peer's store to take a connection while deciding whether the peer
 is gone: a refusal comes back at once; silence proves nothing and is not waited out."""
 
+_REPROBE_S = 0.1
+"""How often survivors waiting out the failover grace check again whether a silent
+member is gone: a process that exits changes no key (its lease outlives it), so only a
+new probe of its store sees it."""
+
 
 def _store_answers(addr: tuple[str, int], timeout: float) -> bool | None:
     """Whether a group's store at `addr` takes a connection (True), refuses it (False:
@@ -558,17 +563,22 @@ class QuorumClient:
     def _survivors(self, quorum: Quorum, step: int, snap: Snapshot) -> tuple[str, ...]:
         """Members of `quorum` that voted on `step` within the grace, and are alive. The
         wait ends early once every member that has not voted is gone for certain
-        (`_gone`): a crashed or killed group costs its peers no grace."""
+        (`_gone`): a crashed or killed group costs its peers no grace, also when its
+        process dies or its agent restarts it while they wait (checked at every change
+        under the job and every `_REPROBE_S`). It ends at once when another survivor
+        has already replaced `quorum`: the caller's proposal then loses its CAS and it
+        takes the quorum that won."""
         grace_end = time.monotonic() + self.failover_grace_s
         while True:
             votes = snap.votes.get((quorum.id, step), {})
             voters = [m for m in quorum.members if m in votes and m in snap.groups]
             remaining = grace_end - time.monotonic()
             silent = [m for m in quorum.members if m not in voters and m != self.group]
-            if remaining <= 0 or all(self._gone(snap, quorum, m, min(_PROBE_S, remaining))
-                                     for m in silent):
+            replaced = snap.quorum is None or snap.quorum.id != quorum.id
+            if replaced or remaining <= 0 or all(
+                    self._gone(snap, quorum, m, min(_PROBE_S, remaining)) for m in silent):
                 return tuple(sorted({*voters, self.group}))
-            self.client.wait_for_change(self.root + "votes/", snap.revision, remaining)
+            self.client.wait_for_change(self.root, snap.revision, min(remaining, _REPROBE_S))
             snap = self.snapshot()
 
     def confirm(self, quorum: Quorum, timeout: float) -> Entry:

@@ -415,6 +415,64 @@ def test_survivors_skip_the_grace_for_a_member_its_agent_restarted(etcd_server) 
         x.leave()
 
 
+def _store_seen_by_a_probe() -> tuple[tuple[str, int], socket.socket, threading.Event]:
+    """A live group's store that tells when a peer first probed it: the listener, and an
+    event set at the first connection it takes."""
+    listener = socket.socket()
+    listener.bind(("127.0.0.1", 0))
+    listener.listen()
+    probed = threading.Event()
+
+    def accept() -> None:
+        try:
+            conn, _ = listener.accept()
+        except OSError:
+            return
+        conn.close()
+        probed.set()
+
+    threading.Thread(target=accept, daemon=True).start()
+    return listener.getsockname(), listener, probed
+
+
+def test_survivors_stop_waiting_for_a_member_that_dies_during_the_grace(etcd_server) -> None:
+    # c is alive when the step fails (its store takes the survivor's first probe), then
+    # its process exits: its key lives on under its lease, and no key changes. The grace
+    # is longer than this test may run: only probing c again ends the wait in time.
+    store, listener, probed = _store_seen_by_a_probe()
+    _, a, b, c, q0 = _three_groups(etcd_server.endpoint, grace=600.0, c_store=store)
+    _fail_step(q0, a, b)
+    got: list = []
+    t = _run(lambda: a.agree(failed=(q0, 0))[0], got)
+    assert probed.wait(60), "the survivor never probed the silent member's store"
+    listener.close()  # c exits
+    t.join(60)
+    assert got, "a survivor waited out the grace for a member that died during it"
+    assert got[0].members == ("a", "b") and got[0].id == q0.id + 1
+    for x in (a, b, c):
+        x.leave()
+
+
+def test_survivors_take_the_quorum_another_survivor_formed_during_their_grace(
+        etcd_server) -> None:
+    # c lives but does not vote. a waits out its grace for c; b has already given up on
+    # c (its grace was shorter, or c's store refused it) and formed the next quorum.
+    # a takes that quorum at once instead of waiting out its own grace.
+    store, _, probed = _store_seen_by_a_probe()
+    _, a, b, c, q0 = _three_groups(etcd_server.endpoint, grace=600.0, c_store=store)
+    _fail_step(q0, a, b)
+    got: list = []
+    t = _run(lambda: a.agree(failed=(q0, 0))[0], got)
+    assert probed.wait(60), "the survivor never probed the silent member's store"
+    b.failover_grace_s = 0.0
+    q1, _ = b.agree(failed=(q0, 0))
+    assert q1.members == ("a", "b")
+    t.join(60)
+    assert got == [q1], "a survivor waited out its grace after another formed a quorum"
+    for x in (a, b, c):
+        x.leave()
+
+
 def _c_silent_after_the_reduction(endpoint: str, c_store: tuple[str, int]):
     """Three groups in a quorum; a and b voted ok on step 0 and decide it in threads
     (their verdicts go to `got`); c has not voted."""
