@@ -14,6 +14,7 @@ import importlib
 import multiprocessing as mp
 import os
 import queue
+import resource
 import socket
 import time
 import traceback
@@ -29,10 +30,12 @@ class RankFailure(RuntimeError):
         super().__init__(f"case {case} failed on ranks {sorted(errors)}:\n{body}")
 
 
-_MAX_THREADS = 200
-"""Workers are replaced once one holds more threads than this. Some cases leave process
-groups alive past `destroy_process_group` (held by objects the case's trainer left
-behind): each keeps gloo threads polling, and hundreds of them slow every later case."""
+_MAX_THREADS = 1000
+"""Workers are replaced once one holds more threads than this. Process groups outlive
+their case (objects torch keeps, DTensor's caches among them, hold its device meshes):
+each keeps its gloo threads and sockets. They sit idle, so replacing a worker (seconds
+of imports on two cores) is kept for when they pile up (about 40 cases at 15-35 threads
+each here)."""
 
 
 def _threads(pid: int) -> int:
@@ -41,6 +44,20 @@ def _threads(pid: int) -> int:
             return next(int(line.split()[1]) for line in f if line.startswith("Threads:"))
     except (OSError, StopIteration):
         return 0
+
+
+def _open_files(pid: int) -> int:
+    try:
+        return len(os.listdir(f"/proc/{pid}/fd"))
+    except OSError:
+        return 0
+
+
+def _worn(pid: int) -> bool:
+    """Whether a worker holds so many leftover threads or sockets that it should be
+    replaced: over `_MAX_THREADS`, or over a quarter of its open-file limit."""
+    soft, _ = resource.getrlimit(resource.RLIMIT_NOFILE)
+    return _threads(pid) > _MAX_THREADS or _open_files(pid) > soft // 4
 
 
 def free_port() -> int:
@@ -136,7 +153,7 @@ class RankPool:
             (out if ok else errors)[rank] = value
         if errors:
             raise RankFailure(case, errors)
-        if max(_threads(p.pid) for p in self.procs) > _MAX_THREADS:
+        if any(_worn(p.pid) for p in self.procs):
             self.restart()
         return [out[r] for r in range(world)]
 
