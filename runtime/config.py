@@ -510,10 +510,6 @@ class Config:
             f"model.n_heads={self.model.n_heads} is not divisible by parallel.tp="
             f"{self.parallel.tp}; pick tp dividing the head count",
         )
-        _require(not (self.replica.enabled and self.parallel.pp > 1),
-                 "replica groups with pipeline parallelism inside a group are not provided: "
-                 "the number of micro-batches per rank changes with the quorum; use "
-                 "parallel.pp=1 with replica.job")
         _require(not (self.replica.enabled and self.parallel.dp_replicate > 1),
                  "replica.job replaces parallel.dp_replicate: the replica groups are the "
                  "replicated dimension; set parallel.dp_replicate=1")

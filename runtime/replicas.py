@@ -1,7 +1,7 @@
 """The trainer's replica-group component: data parallelism across groups that heal in place.
 
 With ``replica.job`` set, this rank's torch.distributed world is one replica group (its
-own torchrun agent, any layout inside but pipeline stages) and the groups of the job
+own torchrun agent, any layout inside) and the groups of the job
 train together through `elastic.replica.ReplicaManager`:
 
 - before each step the groups agree on a quorum in etcd, and this group's share of the

@@ -180,13 +180,8 @@ class Trainer:
                                             restore=lambda: self.checkpointer.restore())
         n_micro = self.plan.local_microbatches
         self.model.set_aux_scale(1.0 / n_micro)
-        self.schedule = None
-        if self.layout.pp > 1:
-            self.schedule = build_pipeline(
-                self.model, self.pmesh["pp"], device=self.device, n_microbatches=n_micro,
-                loss_fn=lambda out, tgt: self._loss(out, tgt) / n_micro,
-                schedule=cfg.parallel.pp_schedule,
-            )
+        self._schedules: dict[int, Any] = {}
+        self.schedule = self._pipeline(n_micro) if self.layout.pp > 1 else None
         self.pp_group = self.pmesh["pp"].get_group() if self.layout.pp > 1 else None
         # The rank that reports the loss for its data shard: last stage, first tp rank.
         self.reports_loss = (self.pmesh.pp_rank == self.layout.pp - 1
@@ -318,6 +313,18 @@ class Trainer:
         all_gather(every, mine)
         return [int(v) for v in every.cpu().tolist()]
 
+    def _pipeline(self, n_micro: int) -> Any:
+        """The pipeline schedule for `n_micro` micro-batches per rank, built at its first
+        use and kept: in replica groups the count follows the quorum's size, and a count
+        seen before comes back with the groups that rejoin."""
+        if n_micro not in self._schedules:
+            self._schedules[n_micro] = build_pipeline(
+                self.model, self.pmesh["pp"], device=self.device, n_microbatches=n_micro,
+                loss_fn=lambda out, tgt: self._loss(out, tgt) / n_micro,
+                schedule=self.cfg.parallel.pp_schedule,
+            )
+        return self._schedules[n_micro]
+
     def _replica_plan(self) -> None:
         """Agree on the step's quorum (a heal may set the state first) and take this
         group's share of the global batch in it."""
@@ -325,6 +332,8 @@ class Trainer:
         if plan != self.plan:
             self.plan = self.data.plan = plan
             self.model.set_aux_scale(1.0 / plan.local_microbatches)
+            if self.schedule is not None:
+                self.schedule = self._pipeline(plan.local_microbatches)
 
     def _warm_up(self) -> None:
         """One forward and backward on the next batch, thrown away, before a healing group

@@ -1,10 +1,11 @@
 """End to end: real etcd, real agents (`relight run`), real training processes, real faults.
 
 `ci-smoke` is what CI runs on every submission: it must pass, and within its 5-minute
-budget. `replica-ci` holds replica groups to heal in place (checks 8-11). `tiers` proves
-restores after a worker kill and a node loss read nothing from checkpoint storage. The
-user-script test runs `examples/user_train.py` (not runtime.train) under the same
-harness, proving the documented contract is enough. They need runtime/, ckpt/ and
+budget. `replica-ci` and `replica-pp` hold replica groups (of FSDP ranks; of pipeline
+stages) to heal in place (checks 8-11). `tiers` proves restores after a worker kill and
+a node loss read nothing from checkpoint storage. The user-script test runs
+`examples/user_train.py` (not runtime.train) under the same harness, proving the
+documented contract is enough. They need runtime/, ckpt/ and
 elastic/ (`elastic.launch`); they are marked slow and never skipped: if a piece is
 missing they fail and say which. `tiers`, the user script and the broken resume are
 `long` (run by `scripts/test.sh --long`, not by CI).
@@ -12,6 +13,7 @@ missing they fail and say which. `tiers`, the user script and the broken resume 
 
 from __future__ import annotations
 
+import json
 import os
 import time
 from pathlib import Path
@@ -101,11 +103,14 @@ def test_a_harness_stopped_by_sigterm_tears_its_nodes_down(tmp_path: Path) -> No
             harness.kill()
 
 
-# ~100 s on a quiet 2-core machine (the reference and the chaos run, two groups each).
+# ~100 s each on a quiet 2-core machine (the reference and the chaos run, two groups each).
+# replica-ci: groups of two FSDP ranks; replica-pp: groups that are two-stage pipelines,
+# whose ranks run twice the micro-batches per step while their group trains alone.
 @pytest.mark.timeout(600)
-def test_replica_groups_heal_in_place_under_faults(tmp_path: Path) -> None:
-    scenario = load_scenario(ROOT / "scenarios" / "replica-ci.toml")
-    out = tmp_path / "replica-ci"
+@pytest.mark.parametrize("name", ["replica-ci", "replica-pp"])
+def test_replica_groups_heal_in_place_under_faults(tmp_path: Path, name: str) -> None:
+    scenario = load_scenario(ROOT / "scenarios" / f"{name}.toml")
+    out = tmp_path / name
     result = run_scenario(scenario, out)
     assert result.passed, render_markdown(result.report, None)
     rep = result.report
@@ -117,7 +122,20 @@ def test_replica_groups_heal_in_place_under_faults(tmp_path: Path) -> None:
     assert checks[9]["measured"]["steps_compared"] >= 10
     kill = next(f for f in rep["faults"] if f["kind"] == "kill_worker")
     assert kill["first_step_s"] is not None and kill["detail"]["healed_bytes"] > 0, kill
+    # Steps committed by two groups and by one alone (after the group lost for good).
+    sizes = {r.get("quorum_size") for r in _records(out / "chaos" / "metrics.jsonl")}
+    assert {1, 2} <= sizes, sizes
     assert not _ours(out), "processes leaked past teardown"
+
+
+def _records(path: Path) -> list[dict]:
+    out = []
+    for line in path.read_text().splitlines():
+        try:
+            out.append(json.loads(line))
+        except ValueError:
+            continue  # a line cut by a kill
+    return out
 
 
 @pytest.mark.long
