@@ -63,10 +63,13 @@ def merged_grads(results: list[dict]) -> dict[str, torch.Tensor]:
     return out
 
 
-LONG = {"fsdp2xtp2xpp2", "dp4", "tp2", "moe-ep2"}
+LONG = {"fsdp2xtp2xpp2", "dp4", "tp2", "moe-ep2", "dp2xtp2", "moe-pp2xep2"}
 """In the long tier: eight ranks (the only case that grows the pool to eight workers),
-and three one-dimensional cases whose parallelism CI runs inside a two-dimensional one:
-dp4 in hsdp2x2 and dp2xtp2, tp2 in dp2xtp2, moe-ep2 in moe-dp2xep2 and moe-fsdp4xep2."""
+three one-dimensional cases whose parallelism CI runs inside a two-dimensional one (dp4
+in hsdp2x2, tp2 in tp2-sp, moe-ep2 in moe-dp2xep2 and moe-fsdp4xep2), and two
+combinations whose dimensions CI runs in others (dp2xtp2: replication in hsdp2x2, TP
+in tp2-sp, and a resharded resume checks FSDP x TP against an unbroken run,
+tests/runtime/test_resume.py; moe-pp2xep2: pp2xtp2-sp-ac and the EP cases)."""
 
 
 @pytest.mark.parametrize(("config", "overrides", "world"),
