@@ -13,7 +13,6 @@ missing they fail and say which. `tiers`, the user script and the broken resume 
 
 from __future__ import annotations
 
-import json
 import os
 import time
 from pathlib import Path
@@ -21,6 +20,7 @@ from pathlib import Path
 import psutil
 import pytest
 
+from chaos.logs import parse_metrics
 from chaos.report import render_markdown
 from chaos.runner import run_scenario
 from chaos.scenario import load_scenario, parse_scenario
@@ -123,19 +123,10 @@ def test_replica_groups_heal_in_place_under_faults(tmp_path: Path, name: str) ->
     kill = next(f for f in rep["faults"] if f["kind"] == "kill_worker")
     assert kill["first_step_s"] is not None and kill["detail"]["healed_bytes"] > 0, kill
     # Steps committed by two groups and by one alone (after the group lost for good).
-    sizes = {r.get("quorum_size") for r in _records(out / "chaos" / "metrics.jsonl")}
+    lines = (out / "chaos" / "metrics.jsonl").read_text().splitlines()
+    sizes = {r.quorum_size for r in parse_metrics(lines).records}
     assert {1, 2} <= sizes, sizes
     assert not _ours(out), "processes leaked past teardown"
-
-
-def _records(path: Path) -> list[dict]:
-    out = []
-    for line in path.read_text().splitlines():
-        try:
-            out.append(json.loads(line))
-        except ValueError:
-            continue  # a line cut by a kill
-    return out
 
 
 @pytest.mark.long

@@ -435,16 +435,24 @@ def _store_seen_by_a_probe() -> tuple[tuple[str, int], socket.socket, threading.
     return listener.getsockname(), listener, probed
 
 
-def test_survivors_stop_waiting_for_a_member_that_dies_during_the_grace(etcd_server) -> None:
-    # c is alive when the step fails (its store takes the survivor's first probe), then
-    # its process exits: its key lives on under its lease, and no key changes. The grace
-    # is longer than this test may run: only probing c again ends the wait in time.
+def _a_waiting_out_the_grace(endpoint: str):
+    """Three groups in a quorum whose step 0 a and b voted failed; c, alive (its store
+    takes connections), has not voted. a waits out a 600 s grace for c in a thread (its
+    quorum goes to `got`); returned once a has probed c's store."""
     store, listener, probed = _store_seen_by_a_probe()
-    _, a, b, c, q0 = _three_groups(etcd_server.endpoint, grace=600.0, c_store=store)
+    _, a, b, c, q0 = _three_groups(endpoint, grace=600.0, c_store=store)
     _fail_step(q0, a, b)
     got: list = []
     t = _run(lambda: a.agree(failed=(q0, 0))[0], got)
     assert probed.wait(60), "the survivor never probed the silent member's store"
+    return listener, a, b, c, q0, got, t
+
+
+def test_survivors_stop_waiting_for_a_member_that_dies_during_the_grace(etcd_server) -> None:
+    # c's process exits while a waits: its key lives on under its lease, and no key
+    # changes. The grace is longer than this test may run: only probing c again ends
+    # the wait in time.
+    listener, a, b, c, q0, got, t = _a_waiting_out_the_grace(etcd_server.endpoint)
     listener.close()  # c exits
     t.join(60)
     assert got, "a survivor waited out the grace for a member that died during it"
@@ -455,15 +463,10 @@ def test_survivors_stop_waiting_for_a_member_that_dies_during_the_grace(etcd_ser
 
 def test_survivors_take_the_quorum_another_survivor_formed_during_their_grace(
         etcd_server) -> None:
-    # c lives but does not vote. a waits out its grace for c; b has already given up on
-    # c (its grace was shorter, or c's store refused it) and formed the next quorum.
-    # a takes that quorum at once instead of waiting out its own grace.
-    store, _, probed = _store_seen_by_a_probe()
-    _, a, b, c, q0 = _three_groups(etcd_server.endpoint, grace=600.0, c_store=store)
-    _fail_step(q0, a, b)
-    got: list = []
-    t = _run(lambda: a.agree(failed=(q0, 0))[0], got)
-    assert probed.wait(60), "the survivor never probed the silent member's store"
+    # c lives but does not vote. b has already given up on c (its grace was shorter, or
+    # c's store refused it) and formed the next quorum: a, still in its grace, takes it
+    # at once.
+    _, a, b, c, q0, got, t = _a_waiting_out_the_grace(etcd_server.endpoint)
     b.failover_grace_s = 0.0
     q1, _ = b.agree(failed=(q0, 0))
     assert q1.members == ("a", "b")
