@@ -799,7 +799,7 @@ class _Watch:
         ):
             return False
         if spec.at_step is not None:
-            return self.high >= spec.at_step
+            return self.high >= spec.at_step and not (spec.after_recovery and self.recoveries)
         if spec.at_time_s is not None:
             return self.first_step_time is not None and (
                 now - self.first_step_time >= spec.at_time_s)

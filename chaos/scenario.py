@@ -291,6 +291,11 @@ class FaultSpec:
     string is taken as the `Phase` it spells)."""
     after_step: int = 0
     """With `during`: only once the run has passed this step."""
+    after_recovery: bool = False
+    """With `at_step`: also wait until every earlier fault has been recovered from (the
+    hit group trains again: restarted, or, with replica groups, healed and back in the
+    quorum), so the fault meets the state the scenario means whatever the machine's
+    speed."""
     node: int | None = None
     """Victim node index (in start order); None draws one from the seed."""
     local_rank: int | None = None
@@ -337,6 +342,8 @@ class FaultSpec:
         )
         if self.at_step is not None:
             _check(self.at_step >= 0, f"{key}.at_step", "must be >= 0")
+        _check(not self.after_recovery or self.at_step is not None, f"{key}.after_recovery",
+               "goes with at_step")
         if self.at_time_s is not None:
             _check(self.at_time_s >= 0, f"{key}.at_time_s", "must be >= 0")
         _check(self.down_s >= 0, f"{key}.down_s", "must be >= 0")

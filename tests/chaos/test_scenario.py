@@ -14,7 +14,7 @@ ROOT = Path(__file__).resolve().parents[2]
 
 
 @pytest.mark.parametrize("name", ["ci-smoke", "preemptible-fleet", "storage-hell",
-                                  "replica-ci", "replica-fleet"])
+                                  "replica-ci", "replica-pp", "replica-fleet"])
 def test_shipped_scenarios_load(name: str) -> None:
     s = load_scenario(ROOT / "scenarios" / f"{name}.toml")
     assert s.name == name
@@ -51,6 +51,8 @@ BASE = {"name": "t", "training": {"config": "configs/tiny.toml"}}
         ({"faults": [{"kind": "kill_worker", "during": "lunch"}]}, "faults[0].during"),
         ({"faults": [{"kind": "kill_during_persist", "at_step": 3}]}, "faults[0].during"),
         ({"faults": [{"kind": "kill_worker", "at_step": 50}]}, "faults[0].at_step"),
+        ({"faults": [{"kind": "kill_worker", "at_time_s": 3.0, "after_recovery": True}]},
+         "faults[0].after_recovery"),
         ({"cluster": {"nodes": 2, "min_nodes": 2},
           "faults": [{"kind": "kill_node", "at_step": 3}]}, "faults"),
         ({"mtbf": {"count": 3}}, "mtbf.kinds"),
@@ -166,6 +168,25 @@ def test_drawn_faults_wait_until_they_can_happen(tmp_path: Path) -> None:
     watch.committed.add((10, "b"))
     assert due(FaultKind.CORRUPT_CHECKPOINT) and due(FaultKind.TRUNCATE_CHECKPOINT)
     assert not due(FaultKind.SCALE_DOWN)        # at min_nodes: shrinking would stop the job
+    watch.close()
+
+
+def test_a_fault_after_recovery_waits_for_the_earlier_fault_to_recover(tmp_path: Path) -> None:
+    from chaos.runner import _Pending, _Watch
+
+    s = parse_scenario({**BASE, "cluster": {"nodes": 2, "min_nodes": 1, "max_nodes": 2},
+                        "faults": [{"kind": "kill_worker", "at_step": 2},
+                                   {"kind": "kill_node", "at_step": 5,
+                                    "after_recovery": True}]})
+    watch = _Watch(s, None, None, tmp_path / "m.jsonl", tmp_path / "o.jsonl")
+    watch.high, watch.first_step_time = 6, 0.0
+    second = _Pending(1, s.faults[1], "timeline", None)
+    watch.recoveries.append(object())  # the first fault's group is not back yet
+    assert not watch._due(second, 10.0, None)
+    watch.recoveries.clear()  # it trains again
+    assert watch._due(second, 10.0, None)
+    watch.high = 4
+    assert not watch._due(second, 10.0, None)  # and the step must still be reached
     watch.close()
 
 
