@@ -585,7 +585,10 @@ class _QuorumRecovery:
             if rec.time is None or rec.time < e.time:
                 continue
             if rec.replica_group in (self.victim, joiner):
-                if (self.rejoins and rec.replica_group == joiner
+                # A record of the quorum the fault met is a step the victim finished
+                # before the kill landed (logged late on a loaded machine): a group that
+                # comes back enters a quorum formed after the fault.
+                if (self.rejoins and rec.replica_group == joiner and rec.quorum != self.quorum
                         and "rejoin_s" not in e.detail):
                     e.detail.update(rejoin_s=round(rec.time - e.time, 3),
                                     rejoined_group=rec.replica_group,
@@ -683,6 +686,8 @@ class _Watch:
         self.committed: set[tuple[int, str | None]] = set()
         self.offset = self.line_no = 0
         self.high = -1
+        self.recovered_at = -1
+        """The highest step logged when the last recovery ended (-1: none has)."""
         self.first_step_time: float | None = None
         self.next_ckpt_poll = 0.0
 
@@ -723,6 +728,8 @@ class _Watch:
                                        new_at))
                 if done:
                     self.recoveries.remove(rc)
+                    if not self.recoveries:
+                        self.recovered_at = self.high
             self.cluster.run_due()
             self._fire(now)
             if self.cluster.all_exited() and not self.cluster.pending_follow_ups():
@@ -799,7 +806,11 @@ class _Watch:
         ):
             return False
         if spec.at_step is not None:
-            return self.high >= spec.at_step and not (spec.after_recovery and self.recoveries)
+            if self.high < spec.at_step:
+                return False
+            return not spec.after_recovery or (
+                not self.recoveries
+                and self.high >= self.recovered_at + spec.steps_after_recovery)
         if spec.at_time_s is not None:
             return self.first_step_time is not None and (
                 now - self.first_step_time >= spec.at_time_s)

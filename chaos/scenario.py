@@ -296,6 +296,10 @@ class FaultSpec:
     hit group trains again: restarted, or, with replica groups, healed and back in the
     quorum), so the fault meets the state the scenario means whatever the machine's
     speed."""
+    steps_after_recovery: int = 0
+    """With `after_recovery`: also wait until the run has logged this many steps since the
+    last recovery ended, so the healed group trains beside the others for that long
+    before the fault (whatever step the recovery ended at)."""
     node: int | None = None
     """Victim node index (in start order); None draws one from the seed."""
     local_rank: int | None = None
@@ -344,6 +348,9 @@ class FaultSpec:
             _check(self.at_step >= 0, f"{key}.at_step", "must be >= 0")
         _check(not self.after_recovery or self.at_step is not None, f"{key}.after_recovery",
                "goes with at_step")
+        _check(self.steps_after_recovery >= 0, f"{key}.steps_after_recovery", "must be >= 0")
+        _check(not self.steps_after_recovery or self.after_recovery,
+               f"{key}.steps_after_recovery", "goes with after_recovery = true")
         if self.at_time_s is not None:
             _check(self.at_time_s >= 0, f"{key}.at_time_s", "must be >= 0")
         _check(self.down_s >= 0, f"{key}.down_s", "must be >= 0")

@@ -103,7 +103,7 @@ def test_a_harness_stopped_by_sigterm_tears_its_nodes_down(tmp_path: Path) -> No
             harness.kill()
 
 
-# ~100 s each on a quiet 2-core machine (the reference and the chaos run, two groups each).
+# 30-45 s each on a 2-core machine (the reference and the chaos run, two groups each).
 # replica-ci: groups of two FSDP ranks; replica-pp: groups that are two-stage pipelines,
 # whose ranks run twice the micro-batches per step while their group trains alone.
 @pytest.mark.timeout(600)
@@ -119,12 +119,20 @@ def test_replica_groups_heal_in_place_under_faults(tmp_path: Path, name: str) ->
     # The group never hit kept its first workers; the hit one restarted once, and healed.
     assert sorted(checks[8]["measured"]["worker_starts"].values()) == [2, 4], checks[8]
     assert checks[10]["measured"]["heals"] >= 1
-    assert checks[9]["measured"]["steps_compared"] >= 10
     kill = next(f for f in rep["faults"] if f["kind"] == "kill_worker")
     assert kill["first_step_s"] is not None and kill["detail"]["healed_bytes"] > 0, kill
+    records = parse_metrics((out / "chaos" / "metrics.jsonl").read_text().splitlines()).records
+    # The healed group's digests met the other group's on the steps the node loss waited
+    # for (check 9 holds them equal): the heal is compared bitwise, not only counted.
+    healed = next(r for r in records if r.healed_bytes)
+    digests = {(r.replica_group, r.step) for r in records if r.state_crc is not None}
+    others = {g for g, _ in digests} - {healed.replica_group}
+    side_by_side = {s for g, s in digests if g == healed.replica_group and s >= healed.step
+                    and any((o, s) in digests for o in others)}
+    wait = next(f for f in scenario.faults if f.after_recovery).steps_after_recovery
+    assert len(side_by_side) >= wait > 0, (healed.step, sorted(side_by_side))
     # Steps committed by two groups and by one alone (after the group lost for good).
-    lines = (out / "chaos" / "metrics.jsonl").read_text().splitlines()
-    sizes = {r.quorum_size for r in parse_metrics(lines).records}
+    sizes = {r.quorum_size for r in records}
     assert {1, 2} <= sizes, sizes
     assert not _ours(out), "processes leaked past teardown"
 

@@ -53,6 +53,10 @@ BASE = {"name": "t", "training": {"config": "configs/tiny.toml"}}
         ({"faults": [{"kind": "kill_worker", "at_step": 50}]}, "faults[0].at_step"),
         ({"faults": [{"kind": "kill_worker", "at_time_s": 3.0, "after_recovery": True}]},
          "faults[0].after_recovery"),
+        ({"faults": [{"kind": "kill_worker", "at_step": 3, "steps_after_recovery": 2}]},
+         "faults[0].steps_after_recovery"),
+        ({"faults": [{"kind": "kill_worker", "at_step": 3, "after_recovery": True,
+                      "steps_after_recovery": -1}]}, "faults[0].steps_after_recovery"),
         ({"cluster": {"nodes": 2, "min_nodes": 2},
           "faults": [{"kind": "kill_node", "at_step": 3}]}, "faults"),
         ({"mtbf": {"count": 3}}, "mtbf.kinds"),
@@ -190,6 +194,24 @@ def test_a_fault_after_recovery_waits_for_the_earlier_fault_to_recover(tmp_path:
     watch.close()
 
 
+def test_a_fault_can_wait_steps_after_the_recovery(tmp_path: Path) -> None:
+    """steps_after_recovery counts from the step logged when the last recovery ended,
+    however late that was."""
+    from chaos.runner import _Pending, _Watch
+
+    s = parse_scenario({**BASE, "cluster": {"nodes": 2, "min_nodes": 1, "max_nodes": 2},
+                        "faults": [{"kind": "kill_worker", "at_step": 2},
+                                   {"kind": "kill_node", "at_step": 5, "after_recovery": True,
+                                    "steps_after_recovery": 3}]})
+    watch = _Watch(s, None, None, tmp_path / "m.jsonl", tmp_path / "o.jsonl")
+    second = _Pending(1, s.faults[1], "timeline", None)
+    watch.high, watch.first_step_time, watch.recovered_at = 9, 0.0, 8  # back at step 8
+    assert not watch._due(second, 10.0, None)
+    watch.high = 11
+    assert watch._due(second, 10.0, None)
+    watch.close()
+
+
 def test_training_processes_share_the_machines_cores(monkeypatch) -> None:
     """The simulated nodes run on one machine: each training process gets its share of
     the cores as intra-op threads, unless the caller or the scenario says otherwise."""
@@ -210,3 +232,31 @@ def test_training_processes_share_the_machines_cores(monkeypatch) -> None:
     assert threads({"nodes": 4, "ranks_per_node": 1}, env={"OMP_NUM_THREADS": "3"}) == "3"
     monkeypatch.setenv("OMP_NUM_THREADS", "5")  # the caller's own setting is inherited
     assert threads({"nodes": 4, "ranks_per_node": 1}) is None
+
+
+def test_a_step_the_victim_logged_after_the_kill_is_not_its_rejoin() -> None:
+    """On a loaded machine a killed group's last step can be logged after the fault's
+    time (the kill lands late): its rejoin is its first step in a later quorum."""
+    from chaos.faults import FaultEvent, FaultKind
+    from chaos.logs import StepRecord
+    from chaos.runner import _QuorumRecovery
+
+    def rec(group: str, step: int, quorum: int, t: float, healed: int | None = None):
+        return StepRecord(step=step, loss=1.0, time=t, replica_group=group, quorum=quorum,
+                          quorum_size=2 if quorum != 1 else 1, healed_bytes=healed)
+
+    records = [rec(g, s, 0, s / 10) for s in range(1, 6) for g in ("node-0", "node-1")]
+    ev = FaultEvent(index=0, kind=FaultKind.KILL_WORKER, trigger="step>=5", time=1.0,
+                    step=5, node=0)
+    recovery = _QuorumRecovery(ev, records)
+    later = [rec("node-0", 6, 0, 1.05), rec("node-1", 6, 0, 1.06),  # in flight at the kill
+             rec("node-1", 7, 1, 1.5), rec("node-1", 8, 1, 1.7)]
+    records += later
+    assert not recovery.update(later)
+    assert "rejoin_s" not in ev.detail
+    assert ev.first_step_at == 1.5 and ev.detail["pause_s"] == 0.44
+    back = [rec("node-0", 9, 2, 4.0, healed=4096), rec("node-1", 9, 2, 4.1)]
+    records += back
+    assert recovery.update(back)
+    assert ev.detail["rejoin_s"] == 3.0 and ev.detail["healed_bytes"] == 4096
+    assert ev.detail["join_pause_s"] == 2.4
