@@ -14,6 +14,7 @@ slow fault never delays the next one or the deadline.
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import os
 import random
@@ -241,17 +242,22 @@ def find_workers(agent_pid: int) -> list[WorkerProc]:
     return sorted(out, key=lambda w: w.local_rank)
 
 
-def signal_tree(pid: int, sig: int) -> list[int]:
-    """Send `sig` to `pid` and every descendant, leaves first; returns the pids hit.
-    The tree is collected before any signal, so a dying agent cannot orphan a worker."""
-    procs = process_tree(pid)
+def kill_tree(pid: int) -> list[int]:
+    """SIGKILL `pid` and every descendant; returns the pids killed. The tree is frozen
+    first (SIGSTOP from the root down, again until no new process shows up), so nothing
+    in it can start a process while it dies: a supervisor that saw its workers killed
+    before itself would start new ones, orphaned once it is killed in turn."""
+    seen: dict[int, psutil.Process] = {}
+    while new := [p for p in process_tree(pid) if p.pid not in seen]:
+        for proc in new:
+            seen[proc.pid] = proc
+            with contextlib.suppress(psutil.NoSuchProcess):
+                proc.suspend()
     hit = []
-    for proc in reversed(procs):
-        try:
-            proc.send_signal(sig)
+    for proc in seen.values():
+        with contextlib.suppress(psutil.NoSuchProcess):
+            proc.kill()
             hit.append(proc.pid)
-        except psutil.NoSuchProcess:
-            pass
     return hit
 
 

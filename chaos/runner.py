@@ -49,8 +49,8 @@ from chaos.faults import (
     Phase,
     draw_mtbf_schedule,
     find_workers,
+    kill_tree,
     process_tree,
-    signal_tree,
 )
 from chaos.logs import StepRecord, parse_metrics
 from chaos.report import build_report, write_junit, write_report
@@ -289,7 +289,7 @@ class Cluster:
         n = self.nodes[node]
         n.removed = True
         self._track_tree(n.proc.pid)
-        pids = signal_tree(n.proc.pid, sig) if sig == signal.SIGKILL else self._signal_agent(
+        pids = kill_tree(n.proc.pid) if sig == signal.SIGKILL else self._signal_agent(
             n, sig)
         if self.scenario.cluster.node_memory == "per_node":
             self._memory_to_drop.append((n, pids))
@@ -435,7 +435,7 @@ class Cluster:
         self.track_all()
         for n in self.nodes.values():
             if n.proc.poll() is None:
-                signal_tree(n.proc.pid, signal.SIGKILL)
+                kill_tree(n.proc.pid)
         for p in list(self.seen.values()):
             try:
                 if p.is_running():  # same pid *and* create time: never someone else's process

@@ -3,6 +3,7 @@ signals delivered to exactly the victims, follow-ups scheduled, refusals explain
 
 from __future__ import annotations
 
+import contextlib
 import os
 import random
 import signal
@@ -16,7 +17,7 @@ from typing import Any
 import psutil
 import pytest
 
-from chaos.faults import FaultKind, Injector, find_workers, process_tree, signal_tree
+from chaos.faults import FaultKind, Injector, find_workers, kill_tree, process_tree
 from chaos.scenario import FaultSpec
 
 # A fake agent: two "workers" (RANK/LOCAL_RANK set, as torchrun does), each with a child of
@@ -41,7 +42,7 @@ def agent() -> Iterator[subprocess.Popen]:
     try:
         yield proc
     finally:
-        signal_tree(proc.pid, signal.SIGKILL)
+        kill_tree(proc.pid)
         proc.wait()
 
 
@@ -51,12 +52,46 @@ def test_find_workers_skips_workers_children(agent: subprocess.Popen) -> None:
     assert len(process_tree(agent.pid)) == 5
 
 
-def test_signal_tree_kills_every_descendant(agent: subprocess.Popen) -> None:
+def test_kill_tree_kills_every_descendant(agent: subprocess.Popen) -> None:
     procs = process_tree(agent.pid)
-    hit = signal_tree(agent.pid, signal.SIGKILL)
+    hit = kill_tree(agent.pid)
     assert sorted(hit) == sorted(p.pid for p in procs)
     gone, alive = psutil.wait_procs(procs, timeout=10)
     assert not [p for p in alive if p.status() != psutil.STATUS_ZOMBIE]
+
+
+# A supervisor that keeps starting workers, as an agent does while it starts its group
+# again after its workers died: killed after its workers, it would start more that
+# outlive it. Each worker is a fork (1-2 ms), so many start while the tree is killed.
+SPAWNER = textwrap.dedent("""
+    import os, time
+    for _ in range(400):  # kill-tree-test
+        if os.fork() == 0:
+            time.sleep(120)
+            os._exit(0)
+        time.sleep(0.001)
+    time.sleep(120)
+""")
+
+
+def test_kill_tree_leaves_no_worker_a_supervisor_started_meanwhile() -> None:
+    sup = subprocess.Popen([sys.executable, "-c", SPAWNER], start_new_session=True)
+    deadline = time.monotonic() + 60  # the supervisor's Python start, then 20 forks
+    while len(process_tree(sup.pid)) < 20:
+        assert time.monotonic() < deadline, "the supervisor started no workers in 60 s"
+        time.sleep(0.01)
+    killed = []
+    for pid in kill_tree(sup.pid):
+        with contextlib.suppress(psutil.NoSuchProcess):  # already gone
+            killed.append(psutil.Process(pid))
+    sup.wait()
+    psutil.wait_procs(killed, timeout=60)  # their exits, slow only on a loaded machine
+    orphans = [p for p in psutil.process_iter(["ppid", "cmdline", "status"])
+               if p.info["ppid"] == 1 and p.info["status"] != psutil.STATUS_ZOMBIE
+               and "kill-tree-test" in " ".join(p.info["cmdline"] or [])]
+    for p in orphans:
+        p.kill()
+    assert not orphans, f"{len(orphans)} worker(s) started while the tree was killed outlived it"
 
 
 class FakeCluster:
