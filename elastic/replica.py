@@ -153,6 +153,10 @@ class ReplicaManager:
 
     Call order per step, on every rank of the group: `start_step()` -> `allreduce(...)`
     (any number) -> `should_commit(step)`. `close()` at the end. Used by one thread.
+
+    To overlap the quorum with the step's computation: `start_step(tentative=True)`
+    before the forward pass, `confirm_step()` after the backward and before `allreduce`;
+    when it returns False, discard the gradients and start the step again.
     """
 
     def __init__(self, settings: ReplicaSettings, *,
@@ -217,6 +221,11 @@ class ReplicaManager:
         out."""
         self._ok = True
         self.stats = StepStats()
+        self._tentative_since: float | None = None
+        """When the step in progress began on the last step's quorum, unconfirmed."""
+        self._discarded_s: float | None = None
+        """Computation thrown away because the quorum changed under a tentative step: it
+        counts in the redone step's quorum time, and the redo agrees first."""
 
     def _join(self) -> None:
         """Register the group. A group that heals registers at its first `start_step`,
@@ -233,9 +242,23 @@ class ReplicaManager:
         """etcd requests this group's per-step calls made (0 on ranks other than the first)."""
         return 0 if self.quorum_client is None else self.quorum_client.requests
 
-    def start_step(self) -> Quorum:
+    def start_step(self, *, tentative: bool = False) -> Quorum:
         """Agree on this step's quorum; rebuild the cross-group process group if it is
-        a new one."""
+        a new one.
+
+        `tentative`: when the last step committed and its quorum's process group stands,
+        return that quorum at once, without asking etcd, so the step computes while the
+        quorum is read (the quorum is needed only at the reduction); `confirm_step()`
+        then agrees. Otherwise (a failed step, a new or unbuilt quorum, a heal) this
+        agrees here, as without it."""
+        q = self.quorum
+        if (tentative and q is not None and self._pg_quorum == q.id and self._ok
+                and self._failed is None and self._absent is None and not self.healing
+                and self._discarded_s is None):
+            self.stats = StepStats()
+            self._tentative_since = time.monotonic()
+            return q
+        self._tentative_since = None
         t0 = time.monotonic()
         while True:
             doc = self._first_rank_says(self._agree)
@@ -253,13 +276,35 @@ class ReplicaManager:
             if not doc.get("again"):
                 break
         quorum = _quorum_of(doc)
-        self.stats = StepStats(quorum_s=time.monotonic() - t0)
+        self.stats = StepStats(quorum_s=time.monotonic() - t0 + (self._discarded_s or 0.0))
+        self._discarded_s = None
         self.quorum, self._ok, self._failed = quorum, True, None
         if quorum.id != self._pg_quorum:
             t1 = time.monotonic()
             self._rebuild(quorum, doc["store"])
             self.stats.rebuild_s = time.monotonic() - t1
         return quorum
+
+    def confirm_step(self) -> bool:
+        """After `start_step(tentative=True)`, before the reduction: agree on the step's
+        quorum. True when it is the quorum the step computed in (or the step was not
+        tentative): reduce. False when it changed (a group joins or is gone): the
+        step's gradients are for a share of the batch that may no longer be this
+        group's; discard them and call `start_step()` again, which enters the new
+        quorum. The time from the tentative start to here then counts as quorum time of
+        the redone step; on True, only this agreement's."""
+        since, self._tentative_since = self._tentative_since, None
+        if since is None:
+            return True
+        assert self.quorum is not None
+        t0 = time.monotonic()
+        doc = self._first_rank_says(self._agree)
+        if (doc.get("restore") or doc.get("enter") or doc["id"] != self.quorum.id
+                or doc["revision"] != self.quorum.revision):
+            self._discarded_s = time.monotonic() - since
+            return False
+        self.stats.quorum_s += time.monotonic() - t0
+        return True
 
     def _first_rank_says(self, decide: Callable[..., dict[str, Any]], *args: Any
                          ) -> dict[str, Any]:
