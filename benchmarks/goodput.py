@@ -64,6 +64,7 @@ from benchmarks.goodput_metrics import (
     window_start,
 )
 from chaos.faults import FaultKind, draw_mtbf_schedule
+from runtime.config import parse_value
 
 ROOT = Path(__file__).resolve().parents[1]
 ARMS = ("heal", "restart", "torchrun", "torchft")
@@ -91,6 +92,10 @@ class GoodputConfig:
     arms), torchft's lighthouse (torchft arm). The torchrun arm's c10d store is not
     killed: a c10d job does not survive its store."""
     coordinator_down_s: float = 5.0
+    settings: tuple[str, ...] = ()
+    """Training settings (`section.key=value`, as after `--` on a `relight train` command
+    line) for Relight's arms, after the benchmark's own: to compare settings on the
+    same schedule."""
 
 
 def schedule(mtbf_s: float, cfg: GoodputConfig) -> list[float]:
@@ -113,6 +118,9 @@ def _scenario(arm: str, times: list[float], cfg: GoodputConfig) -> dict[str, Any
         # digest_every = 1: check 9 (replicas bitwise identical) compares every step.
         overrides.update({"replica.lease_ttl_s": 5.0, "replica.collective_timeout_s": 15.0,
                           "replica.digest_every": 1})
+    for item in cfg.settings:
+        key, value = item.split("=", 1)
+        overrides[key] = parse_value(value)
     faults: list[dict[str, Any]] = [
         {"kind": "kill_node", "at_time_s": t, "replace_after_s": cfg.replace_after_s}
         for t in times]
@@ -324,13 +332,21 @@ def main(argv: list[str] | None = None) -> int:
                         "the etcd leader (3 members), torchft's lighthouse")
     p.add_argument("--coordinator-down", type=float, default=5.0, metavar="S",
                    help="seconds until the killed coordinator starts again")
+    p.add_argument("--set", action="append", default=[], metavar="SECTION.KEY=VALUE",
+                   help="a training setting for Relight's arms (repeatable), e.g. "
+                        "replica.overlap_quorum=false")
     args = p.parse_args(argv)
     if args.groups < 2:
         p.error("--groups must be >= 2: a fleet of one group cannot heal in place")
+    for item in args.set:
+        key = item.split("=", 1)[0]
+        if "=" not in item or "." not in key:
+            p.error(f"--set {item!r}: expected SECTION.KEY=VALUE")
     cfg = GoodputConfig(groups=args.groups, ranks=args.ranks, duration_s=args.duration,
                         replace_after_s=args.replace_after, seed=args.seed,
                         coordinator_kill_s=args.coordinator_kill_at,
-                        coordinator_down_s=args.coordinator_down)
+                        coordinator_down_s=args.coordinator_down,
+                        settings=tuple(args.set))
     base = Path(args.out) if args.out else Path(tempfile.mkdtemp(prefix="relight-goodput-"))
     python = _torchft_python(args.torchft_python)
     results = []

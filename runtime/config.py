@@ -40,6 +40,7 @@ __all__ = [
     "config_from_dict",
     "config_to_dict",
     "load_config",
+    "parse_value",
 ]
 
 
@@ -582,7 +583,8 @@ def _check_type(path: str, f: dataclasses.Field, value: Any) -> None:
         raise ConfigError(f"{path} must be {f.type}, got {value!r}")
 
 
-def _parse_value(text: str) -> Any:
+def parse_value(text: str) -> Any:
+    """An override's value: a TOML scalar, else the text itself (a bare string)."""
     try:
         return tomllib.loads(f"v = {text}")["v"]
     except tomllib.TOMLDecodeError:
@@ -608,7 +610,7 @@ def apply_overrides(raw: dict[str, Any], overrides: list[str]) -> dict[str, Any]
                     f"use --section.{path}=..."
                 )
             section, key = owners[0], path
-        out.setdefault(section, {})[key] = _parse_value(text)
+        out.setdefault(section, {})[key] = parse_value(text)
     return out
 
 

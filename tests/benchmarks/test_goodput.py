@@ -36,6 +36,15 @@ def test_without_a_coordinator_kill_etcd_is_one_member() -> None:
     assert all(f.kind.value == "kill_node" for f in s.faults)
 
 
+def test_settings_reach_relights_arms_typed_after_the_benchmarks_own() -> None:
+    cfg = GoodputConfig(settings=("replica.overlap_quorum=false",
+                                  "replica.collective_timeout_s=20", "parallel.pp_schedule=gpipe"))
+    for arm in ("heal", "restart"):
+        o = parse_scenario(_scenario(arm, [], cfg)).training.overrides
+        assert o["replica.overlap_quorum"] is False and o["parallel.pp_schedule"] == "gpipe", o
+        assert o["replica.collective_timeout_s"] == 20  # the benchmark's 15 replaced
+
+
 def test_the_torchrun_arms_script_runs_as_torchrun_starts_it() -> None:
     """torchrun runs it as a script: its directory first on sys.path, where
     benchmarks/ckpt.py must not shadow the checkpoint package the runtime imports."""
