@@ -226,6 +226,8 @@ class ReplicaManager:
         self._discarded_s: float | None = None
         """Computation thrown away because the quorum changed under a tentative step: it
         counts in the redone step's quorum time, and the redo agrees first."""
+        self._joiners_waiting = False
+        """Groups wait to be taken in at the next step boundary: that step agrees first."""
 
     def _join(self) -> None:
         """Register the group. A group that heals registers at its first `start_step`,
@@ -254,11 +256,11 @@ class ReplicaManager:
         q = self.quorum
         if (tentative and q is not None and self._pg_quorum == q.id and self._ok
                 and self._failed is None and self._absent is None and not self.healing
-                and self._discarded_s is None):
+                and self._discarded_s is None and not self._joiners_waiting):
             self.stats = StepStats()
             self._tentative_since = time.monotonic()
             return q
-        self._tentative_since = None
+        self._tentative_since, self._joiners_waiting = None, False
         t0 = time.monotonic()
         while True:
             doc = self._first_rank_says(self._agree)
@@ -288,22 +290,24 @@ class ReplicaManager:
     def confirm_step(self) -> bool:
         """After `start_step(tentative=True)`, before the reduction: agree on the step's
         quorum. True when it is the quorum the step computed in (or the step was not
-        tentative): reduce. False when it changed (a group joins or is gone): the
-        step's gradients are for a share of the batch that may no longer be this
-        group's; discard them and call `start_step()` again, which enters the new
-        quorum. The time from the tentative start to here then counts as quorum time of
+        tentative): reduce. Groups due to join wait for the next step boundary (that
+        step then agrees first), so a join keeps this step. False when the quorum
+        changed (a member is gone, or another group replaced it): the step's gradients
+        are for a share of the batch that may no longer be this group's; discard them
+        and call `start_step()` again, which enters the new quorum. The time from the tentative start to here then counts as quorum time of
         the redone step; on True, only this agreement's."""
         since, self._tentative_since = self._tentative_since, None
         if since is None:
             return True
         assert self.quorum is not None
         t0 = time.monotonic()
-        doc = self._first_rank_says(self._agree)
+        doc = self._first_rank_says(self._agree, True)
         if (doc.get("restore") or doc.get("enter") or doc["id"] != self.quorum.id
                 or doc["revision"] != self.quorum.revision):
             self._discarded_s = time.monotonic() - since
             return False
         self.stats.quorum_s += time.monotonic() - t0
+        self._joiners_waiting = bool(doc.get("joiners"))
         return True
 
     def _first_rank_says(self, decide: Callable[..., dict[str, Any]], *args: Any
@@ -315,17 +319,20 @@ class ReplicaManager:
             raise QuorumError(doc["error"])
         return doc
 
-    def _agree(self) -> dict[str, Any]:
+    def _agree(self, defer_joiners: bool = False) -> dict[str, Any]:
         """The first rank's part of `start_step`: the quorum to share with the group's
         ranks, `restore` set when this group must restore the state from storage first,
-        or the error every rank raises (none hangs)."""
+        or the error every rank raises (none hangs). `defer_joiners` (from
+        `confirm_step`): groups due to be taken in wait for the next step boundary
+        (`joiners` set), so the step computed in the current quorum is kept."""
         assert self.quorum_client is not None
         try:
             if not self._joined:
                 self._join()
             failed, absent, self._failed, self._absent = self._failed, self._absent, None, None
             quorum, snap = self.quorum_client.agree(
-                failed=failed, absent=absent, min_groups=self.settings.min_groups)
+                failed=failed, absent=absent, min_groups=self.settings.min_groups,
+                defer_joiners=defer_joiners)
             if quorum.healing and not quorum.healthy:
                 if self._restore is None:
                     raise QuorumError(
@@ -334,7 +341,8 @@ class ReplicaManager:
                         "the job from its storage checkpoint (ReplicaManager restore=)")
                 return {**_quorum_doc(quorum, None), "restore": True}
             store = self.quorum_client.store_of(snap, quorum.host) if quorum.size > 1 else None
-            doc = _quorum_doc(quorum, store)
+            doc = {**_quorum_doc(quorum, store),
+                   "joiners": self.quorum_client.joiners_waiting}
             # A new quorum is entered (`_enter`) once every rank has let go of the old one.
             return {**doc, "enter": True} if (quorum.size > 1
                                               and quorum.id != self._pg_quorum) else doc
