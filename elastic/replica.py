@@ -294,8 +294,9 @@ class ReplicaManager:
         step then agrees first), so a join keeps this step. False when the quorum
         changed (a member is gone, or another group replaced it): the step's gradients
         are for a share of the batch that may no longer be this group's; discard them
-        and call `start_step()` again, which enters the new quorum. The time from the tentative start to here then counts as quorum time of
-        the redone step; on True, only this agreement's."""
+        and call `start_step()` again, which enters the new quorum. The time from the
+        tentative start to here then counts as quorum time of the redone step; on True,
+        only this agreement's."""
         since, self._tentative_since = self._tentative_since, None
         if since is None:
             return True
