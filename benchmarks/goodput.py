@@ -70,7 +70,7 @@ ROOT = Path(__file__).resolve().parents[1]
 ARMS = ("heal", "restart", "torchrun", "torchft")
 TORCHFT_ENV = "RELIGHT_TORCHFT_PYTHON"
 
-__all__ = ["GoodputConfig", "main", "run_arm", "schedule"]
+__all__ = ["GoodputConfig", "main", "parse_settings", "run_arm", "schedule"]
 
 
 @dataclass(frozen=True, slots=True)
@@ -92,10 +92,21 @@ class GoodputConfig:
     arms), torchft's lighthouse (torchft arm). The torchrun arm's c10d store is not
     killed: a c10d job does not survive its store."""
     coordinator_down_s: float = 5.0
-    settings: tuple[str, ...] = ()
-    """Training settings (`section.key=value`, as after `--` on a `relight train` command
-    line) for Relight's arms, after the benchmark's own: to compare settings on the
-    same schedule."""
+    settings: tuple[tuple[str, Any], ...] = ()
+    """Training settings (`("section.key", value)`) for Relight's arms, after the
+    benchmark's own: to compare settings on the same schedule."""
+
+
+def parse_settings(items: list[str]) -> tuple[tuple[str, Any], ...]:
+    """`--set SECTION.KEY=VALUE` items as `GoodputConfig.settings`, each value parsed as
+    the trainer parses an override; ValueError naming an item that is not of that form."""
+    out = []
+    for item in items:
+        key, eq, value = item.partition("=")
+        if not eq or "." not in key:
+            raise ValueError(f"--set {item!r}: expected SECTION.KEY=VALUE")
+        out.append((key, parse_value(value)))
+    return tuple(out)
 
 
 def schedule(mtbf_s: float, cfg: GoodputConfig) -> list[float]:
@@ -118,9 +129,7 @@ def _scenario(arm: str, times: list[float], cfg: GoodputConfig) -> dict[str, Any
         # digest_every = 1: check 9 (replicas bitwise identical) compares every step.
         overrides.update({"replica.lease_ttl_s": 5.0, "replica.collective_timeout_s": 15.0,
                           "replica.digest_every": 1})
-    for item in cfg.settings:
-        key, value = item.split("=", 1)
-        overrides[key] = parse_value(value)
+    overrides.update(cfg.settings)
     faults: list[dict[str, Any]] = [
         {"kind": "kill_node", "at_time_s": t, "replace_after_s": cfg.replace_after_s}
         for t in times]
@@ -338,15 +347,15 @@ def main(argv: list[str] | None = None) -> int:
     args = p.parse_args(argv)
     if args.groups < 2:
         p.error("--groups must be >= 2: a fleet of one group cannot heal in place")
-    for item in args.set:
-        key = item.split("=", 1)[0]
-        if "=" not in item or "." not in key:
-            p.error(f"--set {item!r}: expected SECTION.KEY=VALUE")
+    try:
+        settings = parse_settings(args.set)
+    except ValueError as exc:
+        p.error(str(exc))
     cfg = GoodputConfig(groups=args.groups, ranks=args.ranks, duration_s=args.duration,
                         replace_after_s=args.replace_after, seed=args.seed,
                         coordinator_kill_s=args.coordinator_kill_at,
                         coordinator_down_s=args.coordinator_down,
-                        settings=tuple(args.set))
+                        settings=settings)
     base = Path(args.out) if args.out else Path(tempfile.mkdtemp(prefix="relight-goodput-"))
     python = _torchft_python(args.torchft_python)
     results = []

@@ -223,11 +223,12 @@ class ReplicaManager:
         self.stats = StepStats()
         self._tentative_since: float | None = None
         """When the step in progress began on the last step's quorum, unconfirmed."""
-        self._discarded_s: float | None = None
+        self._discarded_s = 0.0
         """Computation thrown away because the quorum changed under a tentative step: it
-        counts in the redone step's quorum time, and the redo agrees first."""
-        self._joiners_waiting = False
-        """Groups wait to be taken in at the next step boundary: that step agrees first."""
+        counts in the next agreed step's quorum time."""
+        self._agree_first = False
+        """The next step agrees before computing: the quorum changed under the last
+        tentative step, or groups wait to be taken in at this step boundary."""
 
     def _join(self) -> None:
         """Register the group. A group that heals registers at its first `start_step`,
@@ -256,11 +257,11 @@ class ReplicaManager:
         q = self.quorum
         if (tentative and q is not None and self._pg_quorum == q.id and self._ok
                 and self._failed is None and self._absent is None and not self.healing
-                and self._discarded_s is None and not self._joiners_waiting):
+                and not self._agree_first):
             self.stats = StepStats()
             self._tentative_since = time.monotonic()
             return q
-        self._tentative_since, self._joiners_waiting = None, False
+        self._tentative_since, self._agree_first = None, False
         t0 = time.monotonic()
         while True:
             doc = self._first_rank_says(self._agree)
@@ -278,8 +279,8 @@ class ReplicaManager:
             if not doc.get("again"):
                 break
         quorum = _quorum_of(doc)
-        self.stats = StepStats(quorum_s=time.monotonic() - t0 + (self._discarded_s or 0.0))
-        self._discarded_s = None
+        self.stats = StepStats(quorum_s=time.monotonic() - t0 + self._discarded_s)
+        self._discarded_s = 0.0
         self.quorum, self._ok, self._failed = quorum, True, None
         if quorum.id != self._pg_quorum:
             t1 = time.monotonic()
@@ -305,10 +306,10 @@ class ReplicaManager:
         doc = self._first_rank_says(self._agree, True)
         if (doc.get("restore") or doc.get("enter") or doc["id"] != self.quorum.id
                 or doc["revision"] != self.quorum.revision):
-            self._discarded_s = time.monotonic() - since
+            self._discarded_s, self._agree_first = time.monotonic() - since, True
             return False
         self.stats.quorum_s += time.monotonic() - t0
-        self._joiners_waiting = bool(doc.get("joiners"))
+        self._agree_first = bool(doc.get("joiners"))
         return True
 
     def _first_rank_says(self, decide: Callable[..., dict[str, Any]], *args: Any

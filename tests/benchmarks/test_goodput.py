@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import pytest
 
-from benchmarks.goodput import ARMS, GoodputConfig, _scenario, schedule
+from benchmarks.goodput import ARMS, GoodputConfig, _scenario, parse_settings, schedule
 from chaos.scenario import parse_scenario
 
 
@@ -37,12 +37,15 @@ def test_without_a_coordinator_kill_etcd_is_one_member() -> None:
 
 
 def test_settings_reach_relights_arms_typed_after_the_benchmarks_own() -> None:
-    cfg = GoodputConfig(settings=("replica.overlap_quorum=false",
-                                  "replica.collective_timeout_s=20", "parallel.pp_schedule=gpipe"))
+    cfg = GoodputConfig(settings=parse_settings([
+        "replica.overlap_quorum=false", "replica.collective_timeout_s=20",
+        "parallel.pp_schedule=gpipe"]))
     for arm in ("heal", "restart"):
         o = parse_scenario(_scenario(arm, [], cfg)).training.overrides
         assert o["replica.overlap_quorum"] is False and o["parallel.pp_schedule"] == "gpipe", o
         assert o["replica.collective_timeout_s"] == 20  # the benchmark's 15 replaced
+    with pytest.raises(ValueError, match="'overlap': expected SECTION.KEY=VALUE"):
+        parse_settings(["overlap"])
 
 
 def test_the_torchrun_arms_script_runs_as_torchrun_starts_it() -> None:
