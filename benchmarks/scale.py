@@ -249,21 +249,24 @@ def markdown(res: dict[str, Any], command: str) -> str:
         lines += [f"| growth exponent | | {_k(worlds, rl, 'save_s')} | "
                   f"{_k(worlds, dc, 'save_s')} | {_k(worlds, rl, 'load_s')} | "
                   f"{_k(worlds, dc, 'load_s')} | | | |", ""]
-        lines += ["| ranks | manifest | manifest parse | DCP .metadata | .metadata unpickle |",
-                  "| ---: | ---: | ---: | ---: | ---: |"]
+        lines += ["| ranks | manifest | manifest parse | chunk crc32c table | DCP .metadata "
+                  "| .metadata unpickle |",
+                  "| ---: | ---: | ---: | ---: | ---: | ---: |"]
         for w in worlds:
             r, d = rl.get(w), dc.get(w)
             lines.append(f"| {w} | {_cell(r, 'manifest_bytes', 'B', cap)} | "
                          f"{_cell(r, 'manifest_parse_s', 's', cap)} | "
+                         f"{_cell(r, 'crc_table_bytes', 'B', cap)} | "
                          f"{_cell(d, 'metadata_bytes', 'B', cap)} | "
                          f"{_cell(d, 'metadata_parse_s', 's', cap)} |")
         lines += [f"| growth exponent | {_k(worlds, rl, 'manifest_bytes')} | "
-                  f"{_k(worlds, rl, 'manifest_parse_s')} | {_k(worlds, dc, 'metadata_bytes')} "
+                  f"{_k(worlds, rl, 'manifest_parse_s')} | "
+                  f"{_k(worlds, rl, 'crc_table_bytes')} | {_k(worlds, dc, 'metadata_bytes')} "
                   f"| {_k(worlds, dc, 'metadata_parse_s')} |", ""]
     for target, rows in res.get("commit", {}).items():
         lines += [f"### Commit on {target}", "",
-                  "| ranks | index objects written | collect | manifest + marker | commit "
-                  "overhead | manifest | manifest read (per rank, 16 at once) |",
+                  "| ranks | index objects written | collect | table + manifest + marker | "
+                  "commit overhead | manifest | manifest read (per rank, 16 at once) |",
                   "| ---: | ---: | ---: | ---: | ---: | ---: | ---: |"]
         for r in rows:
             lines.append(f"| {r['ranks']} | {fmt(r['write_s'])} | {fmt(r['collect_s'])} | "

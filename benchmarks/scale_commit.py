@@ -5,7 +5,8 @@ A thread pool stands in for the N ranks and writes one index object each (as lar
 a rank's index in the 70B layout: one crc32c list per data object it wrote); that part
 is the ranks' work, reported apart. The commit overhead is what the coordinator does
 after the last index is durable: `ckpt.commit.collect_indexes` (the code the engine
-runs), then `publish_commit` of the manifest. The restore side reads the manifest the
+runs), then the put of the chunk crc32c table and `publish_commit` of the manifest
+(what `ckpt.writer` does once the table is built). The restore side reads the manifest the
 way `ckpt.load` does on every rank (`read_manifest`: marker, manifest, crc, validate),
 from `READERS` threads at once, as ranks of one host would.
 """
@@ -51,17 +52,20 @@ def _index_doc(rank: int, attempt: str, entries: int) -> bytes:
                        "chunk_crc32c": crcs, "time": time.time()}).encode()
 
 
-def _small_manifest(world: int) -> bytes:
+def _small_manifest(world: int) -> tuple[bytes, bytes]:
     from benchmarks.scale_plan import relight_manifest
     from ckpt.plan import RankLayout, TensorLayout, plan_save
 
     lay = [RankLayout(r, (TensorLayout("w", ("w",), (world, 1024), "float32", "sim",
                                        (((r, 0), (1, 1024)),)),), ()) for r in range(world)]
-    return relight_manifest(plan_save(lay, tuple(range(world))), world)[0]
+    raw, _, table = relight_manifest(plan_save(lay, tuple(range(world))), world)
+    return raw, table
 
 
 def _one(store: Any, n: int, cfg: CommitConfig) -> dict[str, Any]:
+    from benchmarks.scale_plan import table_path
     from ckpt.commit import collect_indexes, index_key, publish_commit
+    from ckpt.crc_table import TABLE_FIELD
     from ckpt.manifest import crc32c, read_manifest
 
     attempt = uuid.uuid4().hex[:16]
@@ -76,8 +80,12 @@ def _one(store: Any, n: int, cfg: CommitConfig) -> dict[str, Any]:
     collect_s = time.perf_counter() - t0
     assert got is not None and len(got) == n, "an index went missing"
     path = (cfg.manifest_for or {}).get(n)
-    raw = path.read_bytes() if path is not None and path.exists() else _small_manifest(n)
+    if path is not None and path.exists():
+        raw, table = path.read_bytes(), table_path(path).read_bytes()
+    else:
+        raw, table = _small_manifest(n)
     t0 = time.perf_counter()
+    store.put(json.loads(raw)[TABLE_FIELD]["object"], table)
     publish_commit(store, attempt, raw, {"attempt": attempt, "manifest_bytes": len(raw),
                                          "manifest_crc32c": crc32c(raw), "step": 1})
     publish_s = time.perf_counter() - t0
@@ -89,6 +97,7 @@ def _one(store: Any, n: int, cfg: CommitConfig) -> dict[str, Any]:
     return {"ranks": n, "index_bytes": len(docs[0]), "write_s": write_s,
             "collect_s": collect_s, "publish_s": publish_s,
             "commit_s": collect_s + publish_s, "manifest_bytes": len(raw),
+            "crc_table_bytes": len(table),
             "readers": readers, "read_wall_s": read_wall_s,
             "read_per_rank_s": read_wall_s / readers}
 

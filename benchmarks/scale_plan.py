@@ -33,6 +33,7 @@ import sys
 import threading
 import time
 import zlib
+from pathlib import Path
 from typing import Any
 
 from benchmarks.scale_state import CONFIGS, ITEMSIZE, MESHES, MODELS, Box, rank_pieces
@@ -113,10 +114,11 @@ def relight_inputs(config: str, world: int) -> tuple[list[Any], dict[int, list[A
     return layouts, needs
 
 
-def relight_manifest(plan: Any, world: int) -> tuple[bytes, Any]:
-    """The manifest the coordinator would write for `plan`, with one made-up crc32c per
-    inner chunk of every data object (the values do not change its size class)."""
-    from ckpt.commit import build_manifest, encode_manifest
+def relight_manifest(plan: Any, world: int) -> tuple[bytes, Any, bytes]:
+    """The manifest the coordinator would write for `plan` and its chunk crc32c table,
+    with one made-up crc32c per inner chunk of every data object (the values do not
+    change either's size)."""
+    from ckpt.commit import build_manifest, encode_manifest, plan_manifest
     from ckpt.format import CHUNK_CRCS, DATA_PREFIX
     from ckpt.manifest import chunk_objects
 
@@ -124,11 +126,16 @@ def relight_manifest(plan: Any, world: int) -> tuple[bytes, Any]:
     meta = {"step": 1000, "config": {}, "layout": {"world": world}}
     kw = dict(inner_bytes=4 << 20, compression=None, meta=meta)
     data = f"{DATA_PREFIX}{attempt}"
-    bare = build_manifest(plan, attempt, data, {}, **kw)
-    crcs = {k: [zlib.crc32(k.encode()) + i for i in range(n)]
+    bare = plan_manifest(plan, attempt, data, {}, **kw)
+    crcs = {k: [(zlib.crc32(k.encode()) + i) & 0xFFFFFFFF for i in range(n)]
             for k, _, n in chunk_objects(bare)}
-    m = build_manifest(plan, attempt, data, {0: {"values": {}, CHUNK_CRCS: crcs}}, **kw)
-    return encode_manifest(m), m
+    m, table = build_manifest(plan, attempt, data, {0: {"values": {}, CHUNK_CRCS: crcs}}, **kw)
+    return encode_manifest(m), m, table
+
+
+def table_path(manifest_path: str | Path) -> Path:
+    """Where the planning arm leaves the chunk crc32c table beside a manifest it wrote."""
+    return Path(manifest_path).with_suffix(".crc32c.bin")
 
 
 def relight_arm(config: str, world: int, manifest_out: str | None = None,
@@ -162,15 +169,16 @@ def relight_arm(config: str, world: int, manifest_out: str | None = None,
     _emit({"event": "partial", **out})
     _emit({"event": "start", "world": world, "phase": "manifest"})
     t0 = time.perf_counter()
-    raw, _ = relight_manifest(plan, world)
+    raw, _, table = relight_manifest(plan, world)
     out["manifest_build_s"] = time.perf_counter() - t0
     out["manifest_bytes"] = len(raw)
+    out["crc_table_bytes"] = len(table)
     with Clock() as parse:
         validate(json.loads(raw), "scale://")
     out["manifest_parse_s"], out["manifest_parse_wall_s"] = parse.cpu, parse.wall
     if manifest_out:
-        with open(manifest_out, "wb") as f:
-            f.write(raw)
+        Path(manifest_out).write_bytes(raw)
+        table_path(manifest_out).write_bytes(table)
     return out
 
 

@@ -25,11 +25,12 @@ import logging
 import time
 from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Any
 
 import torch
 
+from ckpt.crc_table import TABLE_FIELD, TABLE_NAME, encode_table
 from ckpt.errors import (
     CheckpointError,
     CheckpointExistsError,
@@ -51,14 +52,22 @@ from ckpt.format import (
     inner_chunk_shape,
     itemsize,
 )
-from ckpt.manifest import Manifest, PieceEntry, TensorEntry, read_commit, validate
+from ckpt.manifest import (
+    Manifest,
+    PieceEntry,
+    TensorEntry,
+    data_arrays,
+    read_commit,
+    validate,
+)
 from ckpt.plan import SavePlan
 from storage import ObjectNotFoundError, StorageError, Store
 from storage.checksum import crc32c
 
 logger = logging.getLogger(__name__)
 
-__all__ = ["COLLECT_THREADS", "CommitHooks", "build_manifest", "collect_indexes", "commit",
+__all__ = ["COLLECT_THREADS", "CommitHooks", "bind_chunk_crcs", "build_manifest",
+           "collect_indexes", "commit", "plan_manifest",
            "encode_manifest", "exists_error", "index_key", "publish_commit",
            "wait_for_commit", "wait_for_indexes", "write_abort", "write_index",
            "write_index_error"]
@@ -151,16 +160,11 @@ def encode_manifest(manifest: Manifest) -> bytes:
     return json.dumps(manifest.to_json(), separators=(",", ":")).encode()
 
 
-def build_manifest(plan: SavePlan, attempt: str, data: str,
-                   indexes: dict[int, dict[str, Any]], *, inner_bytes: int,
-                   compression: str | None, meta: dict[str, Any]) -> Manifest:
-    """The manifest of `plan` saved as `attempt` under data prefix `data`, with the values
-    and chunk crc32c the ranks reported in `indexes`; `meta` holds step, config, layout."""
-    values: dict[str, Any] = {}
-    crcs: dict[str, list[int | None]] = {}
-    for idx in indexes.values():
-        values.update(idx["values"])
-        crcs.update(idx.get(CHUNK_CRCS, {}))
+def plan_manifest(plan: SavePlan, attempt: str, data: str, values: dict[str, Any], *,
+                  inner_bytes: int, compression: str | None, meta: dict[str, Any]) -> Manifest:
+    """The manifest of `plan` saved as `attempt` under data prefix `data`, with the JSON
+    `values`, before its chunk crc32c are bound (`build_manifest`); `meta` holds step,
+    config, layout."""
     tensors: dict[str, TensorEntry] = {}
     for t in plan.tensors.values():
         if t.storage is StorageKind.GRID:
@@ -187,7 +191,37 @@ def build_manifest(plan: SavePlan, attempt: str, data: str,
                 for r, s in plan.packed_size.items() if s},
         packed_inner=plan.packed_inner, bytes=sum(t.nbytes for t in plan.tensors.values()),
         index={str(r): index_key(attempt, r) for r in plan.ranks},
-        chunk_crc32c={k: crcs[k] for k in sorted(crcs)})
+        absent=frozenset({CHUNK_CRCS, TABLE_FIELD}))
+
+
+def bind_chunk_crcs(manifest: Manifest, crcs: dict[str, list[int | None]],
+                    data: str) -> tuple[Manifest, bytes]:
+    """`manifest` with the record of its chunk crc32c table (`ckpt.crc_table`), and the
+    table's bytes, to be stored at the record's object before the manifest is published.
+    Raises `CheckpointSaveError` naming a data object the ranks reported no crcs for."""
+    try:
+        blob, record = encode_table(data_arrays(manifest), crcs, f"{data}/{TABLE_NAME}")
+    except (KeyError, ValueError) as e:
+        raise CheckpointSaveError(
+            f"the ranks' chunk_crc32c do not cover the save plan ({e.args[0]}); nothing "
+            "was committed") from e
+    return replace(manifest, chunk_crc32c_table=record,
+                   absent=manifest.absent - {TABLE_FIELD}), blob
+
+
+def build_manifest(plan: SavePlan, attempt: str, data: str,
+                   indexes: dict[int, dict[str, Any]], *, inner_bytes: int,
+                   compression: str | None, meta: dict[str, Any]) -> tuple[Manifest, bytes]:
+    """The manifest of `plan` with the values and chunk crc32c the ranks reported in
+    `indexes`, and its chunk crc32c table's bytes (`bind_chunk_crcs`)."""
+    values: dict[str, Any] = {}
+    crcs: dict[str, list[int | None]] = {}
+    for idx in indexes.values():
+        values.update(idx["values"])
+        crcs.update(idx.get(CHUNK_CRCS, {}))
+    bare = plan_manifest(plan, attempt, data, values, inner_bytes=inner_bytes,
+                         compression=compression, meta=meta)
+    return bind_chunk_crcs(bare, crcs, data)
 
 
 def _poll(check: Callable[[], Any], timeout_s: float, what: str) -> Any:

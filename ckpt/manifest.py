@@ -15,9 +15,10 @@ from __future__ import annotations
 import json
 import logging
 from collections.abc import Iterator, Mapping
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Any
 
+from ckpt.crc_table import TABLE_FIELD, ArrayGeometry, ChunkCrcTable
 from ckpt.errors import (
     AbsurdShapeError,
     CheckpointNotFoundError,
@@ -34,7 +35,6 @@ from ckpt.format import (
     check_path,
     check_shape,
     check_version,
-    chunk_keys,
     numel,
     zarr_metadata,
 )
@@ -50,7 +50,7 @@ MAX_CHUNKS = 10_000_000
 
 FIELDS = ("format", "version", "writer", "step", "created", "created_unix", "attempt",
           "compression", "world_size", "ranks", "config", "layout", "tensors", "values",
-          "packed", "packed_inner", "bytes", "index", CHUNK_CRCS)
+          "packed", "packed_inner", "bytes", "index", CHUNK_CRCS, TABLE_FIELD)
 """The manifest's fields, in the order the writer writes them."""
 
 
@@ -173,7 +173,12 @@ class Manifest:
     index: Mapping[str, str] | None = None
     """Rank (as a string) -> its index object."""
     chunk_crc32c: Mapping[str, list[int | None]] | None = None
-    """Data object -> the crc32c of each inner chunk (None: a checkpoint without them)."""
+    """Data object -> the crc32c of each inner chunk, inline (checkpoints written before
+    the table; None otherwise)."""
+    chunk_crc32c_table: Mapping[str, Any] | None = None
+    """The record of the chunk crc32c table (`ckpt.crc_table`); None: no table."""
+    crc_table: ChunkCrcTable | None = field(default=None, compare=False, repr=False)
+    """That table, checked against the tensors, read from storage on demand."""
     absent: frozenset[str] = frozenset()
     """Fields of `FIELDS` the source JSON lacked (left out again by `to_json`)."""
     extra: Mapping[str, Any] = field(default_factory=dict)
@@ -194,10 +199,11 @@ class Manifest:
         return out
 
     @classmethod
-    def from_json(cls, m: Any, url: str) -> Manifest:
+    def from_json(cls, m: Any, url: str, store: Store | None = None) -> Manifest:
         """Check untrusted manifest JSON and build the manifest; raises typed
         `ckpt.errors` (`UnsupportedVersionError`, `CorruptCheckpointError` and its
-        subclasses) naming the bad field, before anything is allocated from it."""
+        subclasses) naming the bad field, before anything is allocated from it.
+        `store`: where its chunk crc32c table is read from (`chunk_crcs`)."""
         _check_structure(m, url)
         out = cls(
             format=m["format"], version=m["version"],
@@ -208,10 +214,15 @@ class Manifest:
             world_size=m.get("world_size"), ranks=m.get("ranks"), config=m.get("config"),
             layout=m.get("layout"), packed=m.get("packed", {}),
             packed_inner=m.get("packed_inner", 1), bytes=m.get("bytes"), index=m.get("index"),
-            chunk_crc32c=m.get(CHUNK_CRCS),
+            chunk_crc32c=m.get(CHUNK_CRCS), chunk_crc32c_table=m.get(TABLE_FIELD),
             absent=frozenset(f for f in FIELDS if f not in m),
             extra={k: v for k, v in m.items() if k not in FIELDS})
         _check_chunk_crcs(out, m.get(CHUNK_CRCS), url)
+        if TABLE_FIELD in m:
+            if CHUNK_CRCS in m:
+                raise _bad(url, f"both '{CHUNK_CRCS}' and '{TABLE_FIELD}' record chunk crc32c")
+            out = replace(out, crc_table=ChunkCrcTable(m[TABLE_FIELD], data_arrays(out), url,
+                                                       store))
         return out
 
     def meta_of(self, name: str, piece: PieceEntry | None = None) -> dict[str, Any]:
@@ -231,7 +242,12 @@ class Manifest:
     def chunk_crcs(self, key: str) -> list[int | None] | None:
         """The crc32c recorded at save for each inner chunk of data object `key`, in
         storage order (None: that chunk is not stored), or None for a checkpoint written
-        before they were recorded (from_json made sure every object has its list)."""
+        before they were recorded (from_json made sure every object has its record)."""
+        if self.crc_table is not None:
+            return self.crc_table.crcs_of(key)
+        if self.chunk_crc32c_table is not None:
+            raise RuntimeError("this manifest was built in memory, not read from storage "
+                               "(read_manifest): its chunk crc32c table is not open")
         crcs = self.chunk_crc32c
         return None if crcs is None else crcs[key]
 
@@ -251,6 +267,8 @@ class Manifest:
                     out[f"{p.array}/zarr.json"] = name if t.storage is StorageKind.PIECES else ""
         for key, name, _n in chunk_objects(self):
             out.setdefault(key, name)
+        if self.crc_table is not None:
+            out[self.crc_table.key] = ""
         return out
 
 
@@ -261,27 +279,35 @@ def _inner_count(shape: tuple[int, ...] | list[int], inner: tuple[int, ...] | li
     return n
 
 
-def chunk_objects(m: Manifest) -> Iterator[tuple[str, str, int]]:
-    """(key, tensor or '' for a packed array, inner chunks) of every data object of a
-    manifest: one per grid cell, piece array and packed array."""
+def data_arrays(m: Manifest) -> Iterator[ArrayGeometry]:
+    """Every array holding data objects, once each, in the manifest's order: a grid
+    tensor's array, each piece's array, each packed array (several tensors share one)."""
     seen: set[str] = set()
     for name, t in m.tensors.items():
         if t.storage is StorageKind.GRID:
             assert t.array is not None and t.chunks is not None and t.inner is not None
-            n = _inner_count(t.chunks, t.inner)
-            for k in chunk_keys(t.array, list(t.shape), list(t.chunks)):
-                yield k, name, n
+            grid = tuple(-(-s // c) for s, c in zip(t.shape, t.chunks, strict=True))
+            yield ArrayGeometry(t.array, name, grid, _inner_count(t.chunks, t.inner))
             continue
         for p in t.pieces:
+            if p.array in seen:
+                continue
+            seen.add(p.array)
             if t.storage is StorageKind.PACKED:
                 size, inner, who = (m.packed[p.array],), (m.packed_inner,), ""
             else:
                 assert p.inner is not None
                 size, inner, who = p.shape, p.inner, name
-            for k in chunk_keys(p.array, list(size), list(size)):
-                if k not in seen:
-                    seen.add(k)
-                    yield k, who, _inner_count(size, inner)
+            if numel(size) > 0:
+                yield ArrayGeometry(p.array, who, (1,) * len(size), _inner_count(size, inner))
+
+
+def chunk_objects(m: Manifest) -> Iterator[tuple[str, str, int]]:
+    """(key, tensor or '' for a packed array, inner chunks) of every data object of a
+    manifest: one per grid cell, piece array and packed array."""
+    for geo in data_arrays(m):
+        for key in geo.keys():
+            yield key, geo.tensor, geo.per_object
 
 
 def _check_chunk_crcs(m: Manifest, crcs: Any, url: str) -> None:
@@ -486,4 +512,4 @@ def read_manifest(store: Store) -> Manifest:
     except (ValueError, RecursionError) as e:  # RecursionError: absurdly deep nesting
         raise CorruptCheckpointError(f"{url}/{MANIFEST_KEY} is not valid JSON ({e})", url=url,
                                      obj=MANIFEST_KEY) from None
-    return Manifest.from_json(m, url)
+    return Manifest.from_json(m, url, store)

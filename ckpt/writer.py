@@ -231,9 +231,13 @@ class _SaveJob:
     # -- commit ----------------------------------------------------------------------
 
     def _manifest(self, indexes: dict[int, dict[str, Any]]) -> Manifest:
-        return build_manifest(self.plan, self.attempt, self.data, indexes,
-                              inner_bytes=self.opts.inner_bytes,
-                              compression=self.opts.compression, meta=self.meta)
+        """The manifest, once its chunk crc32c table is durable (the manifest binds it)."""
+        manifest, table = build_manifest(self.plan, self.attempt, self.data, indexes,
+                                         inner_bytes=self.opts.inner_bytes,
+                                         compression=self.opts.compression, meta=self.meta)
+        assert manifest.chunk_crc32c_table is not None
+        self.store.put(manifest.chunk_crc32c_table["object"], table)
+        return manifest
 
     def _commit(self, indexes: dict[int, dict[str, Any]]) -> None:
         """Coordinator: manifest, then the commit marker, then the post-commit hook."""

@@ -1,6 +1,8 @@
-"""Every stored chunk is bound to its place: the manifest records each inner chunk's
-crc32c (`chunk_crc32c`), a load compares every chunk it reads with it, `verify` every
-chunk. Checkpoints without the record (written before it) still load."""
+"""Every stored chunk is bound to its place: the save records each inner chunk's crc32c
+in the chunk crc32c table, which the manifest binds (`chunk_crc32c_table`); a load
+compares every chunk it reads with it, `verify` every chunk. Checkpoints with the record
+inline in the manifest (`chunk_crc32c`, written before the table) are checked the same
+way, and checkpoints without any record still load."""
 
 from __future__ import annotations
 
@@ -11,9 +13,11 @@ import pytest
 import torch
 
 import ckpt
+import ckpt.crc_table
 import storage
+from ckpt.crc_table import TABLE_FIELD, array_of_key
 from ckpt.format import CHUNK_CRCS, MANIFEST_KEY, zarr_metadata
-from ckpt.manifest import crc32c
+from ckpt.manifest import chunk_objects, crc32c, read_manifest
 from ckpt.shardio import ShardGeometry, encode_shard, read_shard_region, stored_crcs
 from ckpt.tsio import open_array
 
@@ -39,6 +43,17 @@ def saved(tmp_path) -> tuple[storage.Store, dict]:
     store = storage.open_store(tmp_path / "c")
     ckpt.save(_state(1), store, options=OPTS)
     return store, json.loads(store.get(MANIFEST_KEY))
+
+
+def _crcs(store: storage.Store, key: str) -> list[int | None]:
+    crcs = read_manifest(store).chunk_crcs(key)
+    assert crcs is not None
+    return crcs
+
+
+def _data_objects(store: storage.Store, m: dict) -> set[str]:
+    table = m[TABLE_FIELD]["object"]
+    return {k for k in store.list("data/") if not k.endswith(".json") and k != table}
 
 
 def _key(m: dict, name: str) -> str:
@@ -78,11 +93,23 @@ def test_tensorstore_edge_shard_read_directly_and_bound(tmp_path) -> None:
                           np.zeros((2, 6), np.float32), url=store.url, tensor="t", expect=wrong)
 
 
-def test_every_object_recorded(saved) -> None:
+@pytest.fixture(params=["whole", "ranged"])
+def fetch(request, monkeypatch) -> str:
+    """How a load reads the table: whole (a small table), or one ranged read per array."""
+    if request.param == "ranged":
+        monkeypatch.setattr(ckpt.crc_table, "WHOLE_BYTES", 0)
+    return request.param
+
+
+def test_every_object_recorded(saved, fetch) -> None:
+    """The table gives every stored object the crcs its chunks carry, and the manifest
+    holds no inline list."""
     store, m = saved
-    objects = {k for k in store.list("data/") if not k.endswith("zarr.json")}
-    assert set(m[CHUNK_CRCS]) == objects
-    assert all(isinstance(c, int) for v in m[CHUNK_CRCS].values() for c in v)
+    man = read_manifest(store)
+    assert CHUNK_CRCS not in m and store.exists(m[TABLE_FIELD]["object"])
+    assert {k for k, _, _ in chunk_objects(man)} == _data_objects(store, m)
+    for key, _, n in chunk_objects(man):
+        assert man.chunk_crcs(key) == stored_crcs(store.get(key), n, url="u", key=key, tensor="")
 
 
 @pytest.mark.parametrize("what", ["other-tensor", "same-tensor", "packed-other-writer"])
@@ -95,7 +122,7 @@ def test_misplaced_chunk_refused_by_load_and_verify(saved, tmp_path, what) -> No
     elif what == "same-tensor":  # two of a's inner chunks at each other's place
         key = _key(m, "a")
         blob = bytearray(store.get(key))
-        n = len(m[CHUNK_CRCS][key])
+        n = len(_crcs(store, key))
         idx = np.frombuffer(bytes(blob[-(16 * n + 4):-4]), "<u8").reshape(-1, 2)
         (o1, nb), (o2, _) = idx[1].tolist(), idx[2].tolist()
         blob[o1:o1 + nb], blob[o2:o2 + nb] = blob[o2:o2 + nb], blob[o1:o1 + nb]
@@ -162,11 +189,12 @@ def test_tensorstore_written_objects_bound_on_load(tmp_path, what) -> None:
     else:
         ckpt.save(state, store, options=ZSTD)
     m = json.loads(store.get(MANIFEST_KEY))
-    assert set(m[CHUNK_CRCS]) == {k for k in store.list("data/") if not k.endswith(".json")}
+    man = read_manifest(store)
+    assert {k for k, _, _ in chunk_objects(man)} == _data_objects(store, m)
     assert ckpt.verify(store).ok
     if what == "zstd-swapped-in-object":
         key = _key(m, "a")
-        _swap_inner_chunks(store, key, len(m[CHUNK_CRCS][key]))
+        _swap_inner_chunks(store, key, len(_crcs(store, key)))
         tensor = "'a'"
     elif what == "zstd-object-copied":
         key = _key(m, "a")
@@ -184,21 +212,46 @@ def test_tensorstore_written_objects_bound_on_load(tmp_path, what) -> None:
     assert not report.ok and any(key in p and "records" in p for p in report.problems)
 
 
-def test_checkpoint_without_record_still_loads(saved) -> None:
+def _inline(store: storage.Store, m: dict) -> dict:
+    """`m` in the form written before the table: every object's crcs in the manifest."""
+    man = read_manifest(store)
+    out = {k: v for k, v in m.items() if k != TABLE_FIELD}
+    out[CHUNK_CRCS] = {k: man.chunk_crcs(k) for k, _, _ in chunk_objects(man)}
+    return out
+
+
+@pytest.mark.parametrize("form", ["none", "inline"])
+def test_checkpoint_without_table_still_loads(saved, form) -> None:
     store, m = saved
-    del m[CHUNK_CRCS]
+    m = _inline(store, m) if form == "inline" else {k: v for k, v in m.items()
+                                                     if k != TABLE_FIELD}
     _resign(store, m)
     got = {k: torch.zeros_like(v) for k, v in _state(1).items()}
     ckpt.load(got, store)
     assert all(torch.equal(got[k], v) for k, v in _state(1).items())
     assert ckpt.verify(store).ok
+    assert (read_manifest(store).chunk_crcs(_key(m, "a")) is None) == (form == "none")
+
+
+def test_inline_record_still_binds(saved) -> None:
+    """The inline form is still checked: a copied object is refused by load and verify."""
+    store, m = saved
+    _resign(store, _inline(store, m))
+    store.put(_key(m, "a"), store.get(_key(m, "b")))
+    with pytest.raises(ckpt.ChecksumMismatchError, match="records"):
+        ckpt.load({k: torch.zeros_like(v) for k, v in _state(1).items()}, store)
+    assert not ckpt.verify(store).ok
 
 
 def _set(m: dict, value) -> None:
     m[CHUNK_CRCS][_key(m, "a")] = value
 
 
-BAD = {
+def _entry(m: dict) -> list:
+    return m[TABLE_FIELD]["arrays"][array_of_key(_key(m, "a"))]
+
+
+BAD_INLINE = {
     "not-an-object": lambda m: m.__setitem__(CHUNK_CRCS, [1, 2]),
     "entry-missing": lambda m: m[CHUNK_CRCS].pop(_key(m, "a")),
     "entry-too-short": lambda m: _set(m, m[CHUNK_CRCS][_key(m, "a")][:-1]),
@@ -209,17 +262,61 @@ BAD = {
     "crc-float": lambda m: _set(m, [1.5] * len(m[CHUNK_CRCS][_key(m, "a")])),
 }
 
+BAD_TABLE = {
+    "not-an-object": lambda m: m.__setitem__(TABLE_FIELD, [1, 2]),
+    "object-outside-root": lambda m: m[TABLE_FIELD].__setitem__("object", "../x.bin"),
+    "bytes-not-whole-entries": lambda m: m[TABLE_FIELD].__setitem__("bytes", 6),
+    "entry-missing": lambda m: m[TABLE_FIELD]["arrays"].pop(array_of_key(_key(m, "a"))),
+    "entry-too-short": lambda m: _entry(m).__setitem__(1, _entry(m)[1] - 1),
+    "entry-past-the-end": lambda m: _entry(m).__setitem__(0, m[TABLE_FIELD]["bytes"] // 4),
+    "entry-not-a-list": lambda m: m[TABLE_FIELD]["arrays"].__setitem__(
+        array_of_key(_key(m, "a")), "deadbeef"),
+    "crc-2^32": lambda m: _entry(m).__setitem__(2, 1 << 32),
+    "crc-bool": lambda m: _entry(m).__setitem__(2, True),
+    "crc-float": lambda m: _entry(m).__setitem__(2, 1.5),
+    "not-stored-outside": lambda m: _entry(m).append([_entry(m)[1]]),
+    "both-forms": lambda m: m.__setitem__(CHUNK_CRCS, {}),
+}
 
-@pytest.mark.parametrize("case", sorted(BAD))
-def test_malformed_record_is_typed_error(saved, case) -> None:
+
+@pytest.mark.parametrize("form,case", [("inline", c) for c in sorted(BAD_INLINE)]
+                         + [("table", c) for c in sorted(BAD_TABLE)])
+def test_malformed_record_is_typed_error(saved, form, case) -> None:
     store, m = saved
-    BAD[case](m)
+    if form == "inline":
+        m = _inline(store, m)
+        BAD_INLINE[case](m)
+    else:
+        BAD_TABLE[case](m)
     _resign(store, m)
     with pytest.raises(ckpt.CorruptCheckpointError, match="chunk_crc32c") as e:
         ckpt.load({k: torch.zeros_like(v) for k, v in _state(1).items()}, store)
-    if case != "not-an-object":
+    if case.startswith(("entry", "crc", "not-stored")):
         assert "'a'" in str(e.value)
     assert not ckpt.verify(store).ok
+
+
+@pytest.mark.parametrize("damage", ["flipped", "truncated", "deleted"])
+def test_damaged_table_is_typed_error_and_nothing_loads_unchecked(saved, damage,
+                                                                  fetch) -> None:
+    """The table's bytes are checked against the manifest's record before use."""
+    store, m = saved
+    key = m[TABLE_FIELD]["object"]
+    blob = bytearray(store.get(key))
+    if damage == "flipped":
+        start = _entry(m)[0]
+        blob[4 * start] ^= 1
+        store.put(key, bytes(blob))
+    elif damage == "truncated":
+        store.put(key, bytes(blob[:-4]))
+    else:
+        store.delete(key)
+    err = ckpt.ChecksumMismatchError if damage == "flipped" else ckpt.CorruptCheckpointError
+    with pytest.raises(err, match="chunk_crc32c") as e:
+        ckpt.load({k: torch.zeros_like(v) for k, v in _state(1).items()}, store)
+    assert e.value.obj == key
+    report = ckpt.verify(store)
+    assert not report.ok and any(key in p for p in report.problems)
 
 
 def test_save_missing_a_record_does_not_commit(tmp_path, monkeypatch) -> None:

@@ -1,7 +1,9 @@
-"""The typed manifest against the on-disk format: `data/manifest-v1.json` is the manifest
-the writer produced for one plan holding all three storage kinds (grid, pieces, packed),
-with the clock, the attempt and the torch version fixed; the writer must keep producing
-exactly these bytes, and reading them back must give them again."""
+"""The typed manifest against the on-disk format: `data/manifest-v1-table.json` and
+`data/chunk_crc32c-v1.bin` are the manifest and chunk crc32c table the writer produced
+for one plan holding all three storage kinds (grid, pieces, packed), with the clock, the
+attempt and the torch version fixed; the writer must keep producing exactly these bytes,
+and reading them back must give them again. `data/manifest-v1.json` is the same
+checkpoint as written before the table existed (its crc32c inline): it must still read."""
 
 from __future__ import annotations
 
@@ -13,13 +15,18 @@ import pytest
 import torch
 
 import ckpt.commit
-from ckpt.commit import build_manifest, encode_manifest
+from ckpt.commit import build_manifest, encode_manifest, plan_manifest
+from ckpt.crc_table import TABLE_FIELD
 from ckpt.errors import CorruptCheckpointError
 from ckpt.format import CHUNK_CRCS, StorageKind
 from ckpt.manifest import Manifest, chunk_objects
 from ckpt.plan import RankLayout, TensorLayout, plan_save
+from storage import open_store
 
-GOLDEN = Path(__file__).parent / "data" / "manifest-v1.json"
+DATA = Path(__file__).parent / "data"
+GOLDEN = DATA / "manifest-v1-table.json"
+GOLDEN_TABLE = DATA / "chunk_crc32c-v1.bin"
+GOLDEN_INLINE = DATA / "manifest-v1.json"
 ATTEMPT = "0123456789abcdef"
 META = {"step": 3, "config": {"lr": 0.1}, "layout": {"dp": 4}}
 
@@ -44,22 +51,45 @@ def test_writer_produces_the_golden_bytes(monkeypatch) -> None:
     monkeypatch.setattr(ckpt.commit.time, "time", lambda: 1700000000.25)
     monkeypatch.setattr(torch, "__version__", "TORCH")
     plan, data = _plan(), f"data/{ATTEMPT}"
-    bare = build_manifest(plan, ATTEMPT, data, {}, inner_bytes=4096, compression=None,
-                          meta=META)
-    crcs = {k: [(zlib.crc32(k.encode()) + i) % (1 << 32) for i in range(n)]
-            for k, _, n in chunk_objects(bare)}
-    indexes = {r: {"values": {"step": 3} if r == 0 else {},
-                   CHUNK_CRCS: crcs if r == 0 else {}} for r in range(4)}
-    m = build_manifest(plan, ATTEMPT, data, indexes, inner_bytes=4096, compression=None,
-                       meta=META)
+    m, table = build_manifest(plan, ATTEMPT, data, _indexes(plan, data), inner_bytes=4096,
+                              compression=None, meta=META)
     assert {t.storage for t in m.tensors.values()} == set(StorageKind)
     assert encode_manifest(m) == GOLDEN.read_bytes()
+    assert table == GOLDEN_TABLE.read_bytes()
+
+
+def _indexes(plan, data: str) -> dict[int, dict]:
+    bare = plan_manifest(plan, ATTEMPT, data, {}, inner_bytes=4096, compression=None,
+                         meta=META)
+    crcs = {k: [(zlib.crc32(k.encode()) + i) % (1 << 32) for i in range(n)]
+            for k, _, n in chunk_objects(bare)}
+    return {r: {"values": {"step": 3} if r == 0 else {},
+                CHUNK_CRCS: crcs if r == 0 else {}} for r in range(4)}
+
+
+def test_table_gives_each_object_the_crcs_its_rank_reported(tmp_path) -> None:
+    """Read from storage, the manifest serves every object's crcs from the table, the
+    same lists the ranks reported, and the inline form of the same checkpoint agrees."""
+    plan, data = _plan(), f"data/{ATTEMPT}"
+    crcs = _indexes(plan, data)[0][CHUNK_CRCS]
+    store = open_store(str(tmp_path))
+    m, table = build_manifest(plan, ATTEMPT, data, _indexes(plan, data), inner_bytes=4096,
+                              compression=None, meta=META)
+    store.put(m.chunk_crc32c_table["object"], table)
+    read = Manifest.from_json(json.loads(encode_manifest(m)), store.url, store)
+    inline = Manifest.from_json(json.loads(GOLDEN_INLINE.read_bytes()), "golden://")
+    keys = [k for k, _, _ in chunk_objects(read)]
+    assert keys and {k: read.chunk_crcs(k) for k in keys} == {k: crcs[k] for k in keys}
+    assert all(inline.chunk_crcs(k) == crcs[k] for k in keys)
+    assert m.chunk_crc32c_table["object"] in read.expected_objects()
 
 
 def test_golden_reads_back_to_the_same_bytes() -> None:
-    raw = GOLDEN.read_bytes()
-    m = Manifest.from_json(json.loads(raw), "golden://")
-    assert encode_manifest(m) == raw
+    for golden in (GOLDEN, GOLDEN_INLINE):
+        raw = golden.read_bytes()
+        assert encode_manifest(Manifest.from_json(json.loads(raw), "golden://")) == raw
+    m = Manifest.from_json(json.loads(GOLDEN.read_bytes()), "golden://")
+    assert TABLE_FIELD in m.to_json() and CHUNK_CRCS not in m.to_json()
     g, p, s = m.tensors["grid"], m.tensors["pieces"], m.tensors["small"]
     assert (g.storage, g.chunks, g.shape, g.path) == (StorageKind.GRID, (3, 1000), (10, 1000),
                                                       ("model", "grid"))
@@ -71,7 +101,7 @@ def test_golden_reads_back_to_the_same_bytes() -> None:
 
 def test_checkpoint_without_chunk_crcs_reads_back_unchanged() -> None:
     """A checkpoint written before `chunk_crc32c` existed: the field stays absent."""
-    obj = json.loads(GOLDEN.read_bytes())
+    obj = json.loads(GOLDEN_INLINE.read_bytes())
     del obj[CHUNK_CRCS]
     m = Manifest.from_json(obj, "golden://")
     assert m.chunk_crcs(next(iter(m.expected_objects()))) is None

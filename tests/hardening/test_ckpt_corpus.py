@@ -16,6 +16,7 @@ import pytest
 import ckpt
 import storage
 from ckpt.format import COMMIT_KEY, MANIFEST_KEY
+from ckpt.manifest import read_manifest
 from ckpt.root_layout import step_dir
 
 from ._util import (
@@ -97,6 +98,10 @@ def delete_array(name: str) -> Damage:
 
 def drop(section: str, name: str) -> Damage:
     return lambda s, m: edit_manifest(s, lambda mm: mm[section].pop(name))
+
+
+def _table(m: dict) -> str:
+    return m["chunk_crc32c_table"]["object"]
 
 
 def _packed_path(m: dict) -> str:
@@ -191,6 +196,10 @@ CASES: dict[str, Case] = {
     "chunk-random-bytes": Case(rewrite_chunk("w", lambda b: os.urandom(len(b))), CORRUPT, "'w'"),
     "packed-chunk-flip": Case(rewrite_chunk("idx", flip(0.001)), CORRUPT, "packed"),
     "chunk-of-another-dtype-and-size": Case(chunk_from("bf", "w"), CORRUPT, "'w'"),
+    # -- the chunk crc32c table the manifest binds
+    "crc-table-flipped": Case(lambda s, m: s.put(_table(m), flip(0.5)(s.get(_table(m)))),
+                              ckpt.ChecksumMismatchError, "chunk_crc32c"),
+    "crc-table-missing": Case(lambda s, m: s.delete(_table(m)), CORRUPT, "chunk_crc32c"),
     # -- the commit marker
     "commit-without-manifest": Case(lambda s, m: s.delete(MANIFEST_KEY), CORRUPT, MANIFEST_KEY),
     "commit-not-json": Case(lambda s, m: s.put(COMMIT_KEY, b"\x00garbage"), CORRUPT, COMMIT_KEY),
@@ -253,7 +262,7 @@ def swap_inner_chunks(name: str, a: int, b: int) -> Damage:
     def damage(s: storage.Store, m: dict) -> None:
         key = _chunk(s, m, name)
         blob = s.get(key)
-        n = len(m["chunk_crc32c"][key])
+        n = len(read_manifest(s).chunk_crcs(key) or [])
         index = np.frombuffer(blob[-(16 * n + 4):-4], "<u8").reshape(-1, 2).tolist()
         (oa, na), (ob, nb) = index[a], index[b]
         assert na == nb
@@ -263,8 +272,8 @@ def swap_inner_chunks(name: str, a: int, b: int) -> Damage:
     return damage
 
 
-# Well-formed chunks in the wrong place: each chunk's own crc32c holds, only the manifest's
-# record of which crc32c belongs where (chunk_crc32c) tells them apart.
+# Well-formed chunks in the wrong place: each chunk's own crc32c holds, only the save's
+# record of which crc32c belongs where (the chunk crc32c table) tells them apart.
 MISPLACED: dict[str, Damage] = {
     # h (float16) and hi (int16): same shape, same byte size, one inner chunk each
     "chunk-swapped-with-same-size-chunk-of-another-dtype": chunk_from("hi", "h"),
