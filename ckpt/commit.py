@@ -60,7 +60,7 @@ from ckpt.manifest import (
     read_commit,
     validate,
 )
-from ckpt.plan import SavePlan
+from ckpt.plan import SavePlan, regular_grid
 from storage import ObjectNotFoundError, StorageError, Store
 from storage.checksum import crc32c
 
@@ -170,13 +170,26 @@ def plan_manifest(plan: SavePlan, attempt: str, data: str, values: dict[str, Any
         if t.storage is StorageKind.GRID:
             e = TensorEntry(t.shape, t.dtype, t.storage, t.path, t.placements,
                             array=f"{data}/{t.array}", chunks=t.chunks, inner=t.inner)
+        elif t.storage is StorageKind.PACKED:
+            # The cells of a regular grid (any even split) are listed by position: two
+            # ints per piece instead of an object each, which at thousands of ranks is
+            # most of the manifest (every rank's slice of every norm weight).
+            chunks = regular_grid(t.shape, [(p.offset, p.shape) for p in t.pieces]) \
+                if t.pieces else None
+            if chunks is not None:
+                e = TensorEntry(t.shape, t.dtype, t.storage, t.path, t.placements,
+                                chunks=chunks,
+                                cell_arrays=tuple(f"{data}/{p.array}" for p in t.pieces),
+                                cell_byte_offsets=tuple(p.byte_offset for p in t.pieces))
+            else:
+                e = TensorEntry(t.shape, t.dtype, t.storage, t.path, t.placements,
+                                pieces=tuple(PieceEntry(p.offset, p.shape, f"{data}/{p.array}",
+                                                        byte_offset=p.byte_offset)
+                                             for p in t.pieces))
         else:
-            packed = t.storage is StorageKind.PACKED
             e = TensorEntry(t.shape, t.dtype, t.storage, t.path, t.placements, pieces=tuple(
-                PieceEntry(p.offset, p.shape, f"{data}/{p.array}",
-                           inner=None if packed else inner_chunk_shape(
-                               p.shape, itemsize(t.dtype), inner_bytes),
-                           byte_offset=p.byte_offset if packed else None)
+                PieceEntry(p.offset, p.shape, f"{data}/{p.array}", inner=inner_chunk_shape(
+                    p.shape, itemsize(t.dtype), inner_bytes))
                 for p in t.pieces))
         tensors[t.name] = e
     now = time.time()

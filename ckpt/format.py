@@ -24,7 +24,10 @@ import torch
 from ckpt.errors import AbsurdShapeError, UnsafePathError, UnsupportedVersionError
 
 FORMAT_NAME = "relight-checkpoint"
-FORMAT_VERSION = 1
+FORMAT_VERSION = 2
+"""The version this writer writes. 2: packed tensors may list their pieces as a grid
+(`chunks`, `arrays`, `byte_offsets`); chunk crc32c in a table (also read in 1)."""
+READ_VERSIONS = (1, 2)
 WRITER_VERSION = "relight-ckpt 0.1.0"
 MANIFEST_KEY = "manifest.json"
 COMMIT_KEY = "COMMIT"
@@ -207,7 +210,8 @@ def check_version(manifest: Any, url: str) -> None:
         raise UnsupportedVersionError(
             f"{url}/{MANIFEST_KEY} is not a {FORMAT_NAME} manifest", url=url, obj=MANIFEST_KEY)
     version = manifest.get("version")
-    if version != FORMAT_VERSION:
+    if type(version) is not int or version not in READ_VERSIONS:
         raise UnsupportedVersionError(
-            f"{url}: checkpoint format version {version!r}, this reader knows version "
-            f"{FORMAT_VERSION}; upgrade Relight to read it", url=url, obj=MANIFEST_KEY)
+            f"{url}: checkpoint format version {version!r}, this reader knows versions "
+            f"{', '.join(map(str, READ_VERSIONS))}; upgrade Relight to read it", url=url,
+            obj=MANIFEST_KEY)

@@ -12,11 +12,15 @@ checkpoint, checked against its commit marker.
 
 from __future__ import annotations
 
+import itertools
 import json
 import logging
+import math
 from collections.abc import Iterator, Mapping
 from dataclasses import dataclass, field, replace
 from typing import Any
+
+import numpy as np
 
 from ckpt.crc_table import TABLE_FIELD, ArrayGeometry, ChunkCrcTable
 from ckpt.errors import (
@@ -102,13 +106,43 @@ class TensorEntry:
     array: str | None = None
     """`GRID`: the array at global shape."""
     chunks: tuple[int, ...] | None = None
-    """`GRID`: the outer chunk (save-time shard) shape."""
+    """`GRID`: the outer chunk (save-time shard) shape. `PACKED` in grid form: the shape
+    of its pieces, which are the cells of a regular grid over the tensor."""
     inner: tuple[int, ...] | None = None
     """`GRID`: the inner chunk shape."""
     pieces: tuple[PieceEntry, ...] = ()
-    """`PIECES`, `PACKED`: the pieces that tile it."""
+    """`PIECES`, `PACKED` in list form: the pieces that tile it."""
+    cell_arrays: tuple[str, ...] = ()
+    """`PACKED` in grid form: the packed array of each cell, in C order."""
+    cell_byte_offsets: tuple[int, ...] = ()
+    """`PACKED` in grid form: where each cell's bytes start in its packed array."""
 
-    def to_json(self) -> dict[str, Any]:
+    @property
+    def packed_grid(self) -> bool:
+        return self.storage is StorageKind.PACKED and self.chunks is not None
+
+    def piece_list(self) -> tuple[PieceEntry, ...]:
+        """The pieces that tile it, whichever form the manifest lists them in."""
+        if not self.packed_grid:
+            return self.pieces
+        assert self.chunks is not None
+        cells = itertools.product(*(range(0, s, c) for s, c in zip(self.shape, self.chunks,
+                                                                     strict=True)))
+        return tuple(
+            PieceEntry(off, tuple(min(c, s - o) for o, c, s in zip(off, self.chunks, self.shape,
+                                                                     strict=True)),
+                       arr, byte_offset=bo)
+            for off, arr, bo in zip(cells, self.cell_arrays, self.cell_byte_offsets,
+                                    strict=True))
+
+    def piece_arrays(self) -> list[str]:
+        """The arrays its pieces are in, each once, in order (not `GRID`)."""
+        return list(dict.fromkeys(self.cell_arrays if self.packed_grid
+                                  else (p.array for p in self.pieces)))
+
+    def to_json(self, packed_index: Mapping[str, int] | None = None) -> dict[str, Any]:
+        """Its JSON; `packed_index` maps packed arrays to their position in the manifest's
+        sorted `packed` (the grid form names them by position)."""
         out: dict[str, Any] = {}
         if self.path is not None:
             out["path"] = list(self.path)
@@ -118,21 +152,29 @@ class TensorEntry:
         if self.storage is StorageKind.GRID:
             assert self.chunks is not None and self.inner is not None
             out.update(array=self.array, chunks=list(self.chunks), inner=list(self.inner))
+        elif self.packed_grid:
+            assert self.chunks is not None and packed_index is not None
+            out.update(chunks=list(self.chunks),
+                       arrays=[packed_index[a] for a in self.cell_arrays],
+                       byte_offsets=list(self.cell_byte_offsets))
         else:
             out["pieces"] = [p.to_json() for p in self.pieces]
         return out
 
     @classmethod
-    def _from_json(cls, t: Mapping[str, Any]) -> TensorEntry:
+    def _from_json(cls, t: Mapping[str, Any], packed_names: list[str]) -> TensorEntry:
         kind = StorageKind(t["storage"])
-        path = t.get("path")
+        path = None if t.get("path") is None else tuple(t["path"])
         if kind is StorageKind.GRID:
-            return cls(_ints(t["shape"]), t["dtype"], kind,
-                       None if path is None else tuple(path), t.get("placements"),
+            return cls(_ints(t["shape"]), t["dtype"], kind, path, t.get("placements"),
                        t["array"], _ints(t["chunks"]), _ints(t["inner"]))
-        return cls(_ints(t["shape"]), t["dtype"], kind, None if path is None else tuple(path),
-                   t.get("placements"), pieces=tuple(PieceEntry._from_json(p)
-                                                     for p in t["pieces"]))
+        if "pieces" not in t:  # PACKED in grid form
+            return cls(_ints(t["shape"]), t["dtype"], kind, path, t.get("placements"),
+                       chunks=_ints(t["chunks"]),
+                       cell_arrays=tuple(packed_names[i] for i in t["arrays"]),
+                       cell_byte_offsets=tuple(t["byte_offsets"]))
+        return cls(_ints(t["shape"]), t["dtype"], kind, path, t.get("placements"),
+                   pieces=tuple(PieceEntry._from_json(p) for p in t["pieces"]))
 
     @property
     def itemsize(self) -> int:
@@ -191,7 +233,8 @@ class Manifest:
             if name in self.absent:
                 continue
             if name == "tensors":
-                out[name] = {n: t.to_json() for n, t in self.tensors.items()}
+                index = {a: i for i, a in enumerate(sorted(self.packed))}
+                out[name] = {n: t.to_json(index) for n, t in self.tensors.items()}
             else:
                 v = getattr(self, name)
                 out[name] = dict(v) if isinstance(v, Mapping) else v
@@ -205,9 +248,11 @@ class Manifest:
         subclasses) naming the bad field, before anything is allocated from it.
         `store`: where its chunk crc32c table is read from (`chunk_crcs`)."""
         _check_structure(m, url)
+        packed_names = sorted(m.get("packed", {}))
         out = cls(
             format=m["format"], version=m["version"],
-            tensors={n: TensorEntry._from_json(t) for n, t in m["tensors"].items()},
+            tensors={n: TensorEntry._from_json(t, packed_names)
+                     for n, t in m["tensors"].items()},
             values=m["values"], writer=m.get("writer"), step=m.get("step"),
             created=m.get("created"), created_unix=m.get("created_unix"),
             attempt=m.get("attempt"), compression=m.get("compression"),
@@ -254,7 +299,7 @@ class Manifest:
     def packed_users(self, array: str) -> list[str]:
         """The tensors stored in packed array `array`, sorted."""
         return sorted(n for n, t in self.tensors.items() if t.storage is StorageKind.PACKED
-                      and any(p.array == array for p in t.pieces))
+                      and array in t.piece_arrays())
 
     def expected_objects(self) -> dict[str, str]:
         """Every object the checkpoint must hold -> the tensor (or '') it belongs to."""
@@ -263,8 +308,8 @@ class Manifest:
             if t.storage is StorageKind.GRID:
                 out[f"{t.array}/zarr.json"] = name
             else:
-                for p in t.pieces:
-                    out[f"{p.array}/zarr.json"] = name if t.storage is StorageKind.PIECES else ""
+                for a in t.piece_arrays():
+                    out[f"{a}/zarr.json"] = name if t.storage is StorageKind.PIECES else ""
         for key, name, _n in chunk_objects(self):
             out.setdefault(key, name)
         if self.crc_table is not None:
@@ -289,17 +334,19 @@ def data_arrays(m: Manifest) -> Iterator[ArrayGeometry]:
             grid = tuple(-(-s // c) for s, c in zip(t.shape, t.chunks, strict=True))
             yield ArrayGeometry(t.array, name, grid, _inner_count(t.chunks, t.inner))
             continue
+        if t.storage is StorageKind.PACKED:
+            for a in t.piece_arrays():
+                if a not in seen and m.packed[a] > 0:
+                    seen.add(a)
+                    yield ArrayGeometry(a, "", (1,),
+                                        _inner_count((m.packed[a],), (m.packed_inner,)))
+            continue
         for p in t.pieces:
-            if p.array in seen:
-                continue
-            seen.add(p.array)
-            if t.storage is StorageKind.PACKED:
-                size, inner, who = (m.packed[p.array],), (m.packed_inner,), ""
-            else:
+            if p.array not in seen and numel(p.shape) > 0:
                 assert p.inner is not None
-                size, inner, who = p.shape, p.inner, name
-            if numel(size) > 0:
-                yield ArrayGeometry(p.array, who, (1,) * len(size), _inner_count(size, inner))
+                seen.add(p.array)
+                yield ArrayGeometry(p.array, name, (1,) * len(p.shape),
+                                    _inner_count(p.shape, p.inner))
 
 
 def chunk_objects(m: Manifest) -> Iterator[tuple[str, str, int]]:
@@ -328,10 +375,10 @@ def _check_chunk_crcs(m: Manifest, crcs: Any, url: str) -> None:
         if t.storage is StorageKind.GRID:
             assert t.array is not None and t.chunks is not None
             arrays = {t.array: _inner_count(t.shape, t.chunks) if t.shape else 1}
+        elif t.storage is StorageKind.PACKED:
+            arrays = {a: int(m.packed.get(a, 0) > 0) for a in t.piece_arrays()}
         else:
-            arrays = {p.array: int(m.packed.get(p.array, 0) > 0
-                                   if t.storage is StorageKind.PACKED else numel(p.shape) > 0)
-                      for p in t.pieces}
+            arrays = {p.array: int(numel(p.shape) > 0) for p in t.pieces}
         for arr, want in arrays.items():
             if arr in seen:  # a packed array several tensors share
                 continue
@@ -372,24 +419,85 @@ def _check_cells(url: str, name: str, shape: Any, chunks: Any, what: str) -> Non
             "the manifest is damaged", url=url, tensor=name, obj=MANIFEST_KEY)
 
 
-MAX_PAIRWISE_PIECES = 512
-"""Up to this many pieces per tensor, every pair is checked for overlap (quadratic)."""
+MAX_OVERLAP_CELLS = 1 << 24
+"""Most cells of the pieces' boundary grid the overlap check marks (64 MiB of counts)."""
+
+
+def _overlap(boxes: list[tuple[list[int], list[int]]]) -> bool | None:
+    """Whether any two non-empty boxes overlap, exactly: every dim is cut at every box's
+    edges, each box marks the cells it covers, and a cell marked twice is an overlap
+    (n boxes cost n slice updates, not n^2 comparisons). None when that grid has more
+    than `MAX_OVERLAP_CELLS` cells."""
+    boxes = [(o, s) for o, s in boxes if numel(s)]
+    if len(boxes) < 2:
+        return False
+    ndim = len(boxes[0][0])
+    cuts = [np.unique([v for o, s in boxes for v in (o[d], o[d] + s[d])]) for d in range(ndim)]
+    if math.prod(len(c) - 1 for c in cuts) > MAX_OVERLAP_CELLS:
+        return None
+    marks = np.zeros([len(c) - 1 for c in cuts], dtype=np.uint32)
+    for o, s in boxes:
+        cell = tuple(slice(int(np.searchsorted(c, o[d])), int(np.searchsorted(c, o[d] + s[d])))
+                     for d, c in enumerate(cuts))
+        marks[cell] += 1
+    return bool((marks > 1).any())
 
 
 def _check_partition(url: str, name: str, shape: list[int],
                      boxes: list[tuple[list[int], list[int]]]) -> None:
     """A tensor's pieces must tile it exactly: a missing or overlapping piece would leave
-    part of the target unwritten (wrong values, not an error) if it got past here."""
+    part of the target unwritten (wrong values, not an error) if it got past here. With
+    the element count equal, no overlap means no gap either."""
     total = sum(numel(s) for _, s in boxes)
-    overlap = len(boxes) <= MAX_PAIRWISE_PIECES and any(
-        all(o1 < o2 + s2 and o2 < o1 + s1 for o1, s1, o2, s2 in zip(a[0], a[1], b[0], b[1],
-                                                                       strict=True))
-        and numel(a[1]) and numel(b[1])
-        for i, a in enumerate(boxes) for b in boxes[i + 1:])
+    overlap = total == numel(shape) and _overlap(boxes)
     if total != numel(shape) or overlap:
         raise _bad(url, f"tensor {name!r}: its {len(boxes)} piece(s) cover {total} of "
                    f"{numel(shape)} elements{' and overlap' if overlap else ''}; the manifest "
                    "is damaged", name)
+
+
+def _int_list(v: Any, n: int) -> np.ndarray | None:
+    """`v` as int64 if it is a JSON list of `n` non-negative ints below 2^62, else None."""
+    if not isinstance(v, list) or len(v) != n or not all(type(x) is int for x in v):
+        return None  # (type, not isinstance: a bool is an int too)
+    try:
+        a = np.array(v, dtype=np.int64).reshape(n)
+    except OverflowError:
+        return None
+    return a if n == 0 or (a.min() >= 0 and a.max() < 1 << 62) else None
+
+
+def _check_packed_grid(url: str, name: str, t: Mapping[str, Any], shape: list[int],
+                       packed: Mapping[str, Any]) -> None:
+    """A packed tensor in grid form: its pieces are the cells of a regular grid of
+    `chunks`; `arrays[i]` (a position in the sorted `packed`) and `byte_offsets[i]` say
+    where cell i (C order) is, and its bytes must lie inside that array."""
+    chunks = check_shape(t.get("chunks"), url, name, "chunks")
+    if len(chunks) != len(shape) or any(c <= 0 for c in chunks):
+        raise AbsurdShapeError(
+            f"checkpoint {url}: packed tensor {name!r} has piece shape {chunks} that does "
+            f"not fit shape {shape}", url=url, tensor=name, obj=MANIFEST_KEY)
+    _check_cells(url, name, shape, chunks, "packed tensor")
+    cells = math.prod(-(-s // c) for s, c in zip(shape, chunks, strict=True))
+    arrays = _int_list(t.get("arrays"), cells)
+    offsets = _int_list(t.get("byte_offsets"), cells)
+    if arrays is None or offsets is None or (cells and arrays.max() >= len(packed)):
+        raise _bad(url, f"packed tensor {name!r} needs 'arrays' (positions in the sorted "
+                   f"'packed', below {len(packed)}) and 'byte_offsets', {cells} "
+                   "non-negative ints each", name)
+    # Bytes of every cell (edge cells are partial), in C order, as int64.
+    nbytes = np.full((), DTYPES[t["dtype"]].itemsize, dtype=np.int64)
+    for s, c in zip(shape, chunks, strict=True):
+        sizes = np.minimum(c, s - np.arange(0, s, c, dtype=np.int64))
+        nbytes = np.multiply.outer(nbytes, sizes)
+    sizes_of = np.array([packed[k] for k in sorted(packed)], dtype=np.int64)
+    over = offsets + nbytes.reshape(-1) > sizes_of[arrays] if cells else np.zeros(0, bool)
+    if over.any():
+        i = int(np.argmax(over))
+        raise AbsurdShapeError(
+            f"checkpoint {url}: packed piece {i} of {name!r} at byte {int(offsets[i])} does "
+            f"not fit its array {sorted(packed)[int(arrays[i])]!r}", url=url, tensor=name,
+            obj=MANIFEST_KEY)
 
 
 def validate(m: Any, url: str) -> None:
@@ -432,6 +540,8 @@ def _check_structure(m: Any, url: str) -> None:
                     f"that do not fit shape {shape}", url=url, tensor=name, obj=MANIFEST_KEY)
             _check_cells(url, name, shape, chunks, "tensor")
             _check_cells(url, name, chunks, inner_s, "shard of tensor")
+        elif storage == StorageKind.PACKED and "pieces" not in t:
+            _check_packed_grid(url, name, t, shape, packed)
         elif storage in (StorageKind.PIECES, StorageKind.PACKED):
             pieces = t.get("pieces")
             if not isinstance(pieces, list):

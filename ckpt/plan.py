@@ -30,7 +30,7 @@ from ckpt.format import StorageKind, inner_chunk_shape, itemsize, numel
 
 __all__ = [
     "TensorLayout", "RankLayout", "PieceWrite", "TensorPlan", "SavePlan", "plan_save",
-    "ReadTask", "LoadPlan", "plan_load", "layout_digest",
+    "ReadTask", "LoadPlan", "plan_load", "layout_digest", "regular_grid",
 ]
 
 Box = tuple[tuple[int, ...], tuple[int, ...]]  # (offset, shape)
@@ -136,7 +136,7 @@ class SavePlan:
         return [(t, p) for t in self.tensors.values() for p in t.pieces if p.writer == rank]
 
 
-def _regular_grid(shape: tuple[int, ...], boxes: list[Box]) -> tuple[int, ...] | None:
+def regular_grid(shape: tuple[int, ...], boxes: list[Box]) -> tuple[int, ...] | None:
     """The chunk shape if `boxes` are exactly the cells of a regular grid over `shape`."""
     if not shape:
         return () if len(boxes) == 1 else None
@@ -248,7 +248,7 @@ def plan_save(
             tensors[name] = TensorPlan(name, t.path, t.shape, t.dtype, t.placements,
                                        StorageKind.PACKED, "", (), (), tuple(pieces), -1)
             continue
-        chunks = _regular_grid(t.shape, boxes)
+        chunks = regular_grid(t.shape, boxes)
         if chunks is not None:
             inner = inner_chunk_shape(chunks, item, inner_bytes)
             pieces = tuple(PieceWrite(b[0], b[1], writer[(name, b)], base) for b in boxes)

@@ -96,7 +96,7 @@ class RegionReader:
                 region = _box_slices(self.off, self.shape, (0,) * len(self.off))
                 self._ts(arr[region] if region else arr, (), t.array)
                 return
-            for p in t.pieces:
+            for p in t.piece_list():
                 inter = _intersect(self.off, self.shape, p.offset, p.shape)
                 if inter is None:
                     continue

@@ -58,8 +58,11 @@ def _data_objects(store: storage.Store, m: dict) -> set[str]:
 
 def _key(m: dict, name: str) -> str:
     t = m["tensors"][name]
-    return (t["array"] if "array" in t else t["pieces"][0]["array"]) + (
-        "/c/0/0" if t["storage"] == "grid" else "/c/0")
+    if "array" in t:
+        arr = t["array"]
+    else:
+        arr = t["pieces"][0]["array"] if "pieces" in t else sorted(m["packed"])[t["arrays"][0]]
+    return arr + ("/c/0/0" if t["storage"] == "grid" else "/c/0")
 
 
 def test_encode_records_the_crcs_it_stores() -> None:

@@ -121,11 +121,12 @@ def test_readable_with_plain_tensorstore_and_zarr(tmp_path) -> None:
     t = ts.open({"driver": "zarr3", "kvstore": {"driver": "file",
                  "path": str(tmp_path / "c" / big["array"])}}).result()
     np.testing.assert_array_equal(t.read().result(), src["big"].numpy())
-    small = m["tensors"]["small"]
-    assert small["storage"] == "packed"
-    (piece,) = small["pieces"]
-    packed = zarr.open_array(str(tmp_path / "c" / piece["array"]), mode="r")
-    raw = packed[piece["byte_offset"]: piece["byte_offset"] + 40]
+    small = m["tensors"]["small"]  # packed, in grid form (docs/format.md)
+    assert small["storage"] == "packed" and small["chunks"] == [10]
+    (array,), (offset,) = small["arrays"], small["byte_offsets"]
+    path = sorted(m["packed"])[array]
+    packed = zarr.open_array(str(tmp_path / "c" / path), mode="r")
+    raw = packed[offset: offset + 40]
     np.testing.assert_array_equal(np.frombuffer(raw.tobytes(), "<f4"), src["small"].numpy())
 
 

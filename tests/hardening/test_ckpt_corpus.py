@@ -4,6 +4,7 @@ and still loads bitwise (`CheckpointManager.restore` falls back to it)."""
 
 from __future__ import annotations
 
+import itertools
 import json
 import os
 from collections.abc import Callable
@@ -50,9 +51,16 @@ def _tensor(m: dict, name: str) -> dict:
     return m["tensors"][name]
 
 
-def _chunk(store: storage.Store, m: dict, name: str) -> str:
+def _array(m: dict, name: str) -> str:
+    """The tensor's (first) array: its own, its first piece's, or its first cell's."""
     t = _tensor(m, name)
-    arr = t["array"] if "array" in t else t["pieces"][0]["array"]
+    if "array" in t:
+        return t["array"]
+    return t["pieces"][0]["array"] if "pieces" in t else sorted(m["packed"])[t["arrays"][0]]
+
+
+def _chunk(store: storage.Store, m: dict, name: str) -> str:
+    arr = _array(m, name)
     return next(k for k in store.list(arr) if "/c" in k[len(arr):])
 
 
@@ -64,9 +72,31 @@ def set_top(key: str, value) -> Damage:
     return lambda s, m: edit_manifest(s, lambda mm: mm.__setitem__(key, value))
 
 
+def _as_piece_list(m: dict, name: str) -> list[dict]:
+    """A packed tensor in grid form rewritten in list form (format version 1's), which
+    the reader still takes: its piece list."""
+    t = _tensor(m, name)
+    if "pieces" not in t:
+        names, shape, chunks = sorted(m["packed"]), t["shape"], t["chunks"]
+        offsets = itertools.product(*(range(0, s, c) for s, c in zip(shape, chunks,
+                                                                     strict=True)))
+        t["pieces"] = [{"offset": list(o), "shape": [min(c, s - x) for x, c, s in
+                                                     zip(o, chunks, shape, strict=True)],
+                        "array": names[a], "byte_offset": b}
+                       for o, a, b in zip(offsets, t.pop("arrays"), t.pop("byte_offsets"),
+                                          strict=True)]
+        del t["chunks"]
+    return t["pieces"]
+
+
 def set_piece(name: str, key: str, value) -> Damage:
     return lambda s, m: edit_manifest(
-        s, lambda mm: _tensor(mm, name)["pieces"][0].__setitem__(key, value))
+        s, lambda mm: _as_piece_list(mm, name)[0].__setitem__(key, value))
+
+
+def set_cell(name: str, key: str, value) -> Damage:
+    """Entry 0 of a packed grid tensor's list `key` ('arrays', 'byte_offsets') = value."""
+    return lambda s, m: edit_manifest(s, lambda mm: _tensor(mm, name)[key].__setitem__(0, value))
 
 
 def rewrite_chunk(name: str, change: Callable[[bytes], bytes]) -> Damage:
@@ -91,8 +121,7 @@ def chunk_from(src: str, dst: str) -> Damage:
 
 def delete_array(name: str) -> Damage:
     def damage(s: storage.Store, m: dict) -> None:
-        t = _tensor(m, name)
-        s.delete_prefix(t["array"] if "array" in t else t["pieces"][0]["array"])
+        s.delete_prefix(_array(m, name))
     return damage
 
 
@@ -151,6 +180,17 @@ CASES: dict[str, Case] = {
     "packed-byte-offset-negative": Case(set_piece("idx", "byte_offset", -8), ABSURD, "'idx'"),
     "packed-byte-offset-past-end": Case(set_piece("idx", "byte_offset", 2**40), ABSURD,
                                         "'idx'"),
+    # (the packed grid form: two lists of ints instead of a piece list)
+    "packed-grid-offset-past-end": Case(set_cell("idx", "byte_offsets", 2**40), ABSURD,
+                                        "'idx'"),
+    "packed-grid-offset-negative": Case(set_cell("idx", "byte_offsets", -8), CORRUPT, "'idx'"),
+    "packed-grid-offset-bool": Case(set_cell("idx", "byte_offsets", True), CORRUPT, "'idx'"),
+    "packed-grid-offset-2^70": Case(set_cell("idx", "byte_offsets", 2**70), CORRUPT, "'idx'"),
+    "packed-grid-array-past-end": Case(set_cell("idx", "arrays", 10**6), CORRUPT, "'idx'"),
+    "packed-grid-cells-miscounted": Case(set_in("idx", "byte_offsets", []), CORRUPT, "'idx'"),
+    "packed-grid-chunks-zero": Case(set_in("idx", "chunks", [0]), ABSURD, "'idx'"),
+    "packed-grid-2^62-cells": Case(lambda s, m: edit_manifest(
+        s, lambda mm: _tensor(mm, "idx").update(shape=[2**62], chunks=[1])), ABSURD, "'idx'"),
     "dtype-unknown": Case(set_in("w", "dtype", "complex128"), CORRUPT, "'w'"),
     "dtype-changed": Case(set_in("w", "dtype", "float64"), ckpt.DtypeMismatchError, "'w'",
                           falls_back=False),
