@@ -12,7 +12,7 @@ beside them in the JSON; the cap is on wall time.
 Relight (what `ckpt.engine` runs on every rank): `plan_save` over every rank's
 `RankLayout`, this rank's `writes_of`, `plan_load` over every rank's needs; then the
 manifest built from the plan as the coordinator builds it (`ckpt.commit`), its bytes,
-and its parse time (json + `validate`, as `read_manifest` does on each rank).
+and its parse time (`parse_manifest`: json + checks, as `read_manifest` does on each rank).
 
 DCP (torch.distributed.checkpoint's default planners): save is
 `DefaultSavePlanner.create_global_plan` over one synthetic local `SavePlan` per rank
@@ -140,7 +140,7 @@ def table_path(manifest_path: str | Path) -> Path:
 
 def relight_arm(config: str, world: int, manifest_out: str | None = None,
                 manifest: bool = True) -> dict[str, Any]:
-    from ckpt.manifest import validate
+    from ckpt.manifest import parse_manifest
     from ckpt.plan import plan_load, plan_save
 
     layouts, needs = relight_inputs(config, world)
@@ -173,8 +173,8 @@ def relight_arm(config: str, world: int, manifest_out: str | None = None,
     out["manifest_build_s"] = time.perf_counter() - t0
     out["manifest_bytes"] = len(raw)
     out["crc_table_bytes"] = len(table)
-    with Clock() as parse:
-        validate(json.loads(raw), "scale://")
+    with Clock() as parse:  # what read_manifest does after fetching and checking the bytes
+        parse_manifest(raw, "scale://")
     out["manifest_parse_s"], out["manifest_parse_wall_s"] = parse.cpu, parse.wall
     if manifest_out:
         Path(manifest_out).write_bytes(raw)

@@ -6,11 +6,13 @@ checkpoint's) from the right one (docs/format.md, "Chunk binding"). Those record
 with the number of data objects: 4.4 million objects for Llama-3-70B on 16,384 ranks,
 over 200 MB as JSON lists, which every rank would parse. So they live in one binary
 object per save attempt, `data/<attempt>/chunk_crc32c.bin`: little-endian uint32, array
-after array in the manifest's order, each array's objects in C order of its grid and
-each object's inner chunks in storage order. The manifest keeps, per array, where its
-block starts, how many entries it has, the crc32c of the block's bytes and the entries
-that are not stored (`chunk_crc32c_table`): a few dozen bytes per array, and the
-manifest's own crc32c in the commit marker binds the blocks.
+after array in the table's order (`ckpt.manifest.data_arrays`: the grid and piece arrays
+in the manifest's order, then the packed arrays sorted), each array's objects in C
+order of its grid and each object's inner chunks in storage order. Where each array's
+block starts and how long it is follow from the manifest's shapes; the manifest keeps
+the crc32c of each block's bytes, by position, and the entries of chunks that are not
+stored (`chunk_crc32c_table`): a few bytes per array, and the manifest's own crc32c in
+the commit marker binds the blocks.
 
 A load reads only the blocks of the arrays it opens (one ranged get each, checked
 against the manifest before use; a table of at most 1 MiB in one get) and keeps them
@@ -90,13 +92,13 @@ def array_of_key(key: str) -> str:
 
 def encode_table(arrays: Iterable[ArrayGeometry], crcs: Mapping[str, list[int | None]],
                  key: str) -> tuple[bytes, dict[str, Any]]:
-    """The table of `arrays` with the crcs the ranks reported, and the manifest's record
-    of it (object `key`). Raises KeyError/ValueError naming an object whose crcs are
-    missing or of the wrong count: the save cannot bind that object."""
+    """The table of `arrays` (in table order) with the crcs the ranks reported, and the
+    manifest's record of it (object `key`). Raises KeyError/ValueError naming an object
+    whose crcs are missing or of the wrong count: the save cannot bind that object."""
     parts: list[np.ndarray] = []
-    record: dict[str, list[Any]] = {}
-    start = 0
-    for geo in arrays:
+    block_crcs: list[int] = []
+    not_stored: list[list[Any]] = []
+    for pos, geo in enumerate(arrays):
         block = np.empty(geo.entries, dtype="<u4")
         missing: list[int] = []
         at = 0
@@ -112,14 +114,15 @@ def encode_table(arrays: Iterable[ArrayGeometry], crcs: Mapping[str, list[int | 
                     missing.append(at + i)
             block[at: at + geo.per_object] = [NOT_STORED if c is None else c for c in got]
             at += geo.per_object
-        entry: list[Any] = [start, geo.entries, crc32c(block.tobytes())]
         if missing:
-            entry.append(missing)
-        record[geo.array] = entry
+            not_stored.append([pos, missing])
+        block_crcs.append(crc32c(block.tobytes()))
         parts.append(block)
-        start += geo.entries
     blob = b"".join(p.tobytes() for p in parts)
-    return blob, {"object": key, "bytes": len(blob), "arrays": record}
+    record: dict[str, Any] = {"object": key, "bytes": len(blob), "crc32c": block_crcs}
+    if not_stored:
+        record["not_stored"] = not_stored
+    return blob, record
 
 
 def _bad(url: str, what: str) -> CorruptCheckpointError:
@@ -128,11 +131,16 @@ def _bad(url: str, what: str) -> CorruptCheckpointError:
 
 
 def _uint(v: Any) -> bool:
-    return isinstance(v, int) and not isinstance(v, bool) and v >= 0
+    return type(v) is int and v >= 0  # (type, not isinstance: a bool is an int too)
+
+
+def _where(geo: ArrayGeometry) -> str:
+    return f"array {geo.array}" + (f" of tensor {geo.tensor!r}" if geo.tensor else "")
 
 
 @dataclass(frozen=True, slots=True)
 class _Block:
+    geo: ArrayGeometry
     start: int
     count: int
     crc: int
@@ -147,8 +155,8 @@ class ChunkCrcTable:
                  store: Store | None = None) -> None:
         self.url = url
         self.store = store
-        if not isinstance(record, dict) or not isinstance(record.get("arrays"), dict):
-            raise _bad(url, "is not an object with 'arrays'")
+        if not isinstance(record, dict) or type(record.get("crc32c")) is not list:
+            raise _bad(url, "is not an object with a 'crc32c' list")
         try:
             self.key = check_path(record.get("object"), url)
         except UnsafePathError as e:
@@ -160,29 +168,53 @@ class ChunkCrcTable:
         if not _uint(nbytes) or nbytes % 4:
             raise _bad(url, f"has 'bytes' {str(nbytes)[:40]}, not a multiple of 4")
         self.nbytes: int = nbytes
-        self.geometry: dict[str, ArrayGeometry] = {}
-        self.blocks: dict[str, _Block] = {}
-        raw = record["arrays"]
-        for geo in arrays:
-            if geo.array in self.geometry:
-                continue
-            self.geometry[geo.array] = geo
-            entry = raw.get(geo.array)
-            where = f"array {geo.array}" + (f" of tensor {geo.tensor!r}" if geo.tensor else "")
-            if not (isinstance(entry, list) and len(entry) in (3, 4)
-                    and all(_uint(v) for v in entry[:3])):
-                raise _bad(url, f"has no [start, count, crc32c] entry for {where}")
-            start, count, crc = entry[:3]
-            if count != geo.entries or crc >= 1 << 32 or start + count > nbytes // 4:
-                raise _bad(url, f"entry of {where} ({start}, {count} entries) does not fit "
-                           f"its {geo.entries} inner chunks in a table of {nbytes} bytes")
-            missing = entry[3] if len(entry) == 4 else []
-            if not (isinstance(missing, list) and all(_uint(i) and i < count for i in missing)):
-                raise _bad(url, f"lists chunks not stored of {where} outside its entries")
-            self.blocks[geo.array] = _Block(start, count, crc, frozenset(missing))
+        crcs = record["crc32c"]
+        self._arrays = list(arrays)
+        if not all(type(c) is int for c in crcs):  # (type: a bool is an int too)
+            bad = next(i for i, c in enumerate(crcs) if type(c) is not int)
+            raise _bad(url, f"has crc32c {str(crcs[bad])[:40]} for {self._at(bad)}")
+        values = np.array(crcs, dtype=object)
+        out = (values < 0) | (values >= 1 << 32) if len(crcs) else np.zeros(0, bool)
+        if out.any():
+            bad = int(np.argmax(out))
+            raise _bad(url, f"has crc32c {crcs[bad]} for {self._at(bad)}")
+        self._crcs: list[int] = crcs
+        entries = [g.entries for g in self._arrays]
+        if len(crcs) != len(entries) or 4 * sum(entries) != nbytes:
+            raise _bad(url, f"records {len(crcs)} arrays in {nbytes} bytes; the manifest's "
+                       f"{len(entries)} arrays have {sum(entries)} inner chunks "
+                       f"({4 * sum(entries)} bytes)")
+        self._not_stored: dict[int, frozenset[int]] = {}
+        for item in record.get("not_stored", []):
+            if not (type(item) is list and len(item) == 2 and _uint(item[0])
+                    and item[0] < len(entries) and type(item[1]) is list):
+                raise _bad(url, f"has a 'not_stored' item {str(item)[:60]} that is not "
+                           "[array position, [entries]]")
+            pos, which = item
+            if not all(_uint(i) and i < entries[pos] for i in which):
+                raise _bad(url, f"lists chunks not stored of {self._at(pos)} outside its "
+                           "entries")
+            self._not_stored[pos] = frozenset(which)
+        self._blocks: dict[str, _Block] | None = None
         self._loaded: dict[str, np.ndarray] = {}
         self._whole: bytes | None = None
         self._lock = threading.Lock()
+
+    def _at(self, pos: int) -> str:
+        return _where(self._arrays[pos]) if pos < len(self._arrays) else f"position {pos}"
+
+    @property
+    def blocks(self) -> dict[str, _Block]:
+        """Array -> its block: built on first use (a load opens a few arrays of many)."""
+        with self._lock:
+            if self._blocks is None:
+                blocks, start = {}, 0
+                for pos, geo in enumerate(self._arrays):
+                    blocks[geo.array] = _Block(geo, start, geo.entries, self._crcs[pos],
+                                               self._not_stored.get(pos, frozenset()))
+                    start += geo.entries
+                self._blocks = blocks
+            return self._blocks
 
     def _fetch(self, lo: int, hi: int) -> bytes:
         assert self.store is not None
@@ -228,7 +260,8 @@ class ChunkCrcTable:
         """The crc32c recorded for each inner chunk of data object `key` (None: not
         stored). Raises `CorruptCheckpointError` for a key the manifest does not have."""
         array = array_of_key(key)
-        geo = self.geometry.get(array)
+        block = self.blocks.get(array)
+        geo = None if block is None else block.geo
         lin = None if geo is None else geo.object_index(key)
         if geo is None or lin is None:
             raise CorruptCheckpointError(
@@ -236,7 +269,7 @@ class ChunkCrcTable:
                 url=self.url, obj=key)
         n = geo.per_object
         vals: list[int | None] = self._block(array)[lin * n: (lin + 1) * n].tolist()
-        missing = self.blocks[array].missing
+        missing = block.missing
         if missing:
             base = lin * n
             vals = [None if base + i in missing else v for i, v in enumerate(vals)]

@@ -42,13 +42,14 @@ from ckpt.format import (
     numel,
     zarr_metadata,
 )
+from ckpt.gc_pause import gc_paused
 from storage import ObjectNotFoundError, Store
 from storage.checksum import crc32c
 
 logger = logging.getLogger(__name__)
 
 __all__ = ["Manifest", "PieceEntry", "StorageKind", "TensorEntry", "chunk_objects", "crc32c",
-           "read_commit", "read_manifest", "validate"]
+           "data_arrays", "parse_manifest", "read_commit", "read_manifest", "validate"]
 
 MAX_CHUNKS = 10_000_000
 
@@ -325,28 +326,25 @@ def _inner_count(shape: tuple[int, ...] | list[int], inner: tuple[int, ...] | li
 
 
 def data_arrays(m: Manifest) -> Iterator[ArrayGeometry]:
-    """Every array holding data objects, once each, in the manifest's order: a grid
-    tensor's array, each piece's array, each packed array (several tensors share one)."""
-    seen: set[str] = set()
+    """Every array holding data objects, once each, in the chunk crc32c table's order:
+    each grid tensor's array and each piece's array in the manifest's order, then the
+    packed arrays (several tensors share one) in sorted order."""
     for name, t in m.tensors.items():
         if t.storage is StorageKind.GRID:
             assert t.array is not None and t.chunks is not None and t.inner is not None
             grid = tuple(-(-s // c) for s, c in zip(t.shape, t.chunks, strict=True))
             yield ArrayGeometry(t.array, name, grid, _inner_count(t.chunks, t.inner))
-            continue
-        if t.storage is StorageKind.PACKED:
-            for a in t.piece_arrays():
-                if a not in seen and m.packed[a] > 0:
-                    seen.add(a)
-                    yield ArrayGeometry(a, "", (1,),
-                                        _inner_count((m.packed[a],), (m.packed_inner,)))
-            continue
-        for p in t.pieces:
-            if p.array not in seen and numel(p.shape) > 0:
-                assert p.inner is not None
-                seen.add(p.array)
-                yield ArrayGeometry(p.array, name, (1,) * len(p.shape),
-                                    _inner_count(p.shape, p.inner))
+        elif t.storage is StorageKind.PIECES:
+            for p in t.pieces:
+                if numel(p.shape) > 0:
+                    assert p.inner is not None
+                    yield ArrayGeometry(p.array, name, (1,) * len(p.shape),
+                                        _inner_count(p.shape, p.inner))
+    inner = m.packed_inner
+    for a in sorted(m.packed):
+        size = m.packed[a]
+        if size > 0:
+            yield ArrayGeometry(a, "", (1,), -(-size // inner))
 
 
 def chunk_objects(m: Manifest) -> Iterator[tuple[str, str, int]]:
@@ -425,22 +423,29 @@ MAX_OVERLAP_CELLS = 1 << 24
 
 def _overlap(boxes: list[tuple[list[int], list[int]]]) -> bool | None:
     """Whether any two non-empty boxes overlap, exactly: every dim is cut at every box's
-    edges, each box marks the cells it covers, and a cell marked twice is an overlap
-    (n boxes cost n slice updates, not n^2 comparisons). None when that grid has more
-    than `MAX_OVERLAP_CELLS` cells."""
+    edges, each box adds 1 over the cells it covers (+-1 at its corners, then a running
+    sum along every dim), and a cell counted twice is an overlap. Linear in the boxes
+    and the cells, vectorized; None when that grid has over `MAX_OVERLAP_CELLS` cells."""
     boxes = [(o, s) for o, s in boxes if numel(s)]
     if len(boxes) < 2:
         return False
     ndim = len(boxes[0][0])
-    cuts = [np.unique([v for o, s in boxes for v in (o[d], o[d] + s[d])]) for d in range(ndim)]
+    if ndim == 0:
+        return True
+    lo = np.array([o for o, _ in boxes], dtype=np.int64)
+    hi = lo + np.array([s for _, s in boxes], dtype=np.int64)
+    cuts = [np.unique(np.concatenate([lo[:, d], hi[:, d]])) for d in range(ndim)]
     if math.prod(len(c) - 1 for c in cuts) > MAX_OVERLAP_CELLS:
         return None
-    marks = np.zeros([len(c) - 1 for c in cuts], dtype=np.uint32)
-    for o, s in boxes:
-        cell = tuple(slice(int(np.searchsorted(c, o[d])), int(np.searchsorted(c, o[d] + s[d])))
-                     for d, c in enumerate(cuts))
-        marks[cell] += 1
-    return bool((marks > 1).any())
+    at = [(np.searchsorted(c, lo[:, d]), np.searchsorted(c, hi[:, d]))
+          for d, c in enumerate(cuts)]
+    counts = np.zeros([len(c) for c in cuts], dtype=np.int32)
+    for corner in itertools.product((0, 1), repeat=ndim):
+        np.add.at(counts, tuple(at[d][bit] for d, bit in enumerate(corner)),
+                  -1 if sum(corner) % 2 else 1)
+    for d in range(ndim):
+        np.cumsum(counts, axis=d, out=counts)
+    return bool((counts > 1).any())
 
 
 def _check_partition(url: str, name: str, shape: list[int],
@@ -468,7 +473,7 @@ def _int_list(v: Any, n: int) -> np.ndarray | None:
 
 
 def _check_packed_grid(url: str, name: str, t: Mapping[str, Any], shape: list[int],
-                       packed: Mapping[str, Any]) -> None:
+                       names: list[str], sizes: np.ndarray) -> None:
     """A packed tensor in grid form: its pieces are the cells of a regular grid of
     `chunks`; `arrays[i]` (a position in the sorted `packed`) and `byte_offsets[i]` say
     where cell i (C order) is, and its bytes must lie inside that array."""
@@ -481,25 +486,25 @@ def _check_packed_grid(url: str, name: str, t: Mapping[str, Any], shape: list[in
     cells = math.prod(-(-s // c) for s, c in zip(shape, chunks, strict=True))
     arrays = _int_list(t.get("arrays"), cells)
     offsets = _int_list(t.get("byte_offsets"), cells)
-    if arrays is None or offsets is None or (cells and arrays.max() >= len(packed)):
+    if arrays is None or offsets is None or (cells and arrays.max() >= len(names)):
         raise _bad(url, f"packed tensor {name!r} needs 'arrays' (positions in the sorted "
-                   f"'packed', below {len(packed)}) and 'byte_offsets', {cells} "
+                   f"'packed', below {len(names)}) and 'byte_offsets', {cells} "
                    "non-negative ints each", name)
     # Bytes of every cell (edge cells are partial), in C order, as int64.
     nbytes = np.full((), DTYPES[t["dtype"]].itemsize, dtype=np.int64)
     for s, c in zip(shape, chunks, strict=True):
-        sizes = np.minimum(c, s - np.arange(0, s, c, dtype=np.int64))
-        nbytes = np.multiply.outer(nbytes, sizes)
-    sizes_of = np.array([packed[k] for k in sorted(packed)], dtype=np.int64)
-    over = offsets + nbytes.reshape(-1) > sizes_of[arrays] if cells else np.zeros(0, bool)
+        nbytes = np.multiply.outer(nbytes, np.minimum(c, s - np.arange(0, s, c,
+                                                                      dtype=np.int64)))
+    over = offsets + nbytes.reshape(-1) > sizes[arrays] if cells else np.zeros(0, bool)
     if over.any():
         i = int(np.argmax(over))
         raise AbsurdShapeError(
             f"checkpoint {url}: packed piece {i} of {name!r} at byte {int(offsets[i])} does "
-            f"not fit its array {sorted(packed)[int(arrays[i])]!r}", url=url, tensor=name,
+            f"not fit its array {names[int(arrays[i])]!r}", url=url, tensor=name,
             obj=MANIFEST_KEY)
 
 
+@gc_paused
 def validate(m: Any, url: str) -> None:
     """Check manifest JSON as every load does (`Manifest.from_json`), without keeping it."""
     Manifest.from_json(m, url)
@@ -518,10 +523,14 @@ def _check_structure(m: Any, url: str) -> None:
         raise AbsurdShapeError(
             f"checkpoint {url}: packed_inner {inner!r} is not an int in [1, {MAX_NUMEL}]; the "
             "manifest is damaged", url=url, obj=MANIFEST_KEY)
-    for arr, size in packed.items():
+    for arr, size in packed.items():  # (a 1-D array each: its checks inline, ~16k of them)
         check_path(arr, url)
-        check_shape([size], url, arr, "packed size")
-        _check_cells(url, arr, [size], [inner], "packed array")
+        if type(size) is not int or not 0 <= size < MAX_NUMEL:
+            check_shape([size], url, arr, "packed size")  # raises, naming it
+        if -(-size // inner) > MAX_CHUNKS:
+            _check_cells(url, arr, [size], [inner], "packed array")  # raises, naming it
+    names: list[str] | None = None
+    sizes = np.zeros(0, np.int64)
     for name, t in m["tensors"].items():
         if not isinstance(t, dict):
             raise _bad(url, f"tensor entry {name!r} is not an object", name)
@@ -541,7 +550,10 @@ def _check_structure(m: Any, url: str) -> None:
             _check_cells(url, name, shape, chunks, "tensor")
             _check_cells(url, name, chunks, inner_s, "shard of tensor")
         elif storage == StorageKind.PACKED and "pieces" not in t:
-            _check_packed_grid(url, name, t, shape, packed)
+            if names is None:  # once, and only for a manifest that has the grid form
+                names = sorted(packed)
+                sizes = np.array([packed[k] for k in names], dtype=np.int64)
+            _check_packed_grid(url, name, t, shape, names, sizes)
         elif storage in (StorageKind.PIECES, StorageKind.PACKED):
             pieces = t.get("pieces")
             if not isinstance(pieces, list):
@@ -617,6 +629,13 @@ def read_manifest(store: Store) -> Manifest:
             f"match its commit marker ({commit.get('manifest_bytes')} bytes, crc32c "
             f"{commit.get('manifest_crc32c')}); the manifest is damaged", url=url,
             obj=MANIFEST_KEY)
+    return parse_manifest(raw, url, store)
+
+
+@gc_paused
+def parse_manifest(raw: bytes, url: str, store: Store | None = None) -> Manifest:
+    """The manifest in `raw` (the bytes of a `manifest.json`), checked as every load
+    checks it; `store`: where its chunk crc32c table is read from."""
     try:
         m = json.loads(raw)
     except (ValueError, RecursionError) as e:  # RecursionError: absurdly deep nesting

@@ -17,7 +17,7 @@ import ckpt.crc_table
 import storage
 from ckpt.crc_table import TABLE_FIELD, array_of_key
 from ckpt.format import CHUNK_CRCS, MANIFEST_KEY, zarr_metadata
-from ckpt.manifest import chunk_objects, crc32c, read_manifest
+from ckpt.manifest import Manifest, chunk_objects, crc32c, data_arrays, read_manifest
 from ckpt.shardio import ShardGeometry, encode_shard, read_shard_region, stored_crcs
 from ckpt.tsio import open_array
 
@@ -250,8 +250,14 @@ def _set(m: dict, value) -> None:
     m[CHUNK_CRCS][_key(m, "a")] = value
 
 
-def _entry(m: dict) -> list:
-    return m[TABLE_FIELD]["arrays"][array_of_key(_key(m, "a"))]
+def _position(m: dict, name: str) -> int:
+    """Where the array of tensor `name` is in the table's order."""
+    arrays = [g.array for g in data_arrays(Manifest.from_json(m, "x://"))]
+    return arrays.index(array_of_key(_key(m, name)))
+
+
+def _set_crc(m: dict, value) -> None:
+    m[TABLE_FIELD]["crc32c"][_position(m, "a")] = value
 
 
 BAD_INLINE = {
@@ -269,15 +275,17 @@ BAD_TABLE = {
     "not-an-object": lambda m: m.__setitem__(TABLE_FIELD, [1, 2]),
     "object-outside-root": lambda m: m[TABLE_FIELD].__setitem__("object", "../x.bin"),
     "bytes-not-whole-entries": lambda m: m[TABLE_FIELD].__setitem__("bytes", 6),
-    "entry-missing": lambda m: m[TABLE_FIELD]["arrays"].pop(array_of_key(_key(m, "a"))),
-    "entry-too-short": lambda m: _entry(m).__setitem__(1, _entry(m)[1] - 1),
-    "entry-past-the-end": lambda m: _entry(m).__setitem__(0, m[TABLE_FIELD]["bytes"] // 4),
-    "entry-not-a-list": lambda m: m[TABLE_FIELD]["arrays"].__setitem__(
-        array_of_key(_key(m, "a")), "deadbeef"),
-    "crc-2^32": lambda m: _entry(m).__setitem__(2, 1 << 32),
-    "crc-bool": lambda m: _entry(m).__setitem__(2, True),
-    "crc-float": lambda m: _entry(m).__setitem__(2, 1.5),
-    "not-stored-outside": lambda m: _entry(m).append([_entry(m)[1]]),
+    "bytes-one-entry-short": lambda m: m[TABLE_FIELD].__setitem__(
+        "bytes", m[TABLE_FIELD]["bytes"] - 4),
+    "crcs-one-short": lambda m: m[TABLE_FIELD]["crc32c"].pop(),
+    "crcs-not-a-list": lambda m: m[TABLE_FIELD].__setitem__("crc32c", "deadbeef"),
+    "crc-2^32": lambda m: _set_crc(m, 1 << 32),
+    "crc-negative": lambda m: _set_crc(m, -1),
+    "crc-bool": lambda m: _set_crc(m, True),
+    "crc-float": lambda m: _set_crc(m, 1.5),
+    "not-stored-outside": lambda m: m[TABLE_FIELD].__setitem__(
+        "not_stored", [[_position(m, "a"), [10**6]]]),
+    "position-past-the-end": lambda m: m[TABLE_FIELD].__setitem__("not_stored", [[10**6, [0]]]),
     "both-forms": lambda m: m.__setitem__(CHUNK_CRCS, {}),
 }
 
@@ -294,7 +302,7 @@ def test_malformed_record_is_typed_error(saved, form, case) -> None:
     _resign(store, m)
     with pytest.raises(ckpt.CorruptCheckpointError, match="chunk_crc32c") as e:
         ckpt.load({k: torch.zeros_like(v) for k, v in _state(1).items()}, store)
-    if case.startswith(("entry", "crc", "not-stored")):
+    if case.startswith(("entry", "crc-", "not-stored")):
         assert "'a'" in str(e.value)
     assert not ckpt.verify(store).ok
 
@@ -307,8 +315,9 @@ def test_damaged_table_is_typed_error_and_nothing_loads_unchecked(saved, damage,
     key = m[TABLE_FIELD]["object"]
     blob = bytearray(store.get(key))
     if damage == "flipped":
-        start = _entry(m)[0]
-        blob[4 * start] ^= 1
+        table = read_manifest(store).crc_table
+        assert table is not None
+        blob[4 * table.blocks[array_of_key(_key(m, "a"))].start] ^= 1
         store.put(key, bytes(blob))
     elif damage == "truncated":
         store.put(key, bytes(blob[:-4]))
