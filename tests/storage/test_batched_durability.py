@@ -10,7 +10,8 @@ import torch
 
 import ckpt
 import storage
-from ckpt.format import COMMIT_KEY, DATA_PREFIX, INDEX_PREFIX
+from ckpt.crc_table import TABLE_NAME
+from ckpt.format import COMMIT_KEY, DATA_PREFIX, INDEX_PREFIX, MANIFEST_KEY
 from ckpt.tiered import TieredStore
 from storage import InjectedFaultError, StorageError, fsspec_store
 from storage.faulty import OPERATIONS
@@ -144,9 +145,16 @@ def test_save_syncs_every_object_before_the_rank_index(tmp_path, fsynced) -> Non
     index_at = next(i for i, (op, p) in enumerate(order)
                     if op == "put" and f"/{INDEX_PREFIX}" in p)
     sync_at = [i for i, (op, _) in enumerate(order) if op == "sync"]
-    data_puts = [i for i, (op, p) in enumerate(order) if op == "put" and f"/{DATA_PREFIX}" in p]
+    data_puts = [i for i, (op, p) in enumerate(order) if op == "put" and f"/{DATA_PREFIX}" in p
+                 and not p.endswith(TABLE_NAME)]
     assert len(sync_at) == 1 and len(data_puts) >= 4
     assert max(data_puts) < sync_at[0] < index_at
+    # The coordinator's chunk crc32c table: a plain put (durable when it returns), after
+    # every rank's index and before the manifest that binds it.
+    (table_at,) = [i for i, (op, p) in enumerate(order) if op == "put" and p.endswith(TABLE_NAME)]
+    manifest_at = next(i for i, (op, p) in enumerate(order)
+                       if op == "put" and p.endswith(f"/{MANIFEST_KEY}"))
+    assert index_at < table_at < manifest_at
     root = str(tmp_path / "c")
     objects = storage.open_store(root).list(DATA_PREFIX)
     assert objects and all(os.path.dirname(f"{root}/{k}") in fsynced for k in objects)
