@@ -20,6 +20,7 @@ message), never pickled.
 
 from __future__ import annotations
 
+import json
 from collections.abc import Callable, Mapping
 from typing import Any
 
@@ -29,7 +30,7 @@ from ckpt.comm import Comm
 from ckpt.errors import CheckpointError, CorruptCheckpointError
 from storage import StorageError
 
-__all__ = ["RemoteError", "all_or_raise", "encode_error", "rebuild_error"]
+__all__ = ["RemoteError", "all_or_raise", "encode_error", "gather_or_raise", "rebuild_error"]
 
 RemoteError = dict[str, str]
 """A failure as it crosses ranks: {"type": class name, "msg": str(exception)}."""
@@ -81,3 +82,26 @@ def all_or_raise(comm: Comm, error: BaseException | None, payload: Any = None,
     if failures:
         raise (remote or _first_rebuilt(url))(failures)
     return [g["data"] for g in gathered]
+
+
+def gather_or_raise(comm: Comm, error: BaseException | None, payload: Any = None,
+                    what: str = "a checkpoint collective", *, url: str | None = None,
+                    remote: Callable[[Mapping[int, RemoteError]], BaseException] | None = None,
+                    ) -> list[Any] | None:
+    """`all_or_raise` for a payload only the coordinator needs: every rank learns of any
+    failure as there (one all-gather of the errors and the payloads' sizes), then one
+    gather brings the payloads to the coordinator. Returns them in group order on the
+    coordinator, None on the other ranks.
+
+    The payloads of a save's commit are each rank's index (its chunk crc32c): all-gathered,
+    every rank received, and parsed, every other rank's, a volume that grows with the
+    square of the world size and that only the coordinator uses."""
+    blob = b""
+    if error is None:
+        try:
+            blob = json.dumps(payload, separators=(",", ":")).encode()
+        except (TypeError, ValueError) as e:
+            error = e
+    lens = all_or_raise(comm, error, len(blob), what, url=url, remote=remote)
+    blobs = comm.gather_bytes(blob, lens, what)
+    return None if blobs is None else [json.loads(b) for b in blobs]

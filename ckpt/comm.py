@@ -23,7 +23,8 @@ GENERIC = "a checkpoint collective"
 
 
 class Comm:
-    """A view of one process group: rank, size, global ranks, JSON all-gather, p2p."""
+    """A view of one process group: rank, size, global ranks, JSON all-gather, gather to
+    the coordinator, p2p."""
 
     def __init__(self, group: Any = None, timeout_s: float = 300.0) -> None:
         self.active = dist.is_available() and dist.is_initialized()
@@ -92,6 +93,25 @@ class Comm:
         out = [torch.zeros(width, dtype=torch.uint8, device=self.device) for _ in range(self.size)]
         self._wait(dist.all_gather(out, buf, group=self.group, async_op=True), what)
         return [bytes(o.cpu().numpy().tobytes()) for o in out]
+
+    def gather_bytes(self, payload: bytes, lens: list[int],
+                     what: str = GENERIC) -> list[bytes] | None:
+        """Every rank's payload, in group order, on the coordinator only (None on the
+        others). `lens` holds every rank's payload length, known to all ranks from an
+        earlier collective, so this is one gather and nothing else."""
+        if not self.active or self.size == 1:
+            return [payload]
+        width = max(1, *lens)
+        buf = torch.zeros(width, dtype=torch.uint8, device=self.device)
+        if payload:
+            buf[: len(payload)] = torch.frombuffer(bytearray(payload), dtype=torch.uint8)
+        out = ([torch.zeros(width, dtype=torch.uint8, device=self.device)
+                for _ in range(self.size)] if self.is_coordinator else None)
+        self._wait(dist.gather(buf, out, dst=self.coordinator, group=self.group,
+                               async_op=True), what)
+        if out is None:
+            return None
+        return [bytes(o[:n].cpu().numpy().tobytes()) for o, n in zip(out, lens, strict=True)]
 
     def allgather_json(self, obj: Any, what: str = GENERIC) -> list[Any]:
         blobs = self.allgather_bytes(json.dumps(obj, separators=(",", ":")).encode(), what)

@@ -4,7 +4,7 @@ commit (`ckpt.commit`).
 `_SaveJob.run` runs in the save's background thread (async save) or in the caller's
 (sync save). Asynchronous, it never touches a process group: ranks meet through storage
 (index objects, the commit marker). Synchronous, it may use the collectives of `comm`
-instead of polling.
+instead of polling: the ranks' indexes reach the coordinator in one gather.
 """
 
 from __future__ import annotations
@@ -18,7 +18,7 @@ from typing import Any
 import numpy as np
 import torch
 
-from ckpt.collective import all_or_raise
+from ckpt.collective import all_or_raise, gather_or_raise
 from ckpt.comm import Comm
 from ckpt.commit import (
     CommitHooks,
@@ -286,13 +286,14 @@ class _SaveJob:
                 f"save to {url} failed on rank(s) {sorted(msgs)}: {msgs}", url=url,
                 failures=msgs)
 
-        status = all_or_raise(comm, local, {"values": self.values, CHUNK_CRCS: self.chunk_crcs},
-                              f"the synchronous save to {url} (every rank's write)",
-                              url=url, remote=failed)
+        indexes = gather_or_raise(comm, local, {"values": self.values,
+                                                CHUNK_CRCS: self.chunk_crcs},
+                                  f"the synchronous save to {url} (every rank's write)",
+                                  url=url, remote=failed)
         err: BaseException | None = None
-        if comm.is_coordinator:
+        if indexes is not None:  # the coordinator
             try:
-                self._commit(dict(zip(comm.ranks, status, strict=True)))
+                self._commit(dict(zip(comm.ranks, indexes, strict=True)))
             except BaseException as e:  # noqa: BLE001 - shared below, then raised
                 err = e
 

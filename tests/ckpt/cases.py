@@ -323,3 +323,51 @@ def async_staging_fails_on_one_rank(url: str, failing: int) -> dict[str, Any]:
         ckpt.save(state, target, async_save=True).wait()
         committed.append(storage.open_store(target).exists("COMMIT"))
     return {"errors": errors, "committed": committed}
+
+
+def gather_to_coordinator(payloads: list[str]) -> dict[str, Any]:
+    """`Comm.gather_bytes` and `gather_or_raise`: payloads of different sizes (one
+    empty) reach the coordinator in group order, and no other rank."""
+    from ckpt.collective import gather_or_raise
+    from ckpt.comm import Comm
+
+    comm = Comm(None, timeout_s=60)
+    mine = payloads[dist.get_rank()].encode()
+    lens = [len(p.encode()) for p in payloads]
+    raw = comm.gather_bytes(mine, lens)
+    docs = gather_or_raise(comm, None, {"rank": dist.get_rank(), "p": payloads[dist.get_rank()]})
+    return {"raw": None if raw is None else [b.decode() for b in raw], "docs": docs}
+
+
+def sync_save_fails_on_one_rank(url: str, failing: int) -> dict[str, Any]:
+    """A synchronous save whose persist fails on rank `failing`: every rank's `save()`
+    raises an error naming that rank and nothing is committed; the next save of the same
+    state to the same URL commits (the indexes reach the coordinator) and loads bitwise."""
+    import ckpt.writer
+
+    real = ckpt.writer._SaveJob.persist
+
+    def broken(self):  # noqa: ANN001, ANN202
+        raise storage.StorageError("the disk is full (injected)", url=url)
+
+    spec = [{"name": "w", "shape": [64, 48], "dtype": "float32"}]
+    state = build(spec, [4], [["S0"]], 3)
+    state["values"] = {"rank_of_writer": 0}
+    if dist.get_rank() == failing:
+        ckpt.writer._SaveJob.persist = broken
+    try:
+        ckpt.save(state, url, async_save=False)
+        error = None
+    except Exception as e:  # noqa: BLE001 - returned to the test
+        error = f"{type(e).__name__}: {e}"
+    finally:
+        ckpt.writer._SaveJob.persist = real
+    committed_after_failure = storage.open_store(url).exists("COMMIT")
+    dist.barrier()
+    ckpt.save(state, url, async_save=False)
+    target = build(spec, [4], [["S0"]], 3, zeros=True)
+    target["values"] = None
+    ckpt.load(target, url)
+    same = torch.equal(target["w"].to_local(), state["w"].to_local())
+    return {"error": error, "committed_after_failure": committed_after_failure,
+            "loaded_equal": same, "values": target["values"]}

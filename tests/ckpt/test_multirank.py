@@ -245,3 +245,22 @@ def test_async_staging_failure_on_one_rank_raises_on_every_rank(pool, tmp_path) 
             assert error is not None and "staging copy failed (injected)" in error, r
             assert rank == 2 or "rank 2" in error, (rank, r)
         assert r["committed"] == [True, True], (rank, r)
+
+
+def test_gather_reaches_the_coordinator_only(pool) -> None:
+    payloads = ["a" * 5000, "", "bc", "d" * 17]
+    res = pool.run("tests.ckpt.cases:gather_to_coordinator", payloads=payloads, timeout=60)
+    assert res[0]["raw"] == payloads
+    assert res[0]["docs"] == [{"rank": r, "p": p} for r, p in enumerate(payloads)]
+    for r in res[1:]:
+        assert r["raw"] is None and r["docs"] is None, r
+
+
+def test_sync_save_failure_on_one_rank_raises_on_every_rank(pool, tmp_path) -> None:
+    res = pool.run("tests.ckpt.cases:sync_save_fails_on_one_rank",
+                   url=str(tmp_path / "ck"), failing=2, timeout=120)
+    for rank, r in enumerate(res):
+        assert r["error"] is not None and "the disk is full (injected)" in r["error"], r
+        assert ("rank 2" if rank == 2 else "rank(s) [2]") in r["error"], r
+        assert not r["committed_after_failure"], r
+        assert r["loaded_equal"] and r["values"] == {"rank_of_writer": 0}, r
