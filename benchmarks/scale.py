@@ -264,6 +264,15 @@ def markdown(res: dict[str, Any], command: str) -> str:
                   f"{_k(worlds, rl, 'crc_table_bytes')} | {_k(worlds, dc, 'metadata_bytes')} "
                   f"| {_k(worlds, dc, 'metadata_parse_s')} |", ""]
     for target, rows in res.get("commit", {}).items():
+        if target == "sync":
+            lines += ["### Synchronous save: the index exchange (per rank)", "",
+                      "| ranks | coordinator receives | coordinator parses | any other rank "
+                      "receives | any other rank parses |", "| ---: | ---: | ---: | ---: | ---: |"]
+            lines += [f"| {r['ranks']} | {fmt(r['coordinator_bytes'], 'B')} | "
+                      f"{fmt(r['coordinator_parse_s'])} | {fmt(r['other_bytes'], 'B')} | "
+                      f"{fmt(r['other_parse_s'])} |" for r in rows]
+            lines.append("")
+            continue
         lines += [f"### Commit on {target}", "",
                   "| ranks | index objects written | collect | table + manifest + marker | "
                   "commit overhead | manifest | manifest read (per rank, 16 at once) |",
@@ -329,7 +338,8 @@ def plots(res: dict[str, Any], out_dir: Path, stem: str) -> list[Path]:
         p = out_dir / f"{stem}-commit.png"
         plot(p, "commit overhead (collect + manifest + marker)", "ranks", "seconds",
              [(f"{t} {k}", [r["ranks"] for r in rows], [r[k] for r in rows])
-              for t, rows in res["commit"].items() for k in ("collect_s", "commit_s")], 2.0)
+              for t, rows in res["commit"].items() if t != "sync"
+              for k in ("collect_s", "commit_s")], 2.0)
         made.append(p)
     if res.get("rdzv"):
         rows = res["rdzv"]

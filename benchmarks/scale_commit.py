@@ -25,7 +25,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-__all__ = ["CommitConfig", "run_commit"]
+__all__ = ["CommitConfig", "run_commit", "sync_exchange"]
 
 READERS = 16
 
@@ -102,8 +102,41 @@ def _one(store: Any, n: int, cfg: CommitConfig) -> dict[str, Any]:
             "read_per_rank_s": read_wall_s / readers}
 
 
+def sync_exchange(n: int, entries: int) -> dict[str, Any]:
+    """A synchronous save's index exchange at `n` ranks (`ckpt.collective.gather_or_raise`,
+    no process group: the messages as they cross one): the bytes each side receives and
+    the CPU seconds of parsing them. The coordinator receives every rank's index; any
+    other rank receives the all-gather of errors and sizes only. (An all-gather of the
+    indexes, which this replaced, gave every rank the coordinator's part.)"""
+    attempt = "0123456789abcdef"
+    idx = [json.loads(_index_doc(r, attempt, entries)) for r in range(n)]
+    blobs = [json.dumps({"values": d["values"], "chunk_crc32c": d["chunk_crc32c"]},
+                        separators=(",", ":")).encode() for d in idx]
+    sizes = [json.dumps({"err": None, "data": len(b)}, separators=(",", ":")).encode()
+             for b in blobs]
+
+    from ckpt.comm import parse_json_list  # what the collectives parse with
+
+    def parse(msgs: list[bytes]) -> float:
+        best = float("inf")
+        for _ in range(3):
+            t0 = time.process_time()
+            kept = parse_json_list(msgs)
+            best = min(best, time.process_time() - t0)
+            del kept
+        return best
+
+    # gathers pad every message to the longest one
+    size_bytes = n * max(len(m) for m in sizes)
+    return {"ranks": n, "index_bytes": len(blobs[0]),
+            "coordinator_bytes": size_bytes + n * max(len(b) for b in blobs),
+            "coordinator_parse_s": parse(sizes) + parse(blobs),
+            "other_bytes": size_bytes, "other_parse_s": parse(sizes)}
+
+
 def run_commit(cfg: CommitConfig, log: Any = print) -> dict[str, list[dict[str, Any]]]:
-    """{"local": rows, "s3": rows}: one row per size."""
+    """{"local": rows, "s3": rows, "sync": rows}: one row per size ("sync": the
+    synchronous save's index exchange, `sync_exchange`)."""
     from storage import open_store
 
     out: dict[str, list[dict[str, Any]]] = {}
@@ -124,4 +157,10 @@ def run_commit(cfg: CommitConfig, log: Any = print) -> dict[str, list[dict[str, 
                 log(f"commit {name} {n} ranks: collect {row['collect_s']:.3f} s, publish "
                     f"{row['publish_s']:.3f} s ({row['manifest_bytes']} B manifest)")
                 rows.append(row)
+    for n in cfg.sizes:
+        row = sync_exchange(n, cfg.index_entries)
+        log(f"commit sync {n} ranks: coordinator {row['coordinator_bytes']} B, "
+            f"{row['coordinator_parse_s']:.3f} s; other ranks {row['other_bytes']} B, "
+            f"{row['other_parse_s']:.4f} s")
+        out.setdefault("sync", []).append(row)
     return out

@@ -26,7 +26,7 @@ from typing import Any
 
 import ckpt.errors as ckpt_errors
 import storage.errors as storage_errors
-from ckpt.comm import Comm
+from ckpt.comm import Comm, parse_json_list
 from ckpt.errors import CheckpointError, CorruptCheckpointError
 from storage import StorageError
 
@@ -104,4 +104,4 @@ def gather_or_raise(comm: Comm, error: BaseException | None, payload: Any = None
             error = e
     lens = all_or_raise(comm, error, len(blob), what, url=url, remote=remote)
     blobs = comm.gather_bytes(blob, lens, what)
-    return None if blobs is None else [json.loads(b) for b in blobs]
+    return None if blobs is None else parse_json_list(blobs)

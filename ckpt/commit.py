@@ -30,6 +30,7 @@ from typing import Any
 
 import torch
 
+from ckpt.comm import parse_json_list
 from ckpt.crc_table import TABLE_FIELD, TABLE_NAME, encode_table
 from ckpt.errors import (
     CheckpointError,
@@ -150,7 +151,7 @@ def collect_indexes(store: Store, attempt: str,
     with ThreadPoolExecutor(max_workers=min(COLLECT_THREADS, len(wanted)),
                             thread_name_prefix="ckpt-collect") as pool:
         raws = list(pool.map(store.get, wanted))
-    return {r: json.loads(raw) for r, raw in zip(ranks, raws, strict=True)}
+    return dict(zip(ranks, parse_json_list(raws), strict=True))
 
 
 def encode_manifest(manifest: Manifest) -> bytes:

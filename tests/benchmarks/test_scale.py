@@ -64,6 +64,21 @@ def test_harness_writes_tables_and_plots(tmp_path) -> None:
     assert "out-save-plan.png" in pngs and "out-manifest.png" in pngs
 
 
+def test_commit_part_reports_the_sync_index_exchange(tmp_path) -> None:
+    md, js = tmp_path / "out.md", tmp_path / "out.json"
+    rc = scale.main(["--quick", "--parts", "commit", "--no-s3", "--commit-sizes", "8,32",
+                     "--md", str(md), "--json", str(js), "--plots", str(tmp_path / "img")])
+    assert rc == 0
+    rows = json.loads(js.read_text())["commit"]["sync"]
+    assert [r["ranks"] for r in rows] == [8, 32]
+    for r in rows:
+        # the coordinator gets every index; the others only the errors and sizes
+        assert r["coordinator_bytes"] >= r["ranks"] * r["index_bytes"] > r["other_bytes"] > 0
+        assert r["coordinator_parse_s"] > r["other_parse_s"] >= 0
+    assert rows[1]["other_bytes"] > rows[0]["other_bytes"]
+    assert "### Synchronous save: the index exchange (per rank)" in md.read_text()
+
+
 @pytest.mark.long  # starts etcd and two worker processes that import torch
 def test_rendezvous_agents_spread_over_processes_are_counted_together() -> None:
     rows = run_rendezvous(RdzvConfig(agents=(6,), timeout_s=60, agent_procs=2),
