@@ -108,14 +108,14 @@ def sync_exchange(n: int, entries: int) -> dict[str, Any]:
     the CPU seconds of parsing them. The coordinator receives every rank's index; any
     other rank receives the all-gather of errors and sizes only. (An all-gather of the
     indexes, which this replaced, gave every rank the coordinator's part.)"""
+    from ckpt.comm import parse_json_list  # what the collectives parse with
+
     attempt = "0123456789abcdef"
     idx = [json.loads(_index_doc(r, attempt, entries)) for r in range(n)]
     blobs = [json.dumps({"values": d["values"], "chunk_crc32c": d["chunk_crc32c"]},
                         separators=(",", ":")).encode() for d in idx]
     sizes = [json.dumps({"err": None, "data": len(b)}, separators=(",", ":")).encode()
              for b in blobs]
-
-    from ckpt.comm import parse_json_list  # what the collectives parse with
 
     def parse(msgs: list[bytes]) -> float:
         best = float("inf")

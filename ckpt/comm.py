@@ -75,6 +75,23 @@ class Comm:
                 "are collective: calling them on rank 0 only hangs here); a rank that "
                 "skipped it, died or is stuck leaves the others waiting") from e
 
+    def _padded(self, payload: bytes, width: int) -> torch.Tensor:
+        """`payload` in a zero-padded uint8 tensor of `width` bytes on the group's device."""
+        buf = torch.zeros(width, dtype=torch.uint8, device=self.device)
+        if payload:
+            buf[: len(payload)] = torch.frombuffer(bytearray(payload), dtype=torch.uint8)
+        return buf
+
+    def _buffers(self, width: int) -> list[torch.Tensor]:
+        """One receive buffer of `width` bytes per rank of the group."""
+        return [torch.zeros(width, dtype=torch.uint8, device=self.device)
+                for _ in range(self.size)]
+
+    @staticmethod
+    def _unpadded(out: list[torch.Tensor], lens: list[int]) -> list[bytes]:
+        """Each rank's payload: the first `lens[i]` bytes of its padded buffer."""
+        return [bytes(o[:n].cpu().numpy().tobytes()) for o, n in zip(out, lens, strict=True)]
+
     def allgather_bytes(self, payload: bytes, what: str = GENERIC) -> list[bytes]:
         if not self.active or self.size == 1:
             return [payload]
@@ -83,12 +100,10 @@ class Comm:
         self._wait(dist.all_gather(sizes, n, group=self.group, async_op=True), what)
         lens = [int(s.item()) for s in sizes]
         width = max(lens)
-        buf = torch.zeros(width, dtype=torch.uint8, device=self.device)
-        if payload:
-            buf[: len(payload)] = torch.frombuffer(bytearray(payload), dtype=torch.uint8)
-        out = [torch.zeros(width, dtype=torch.uint8, device=self.device) for _ in range(self.size)]
+        buf = self._padded(payload, width)
+        out = self._buffers(width)
         self._wait(dist.all_gather(out, buf, group=self.group, async_op=True), what)
-        return [bytes(o[:n].cpu().numpy().tobytes()) for o, n in zip(out, lens, strict=True)]
+        return self._unpadded(out, lens)
 
     def allgather_fixed(self, payload: bytes, width: int, what: str = GENERIC) -> list[bytes]:
         """One all-gather of a fixed-width payload (the cheap per-save handshake)."""
@@ -96,10 +111,8 @@ class Comm:
             raise ValueError(f"payload of {len(payload)} bytes exceeds width {width}")
         if not self.active or self.size == 1:
             return [payload.ljust(width, b"\0")]
-        buf = torch.zeros(width, dtype=torch.uint8, device=self.device)
-        if payload:
-            buf[: len(payload)] = torch.frombuffer(bytearray(payload), dtype=torch.uint8)
-        out = [torch.zeros(width, dtype=torch.uint8, device=self.device) for _ in range(self.size)]
+        buf = self._padded(payload, width)
+        out = self._buffers(width)
         self._wait(dist.all_gather(out, buf, group=self.group, async_op=True), what)
         return [bytes(o.cpu().numpy().tobytes()) for o in out]
 
@@ -111,16 +124,13 @@ class Comm:
         if not self.active or self.size == 1:
             return [payload]
         width = max(1, *lens)
-        buf = torch.zeros(width, dtype=torch.uint8, device=self.device)
-        if payload:
-            buf[: len(payload)] = torch.frombuffer(bytearray(payload), dtype=torch.uint8)
-        out = ([torch.zeros(width, dtype=torch.uint8, device=self.device)
-                for _ in range(self.size)] if self.is_coordinator else None)
+        buf = self._padded(payload, width)
+        out = self._buffers(width) if self.is_coordinator else None
         self._wait(dist.gather(buf, out, dst=self.coordinator, group=self.group,
                                async_op=True), what)
         if out is None:
             return None
-        return [bytes(o[:n].cpu().numpy().tobytes()) for o, n in zip(out, lens, strict=True)]
+        return self._unpadded(out, lens)
 
     def allgather_json(self, obj: Any, what: str = GENERIC) -> list[Any]:
         blobs = self.allgather_bytes(json.dumps(obj, separators=(",", ":")).encode(), what)
