@@ -48,13 +48,12 @@ from ckpt.errors import (
 from ckpt.flatten import FlatState, flatten_state, name_of, set_value
 from ckpt.format import COMMIT_KEY, dtype_name, numel
 from ckpt.handle import SaveHandle
-from ckpt.layout import Piece, describe_placements, local_pieces, local_view
+from ckpt.layout import Piece, local_pieces, local_view, rank_layout
 from ckpt.manifest import Manifest, read_manifest
 from ckpt.options import SaveOptions
 from ckpt.plan import (
     LoadPlan,
     RankLayout,
-    TensorLayout,
     layout_digest,
     plan_load,
     plan_save,
@@ -72,19 +71,6 @@ __all__ = ["SaveOptions", "SaveHandle", "LoadInfo", "save", "load", "wait_staged
 
 
 # ------------------------------------------------------------------------ save
-
-
-def _rank_layout(flat: FlatState, rank: int) -> tuple[RankLayout, dict[str, list[Piece]]]:
-    tensors = []
-    pieces_of: dict[str, list[Piece]] = {}
-    for name, ref in sorted(flat.tensors.items()):
-        shape, pieces = local_pieces(ref.tensor, name)
-        pieces_of[name] = pieces
-        tensors.append(TensorLayout(
-            name, ref.path, shape, dtype_name(ref.tensor.dtype, name),
-            describe_placements(ref.tensor),
-            tuple((p.offset, p.shape) for p in pieces)))
-    return RankLayout(rank, tuple(tensors), tuple(sorted(flat.values))), pieces_of
 
 
 def save(
@@ -153,7 +139,7 @@ def save(
     lay: RankLayout | None = None
     pieces_of: dict[str, list[Piece]] = {}
     try:
-        lay, pieces_of = _rank_layout(flat, comm.rank)
+        lay, pieces_of = rank_layout(flat, comm.rank)
         digest = layout_digest(lay, [comm.ranks, opts.pack_bytes, opts.inner_bytes,
                                      opts.packed_inner])
         # Async saves check in the background thread (every rank, before writing): on S3

@@ -18,6 +18,9 @@ from torch.distributed.tensor import DTensor
 from torch.distributed.tensor.placement_types import Partial, Replicate, Shard
 
 from ckpt.errors import UnsupportedStateError
+from ckpt.flatten import FlatState
+from ckpt.format import dtype_name
+from ckpt.plan import RankLayout, TensorLayout
 
 try:  # private in torch; present in 2.4+ under this name
     from torch.distributed.tensor._utils import _get_shard_size_and_offsets
@@ -26,7 +29,7 @@ except ImportError:  # pragma: no cover - older torch
     _get_shard_size_and_offsets = None
     _StridedShard = Shard
 
-__all__ = ["Piece", "local_pieces", "describe_placements"]
+__all__ = ["Piece", "local_pieces", "local_view", "describe_placements", "rank_layout"]
 
 
 @dataclass(frozen=True, slots=True)
@@ -150,3 +153,18 @@ def local_view(t: torch.Tensor, piece: Piece) -> torch.Tensor:
     local = t._local_tensor if isinstance(t, DTensor) else t
     index = tuple(slice(s, s + n) for s, n in zip(piece.local_start, piece.shape, strict=True))
     return local[index] if index else local
+
+
+def rank_layout(flat: FlatState, rank: int) -> tuple[RankLayout, dict[str, list[Piece]]]:
+    """What this rank holds, as the planners see it (every tensor's global shape, dtype
+    and the boxes it holds, in name order), and each tensor's local pieces."""
+    tensors = []
+    pieces_of: dict[str, list[Piece]] = {}
+    for name, ref in sorted(flat.tensors.items()):
+        shape, pieces = local_pieces(ref.tensor, name)
+        pieces_of[name] = pieces
+        tensors.append(TensorLayout(
+            name, ref.path, shape, dtype_name(ref.tensor.dtype, name),
+            describe_placements(ref.tensor),
+            tuple((p.offset, p.shape) for p in pieces)))
+    return RankLayout(rank, tuple(tensors), tuple(sorted(flat.values))), pieces_of

@@ -1,0 +1,261 @@
+"""Moving and summing tensor regions between replica groups whose layouts differ.
+
+Every rank describes what it holds as the checkpoint planners do (`ckpt.layout.rank_layout`:
+per tensor its global shape, dtype and the boxes of the global tensor it holds). For one
+destination rank and one source group, `route` says which source rank supplies which box
+of which tensor. A box held by several ranks of the group (replicas inside it: a
+TP-replicated norm, a plain tensor) comes from one of them, chosen by the destination's
+rank so the work spreads; under any DTensor layout two ranks' boxes are equal or disjoint,
+so the boxes that meet a destination box cover it exactly once, and one that is covered
+twice or not at all is a `RegionError`, as is a tensor missing or of another shape or dtype.
+
+`plan_copy` and `plan_sum` turn the routes into what one rank sends to and receives from
+each other rank; `copy_regions` and `sum_regions` carry them over a process group of every
+rank taking part: one point-to-point message per pair of ranks that share anything, its
+bytes followed by their crc32c, checked on arrival.
+
+- copy (a heal): each destination box takes the source group's values;
+- sum (a cross-group reduction): every rank's boxes become the sum of every group's
+  values, added in the groups' order on every rank, so ranks of different layouts that
+  hold the same element end with the same bits (elementwise addition in one order).
+
+What a sum costs: each rank receives its own elements once from every other group (a ring
+all-reduce of matching layouts moves twice its elements once), and holds one zeroed copy
+of its tensors per other group while it adds.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Iterator, Mapping, Sequence
+from dataclasses import dataclass, field
+from datetime import timedelta
+
+import torch
+import torch.distributed as dist
+
+from ckpt.layout import Piece
+from ckpt.plan import Box, RankLayout, TensorLayout
+from storage.checksum import crc32c
+
+__all__ = ["RegionError", "Segment", "Transfer", "copy_regions", "plan_copy", "plan_sum",
+           "route", "sum_regions"]
+
+_TAG = 7
+
+
+class RegionError(RuntimeError):
+    """Two layouts cannot exchange their regions (a tensor missing or of another shape or
+    dtype, a box the source group does not cover exactly once), or a message arrived
+    damaged or not at all."""
+
+
+@dataclass(frozen=True, slots=True)
+class Segment:
+    """Box `box` (global coordinates) of tensor `name`, from piece `src_piece` of rank
+    `src` to piece `dst_piece` of rank `dst`."""
+
+    name: str
+    src: int
+    dst: int
+    src_piece: int
+    dst_piece: int
+    box: Box
+
+
+@dataclass(slots=True)
+class Transfer:
+    """One rank's part of an exchange: the segments it sends to each rank and receives
+    from each rank, in the order both sides pack and unpack them."""
+
+    sends: dict[int, list[Segment]] = field(default_factory=dict)
+    recvs: dict[int, list[Segment]] = field(default_factory=dict)
+
+    def add(self, me: int, segments: list[Segment]) -> None:
+        for s in segments:
+            if s.src == me:
+                self.sends.setdefault(s.dst, []).append(s)
+            if s.dst == me:
+                self.recvs.setdefault(s.src, []).append(s)
+
+
+def _intersect(a: Box, b: Box) -> Box | None:
+    off, shape = [], []
+    for ao, an, bo, bn in zip(a[0], a[1], b[0], b[1], strict=True):
+        lo, hi = max(ao, bo), min(ao + an, bo + bn)
+        if hi <= lo:
+            return None
+        off.append(lo)
+        shape.append(hi - lo)
+    return tuple(off), tuple(shape)
+
+
+def route(dst: RankLayout, sources: Sequence[RankLayout]) -> list[Segment]:
+    """Where every box `dst` holds comes from in the group of ranks `sources`, tensor by
+    tensor in `dst`'s (name) order. Both sides must hold the same tensors (names, global
+    shapes, dtypes); layouts are free."""
+    held: dict[str, list[tuple[int, TensorLayout]]] = {}
+    for src in sources:
+        for t in src.tensors:
+            held.setdefault(t.name, []).append((src.rank, t))
+    mine = {t.name for t in dst.tensors}
+    if set(held) != mine:
+        only_src, only_dst = sorted(set(held) - mine), sorted(mine - set(held))
+        raise RegionError(f"the state dicts differ: {len(only_src)} tensor(s) only in the "
+                          f"source group (first: {only_src[:3]}), {len(only_dst)} only at "
+                          f"rank {dst.rank} (first: {only_dst[:3]})")
+    segments: list[Segment] = []
+    for t in dst.tensors:
+        boxes: dict[Box, list[tuple[int, int]]] = {}
+        for rank, st in held[t.name]:
+            if st.shape != t.shape or st.dtype != t.dtype:
+                raise RegionError(f"tensor {t.name!r} is {list(t.shape)} {t.dtype} at rank "
+                                  f"{dst.rank} and {list(st.shape)} {st.dtype} at rank {rank}")
+            for i, box in enumerate(st.pieces):
+                boxes.setdefault(box, []).append((rank, i))
+        for j, want in enumerate(t.pieces):
+            covered = 0
+            for box, holders in boxes.items():
+                inter = _intersect(want, box)
+                if inter is None:
+                    continue
+                rank, i = holders[dst.rank % len(holders)]
+                segments.append(Segment(t.name, rank, dst.rank, i, j, inter))
+                covered += math.prod(inter[1])
+            if covered != math.prod(want[1]):
+                raise RegionError(
+                    f"tensor {t.name!r}: the source group covers {covered} of the "
+                    f"{math.prod(want[1])} elements of box {want} that rank {dst.rank} "
+                    "holds (its boxes leave a gap or overlap)")
+    return segments
+
+
+def plan_copy(layouts: Sequence[RankLayout], source: Sequence[int], dests: Sequence[int],
+              me: int) -> Transfer:
+    """Rank `me`'s part of copying the state of the ranks `source` into the ranks `dests`
+    (`layouts[r]` describes rank `r` of the exchange's process group)."""
+    plan = Transfer()
+    sources = [layouts[r] for r in source]
+    for d in dests:
+        if d == me or me in source:
+            plan.add(me, route(layouts[d], sources))
+    return plan
+
+
+def plan_sum(layouts: Sequence[RankLayout], groups: Sequence[Sequence[int]], me: int
+             ) -> Transfer:
+    """Rank `me`'s part of summing across `groups` (each a list of exchange ranks): every
+    rank receives its boxes from every other group."""
+    plan = Transfer()
+    for g in groups:
+        sources = [layouts[r] for r in g]
+        for d in range(len(layouts)):
+            if d not in g and (d == me or me in g):
+                plan.add(me, route(layouts[d], sources))
+    return plan
+
+
+def _view(t: torch.Tensor, piece: Piece, box: Box) -> torch.Tensor:
+    """The part of local tensor `t` that holds `box` of `piece`."""
+    index = tuple(slice(ls + o - po, ls + o - po + n) for ls, po, o, n
+                  in zip(piece.local_start, piece.offset, box[0], box[1], strict=True))
+    return t[index] if index else t
+
+
+def _nbytes(t: torch.Tensor, box: Box) -> int:
+    return math.prod(box[1]) * t.element_size()
+
+
+def _as_bytes(t: torch.Tensor) -> torch.Tensor:
+    return t.contiguous().reshape(-1).view(torch.uint8)
+
+
+def _crc_bytes(body: torch.Tensor) -> torch.Tensor:
+    crc = crc32c(body.numpy()) if body.numel() else crc32c(b"")
+    return torch.tensor(list(crc.to_bytes(4, "little")), dtype=torch.uint8)
+
+
+def _exchange(pg: dist.ProcessGroup, plan: Transfer, tensors: Mapping[str, torch.Tensor],
+              pieces: Mapping[str, list[Piece]], timeout_s: float) -> dict[int, torch.Tensor]:
+    """Post every receive and send of `plan`, wait for all (each bounded by `timeout_s`),
+    check every message's crc32c; the received bodies by source rank."""
+    works, keep, received = [], [], {}
+    for src, segs in sorted(plan.recvs.items()):
+        buf = torch.empty(sum(_nbytes(tensors[s.name], s.box) for s in segs) + 4,
+                          dtype=torch.uint8)
+        received[src] = buf
+        works.append(pg.recv([buf], src, _TAG))
+    for dst, segs in sorted(plan.sends.items()):
+        parts = [_as_bytes(_view(tensors[s.name], pieces[s.name][s.src_piece], s.box))
+                 for s in segs]
+        body = torch.cat(parts)
+        buf = torch.cat([body, _crc_bytes(body)])
+        keep.append(buf)
+        works.append(pg.send([buf], dst, _TAG))
+    try:
+        for w in works:
+            w.wait(timedelta(seconds=timeout_s))
+    except RuntimeError as exc:  # gloo: a peer closed, died or timed out
+        raise RegionError(f"region exchange did not complete (each message waited up to "
+                          f"{timeout_s:.0f} s): {exc}") from exc
+    for src, buf in received.items():
+        body = buf[:-4]
+        if not torch.equal(_crc_bytes(body), buf[-4:]):
+            raise RegionError(f"region exchange: the message from rank {src} arrived with a "
+                              "crc32c that differs from the sender's")
+        received[src] = body
+    return received
+
+
+def _segments_of(body: torch.Tensor, segs: list[Segment], tensors: Mapping[str, torch.Tensor]
+                 ) -> Iterator[tuple[Segment, torch.Tensor]]:
+    off = 0
+    for s in segs:
+        t = tensors[s.name]
+        n = _nbytes(t, s.box)
+        raw = body[off:off + n]
+        if off % t.element_size():  # a dtype view needs an aligned start
+            raw = raw.clone()
+        yield s, raw.view(t.dtype).reshape(s.box[1])
+        off += n
+
+
+def copy_regions(pg: dist.ProcessGroup, plan: Transfer, tensors: Mapping[str, torch.Tensor],
+                 pieces: Mapping[str, list[Piece]], *, timeout_s: float) -> int:
+    """Carry out `plan` (from `plan_copy`) on the local tensors `tensors` (by name, with
+    their `pieces`); the bytes this rank received."""
+    received = _exchange(pg, plan, tensors, pieces, timeout_s)
+    for src, body in received.items():
+        for s, part in _segments_of(body, plan.recvs[src], tensors):
+            _view(tensors[s.name], pieces[s.name][s.dst_piece], s.box).copy_(part)
+    return sum(b.numel() for b in received.values())
+
+
+def sum_regions(pg: dist.ProcessGroup, plan: Transfer, tensors: Mapping[str, torch.Tensor],
+                pieces: Mapping[str, list[Piece]], group_of: Sequence[int], *,
+                timeout_s: float) -> int:
+    """Carry out `plan` (from `plan_sum`): every local tensor becomes the sum over the
+    groups, in group order (`group_of[r]`: the group index of exchange rank `r`; this
+    rank's own values stand at its group's place); the bytes this rank received."""
+    received = _exchange(pg, plan, tensors, pieces, timeout_s)
+    parts: dict[int, dict[str, torch.Tensor]] = {}
+    for src, body in received.items():
+        g = group_of[src]
+        theirs = parts.setdefault(g, {})
+        for s, part in _segments_of(body, plan.recvs[src], tensors):
+            if s.name not in theirs:
+                theirs[s.name] = torch.zeros_like(tensors[s.name])
+            _view(theirs[s.name], pieces[s.name][s.dst_piece], s.box).copy_(part)
+    mine = group_of[pg.rank()]
+    for name, t in tensors.items():
+        terms = [t if g == mine else parts.get(g, {}).get(name)
+                 for g in range(max(group_of) + 1)]
+        if any(x is None for x in terms):
+            if t.numel():
+                raise RegionError(f"tensor {name!r}: no values arrived from every group")
+            continue
+        total = terms[0].clone()
+        for x in terms[1:]:
+            total.add_(x)
+        t.copy_(total)
+    return sum(b.numel() for b in received.values())
