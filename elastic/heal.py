@@ -12,8 +12,12 @@ from object storage.
 
 Every member takes part in the broadcasts (a gloo broadcast is a collective of the whole
 group); a healthy member receives the bytes it already holds, since replicas are
-bitwise identical. The layouts must match (same names, shapes, dtypes, local shards):
-a resharding heal is not provided.
+bitwise identical. That path needs matching layouts (same names, shapes, dtypes, local
+shards). When the joiner's layout differs from the source's (another number of ranks,
+another split), `reshard_state` moves each box of the global tensors from the source
+rank holding it to the joiner rank that needs it (`elastic.regions`: point-to-point on a
+process group of every rank of the quorum, each message checked by crc32c), then sets the
+JSON values and calls `load_state_dict` the same way.
 """
 
 from __future__ import annotations
@@ -27,10 +31,12 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from ckpt.flatten import flatten_state, set_value
+from ckpt.flatten import FlatState, flatten_state, set_value
+from ckpt.layout import Piece
+from elastic.regions import Transfer, copy_regions
 from storage.checksum import crc32c
 
-__all__ = ["HealError", "HealStats", "transfer_state"]
+__all__ = ["HealError", "HealStats", "reshard_state", "transfer_state"]
 
 _META_KEY = "heal/meta"
 
@@ -88,13 +94,38 @@ def transfer_state(pg: dist.ProcessGroup, store: dist.Store, rank: int, source: 
             if _crc(locals_[n]) != meta["tensors"][n]["crc"]:
                 raise HealError(f"live heal: tensor {n!r} arrived with a crc32c that differs "
                                 "from the source's; the joiner stays not ready and retries")
-        for n, ref in flat.values.items():
-            if n not in meta["values"]:
-                raise HealError(f"live heal: the source holds no value {n!r}")
-            set_value(ref, meta["values"][n])
-        for obj, sub, _name in flat.statefuls:
-            obj.load_state_dict(sub)
+        _load_values(flat, meta)
     return HealStats(len(names), sent, time.monotonic() - t0)
+
+
+def reshard_state(pg: dist.ProcessGroup, store: dist.Store, flat: FlatState,
+                  pieces: Mapping[str, list[Piece]], plan: Transfer, *, publishes: bool,
+                  receiving: bool, timeout_s: float) -> HealStats:
+    """The heal between layouts: carry out `plan` (`elastic.regions.plan_copy` from the
+    source group's ranks to the joiners') on this rank's flattened state `flat` (its local
+    `pieces` per tensor). `publishes`: this is the source group's first rank, which puts
+    the JSON values in `store`; `receiving`: a joiner's rank, which then sets them and
+    loads its stateful objects. Runs on every rank of the quorum's process group."""
+    t0 = time.monotonic()
+    if publishes:
+        store.set(_META_KEY, json.dumps({"values": {n: v.value
+                                                    for n, v in flat.values.items()}}))
+    locals_ = {n: _local(ref.tensor) for n, ref in flat.tensors.items()}
+    got = copy_regions(pg, plan, locals_, pieces, timeout_s=timeout_s)
+    if receiving:
+        _load_values(flat, json.loads(store.get(_META_KEY)))
+    return HealStats(len(locals_), got, time.monotonic() - t0)
+
+
+def _load_values(flat: FlatState, meta: dict[str, Any]) -> None:
+    """Set the JSON values the source published, then load the stateful objects, as a
+    checkpoint load does."""
+    for n, ref in flat.values.items():
+        if n not in meta["values"]:
+            raise HealError(f"live heal: the source holds no value {n!r}")
+        set_value(ref, meta["values"][n])
+    for obj, sub, _name in flat.statefuls:
+        obj.load_state_dict(sub)
 
 
 def _check_layout(meta: dict[str, Any], locals_: dict[str, torch.Tensor]) -> None:
@@ -108,5 +139,4 @@ def _check_layout(meta: dict[str, Any], locals_: dict[str, torch.Tensor]) -> Non
         m = meta["tensors"][n]
         if list(t.shape) != m["shape"] or str(t.dtype) != m["dtype"]:
             raise HealError(f"live heal: tensor {n!r} is {list(t.shape)} {t.dtype} here and "
-                            f"{m['shape']} {m['dtype']} at the source: the layouts differ "
-                            "(a resharding heal is not provided)")
+                            f"{m['shape']} {m['dtype']} at the source: the layouts differ")

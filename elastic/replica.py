@@ -24,8 +24,16 @@ to etcd and hosts the group's store. Every step it shares the quorum with its pe
 the group's own process group, each local rank `r` reduces with rank `r` of every other
 group (one cross-group process group per local rank, `quorum/{id}/rank{r}/`), the
 ranks' outcomes are combined inside the group before its one vote, and the verdict is
-shared back, so every rank of every group applies the same steps. The layouts of all
-groups must match (a heal copies each rank's shards to the same rank of the joiner).
+shared back, so every rank of every group applies the same steps.
+
+**Groups of different layouts.** When a new quorum's groups differ in size, or some
+rank's layout of the state differs from the same rank's in another group (a group that
+came back on fewer nodes, another split of the same model), the quorum is *mixed*: one
+process group spans every rank of every member (`quorum/{id}/all/`), a heal moves each
+box of the state from the source rank holding it to the joiner rank that needs it, and the
+reduction sums each box across groups by routing (`elastic.regions`; tensors passed to
+`allreduce` must then be DTensors, or plain tensors equal on every rank of a group). A
+quorum whose layouts match uses the per-local-rank groups above.
 """
 
 from __future__ import annotations
@@ -41,9 +49,13 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
+from ckpt.flatten import FlatState, TensorRef, flatten_state
+from ckpt.layout import Piece, rank_layout
+from ckpt.plan import RankLayout, layout_digest
 from elastic.etcd_client import EtcdClient, EtcdSettings
-from elastic.heal import HealError, HealStats, transfer_state
+from elastic.heal import HealError, HealStats, reshard_state, transfer_state
 from elastic.quorum import Quorum, QuorumClient, QuorumError
+from elastic.regions import Transfer, plan_copy, plan_sum, sum_regions
 
 logger = logging.getLogger(__name__)
 
@@ -138,6 +150,39 @@ class _GroupLink:
         return bool(flag.item())
 
 
+@dataclass(slots=True)
+class _MixedQuorum:
+    """A quorum whose groups' layouts differ: every rank of every member in one process
+    group, numbered group after group in quorum order."""
+
+    groups: list[list[int]]
+    """The process group's ranks of each member, in quorum order."""
+    me: int
+    store: dist.Store
+    grad_plan: tuple[str, Transfer, dict[str, list[Piece]]] | None = None
+    """The reduction's routing for the tensors `allreduce` was last given (their layout
+    digest), made at the first call in the quorum and when the tensors change."""
+    grad_rounds: int = 0
+
+    @property
+    def group_of(self) -> list[int]:
+        return [g for g, ranks in enumerate(self.groups) for _ in ranks]
+
+    def layouts(self, key: str, mine: RankLayout) -> list[RankLayout]:
+        """Every rank's layout, through the quorum's store (`key`: this exchange's)."""
+        self.store.set(f"{key}/{self.me}", json.dumps(mine.to_json()))
+        total = sum(len(g) for g in self.groups)
+        docs = self.store.multi_get([f"{key}/{r}" for r in range(total)])
+        return [RankLayout.from_json(json.loads(d)) for d in docs]
+
+
+def _layout_of(flat: FlatState, rank: int) -> tuple[RankLayout, dict[str, list[Piece]], str]:
+    """This rank's layout, its local pieces, and a digest of the layout alone (not of
+    the rank's number)."""
+    lay, pieces = rank_layout(flat, rank)
+    return lay, pieces, layout_digest(RankLayout(0, lay.tensors, lay.values))
+
+
 def _quorum_doc(quorum: Quorum, store: tuple[str, int] | None) -> dict[str, Any]:
     return {"id": quorum.id, "members": list(quorum.members), "revision": quorum.revision,
             "healing": list(quorum.healing), "store": list(store) if store else None}
@@ -215,6 +260,8 @@ class ReplicaManager:
         self.quorum: Quorum | None = None
         self._pg: dist.ProcessGroup | None = None
         self._pg_quorum = -1
+        self._mixed: _MixedQuorum | None = None
+        """Set while the quorum's layouts differ (see the module docstring)."""
         self._failed: tuple[Quorum, int] | None = None
         self._absent: tuple[Quorum, tuple[str, ...]] | None = None
         """Members of a new quorum that did not enter it: the next `agree` leaves them
@@ -239,6 +286,12 @@ class ReplicaManager:
         self.quorum_client.join((self.settings.host, self._store.port),
                                 ready=not self.healing, heal=self.healing)
         self._joined = True
+
+    @property
+    def layouts_differ(self) -> bool:
+        """Whether the current quorum is mixed: its groups' layouts differ, and the heal
+        and the reduction route by global region."""
+        return self._mixed is not None
 
     @property
     def requests(self) -> int:
@@ -388,7 +441,7 @@ class ReplicaManager:
             self.quorum_client.set_ready(True)
 
     def _rebuild(self, quorum: Quorum, leader_store: list[Any] | None) -> None:
-        self._pg, self._pg_quorum = None, quorum.id
+        self._pg, self._pg_quorum, self._mixed = None, quorum.id, None
         self.stats.rebuilt = True
         if quorum.size == 1:
             return
@@ -400,18 +453,27 @@ class ReplicaManager:
             store: dist.Store = (
                 self._store if self._store is not None and quorum.host == self.group
                 else dist.TCPStore(host, port, is_master=False, timeout=timeout))
-            prefixed = dist.PrefixStore(f"quorum/{quorum.id}/rank{self.local_rank}/", store)
             options = dist.ProcessGroupGloo._Options()
             options._timeout = timeout
             options._devices = [dist.ProcessGroupGloo.create_device(
                 hostname=self.settings.host)]
-            self._pg = dist.ProcessGroupGloo(prefixed, quorum.rank(self.group),
-                                             quorum.size, options)
-            logger.info("[replica %s/%d] cross-group process group of quorum %d: rank %d "
+            base = dist.PrefixStore(f"quorum/{quorum.id}/", store)
+            sd = None if self._state is None else self._state()
+            flat = None if sd is None else flatten_state(sd)
+            mixed = self._mixed_quorum(quorum, base, flat)
+            if mixed is None:
+                prefixed = dist.PrefixStore(f"rank{self.local_rank}/", base)
+                rank, size = quorum.rank(self.group), quorum.size
+            else:
+                prefixed = dist.PrefixStore("all/", base)
+                rank, size = mixed.me, sum(len(g) for g in mixed.groups)
+            self._pg = dist.ProcessGroupGloo(prefixed, rank, size, options)
+            self._mixed = mixed
+            logger.info("[replica %s/%d] cross-group process group of quorum %d%s: rank %d "
                         "of %d", self.group, self.local_rank, quorum.id,
-                        quorum.rank(self.group), quorum.size)
+                        " (layouts differ)" if mixed else "", rank, size)
             if quorum.healing:
-                self._heal(quorum, prefixed)
+                self._heal(quorum, prefixed, sd, flat)
         except (RuntimeError, dist.DistError, HealError) as exc:
             # A member died between the quorum and the connection: fail this step; the
             # next quorum forms without it.
@@ -427,16 +489,50 @@ class ReplicaManager:
             else:
                 self._ok = False
 
-    def _heal(self, quorum: Quorum, store: dist.Store) -> None:
+    def _mixed_quorum(self, quorum: Quorum, base: dist.Store, flat: FlatState | None
+                      ) -> _MixedQuorum | None:
+        """Whether `quorum`'s layouts differ, decided alike on every rank of every member
+        from what each rank puts in the quorum's store: its group's size (first ranks)
+        and its layout's digest (empty without `state=`: taken to match when the sizes
+        do)."""
+        digest = "" if flat is None else _layout_of(flat, self.local_rank)[2]
+        base.set(f"layout/{self.group}/{self.local_rank}", digest)
+        if self.local_rank == 0:
+            base.set(f"size/{self.group}", str(self._link.size))
+        sizes = [int(v) for v in base.multi_get([f"size/{g}" for g in quorum.members])]
+        digests = [v.decode() for v in base.multi_get(
+            [f"layout/{g}/{r}" for g, n in zip(quorum.members, sizes, strict=True)
+             for r in range(n)])]
+        if len(set(sizes)) == 1:
+            per_rank = [set(digests[r::sizes[0]]) for r in range(sizes[0])]
+            if all(len(d) == 1 or "" in d for d in per_rank):
+                return None
+        offsets = [sum(sizes[:i]) for i in range(len(sizes))]
+        groups = [list(range(o, o + n)) for o, n in zip(offsets, sizes, strict=True)]
+        return _MixedQuorum(groups, offsets[quorum.rank(self.group)] + self.local_rank, base)
+
+    def _heal(self, quorum: Quorum, store: dist.Store, sd: Mapping[str, Any] | None,
+              flat: FlatState | None) -> None:
         """The quorum's first step begins with the live heal of its joiners: each rank
-        of a joiner receives from the same rank of the first healthy member."""
-        if self._state is None:
+        of a joiner receives from the same rank of the first healthy member, or, when
+        the layouts differ, each box from the member's rank that holds it."""
+        if sd is None or flat is None:
             raise QuorumError(f"group {list(quorum.healing)} is healing from this group's "
                               "memory, but this ReplicaManager was given no state=")
         receiving = self.group in quorum.healing
-        sd = self._state()
-        stats = transfer_state(self._pg, store, quorum.rank(self.group),
-                               quorum.rank(quorum.healthy[0]), sd, receiving=receiving)
+        if self._mixed is None:
+            stats = transfer_state(self._pg, store, quorum.rank(self.group),
+                                   quorum.rank(quorum.healthy[0]), sd, receiving=receiving)
+        else:
+            m = self._mixed
+            mine, pieces, _ = _layout_of(flat, m.me)
+            layouts = m.layouts("heal/layout", mine)
+            source = m.groups[quorum.rank(quorum.healthy[0])]
+            dests = [r for g in quorum.healing for r in m.groups[quorum.rank(g)]]
+            plan = plan_copy(layouts, source, dests, m.me)
+            stats = reshard_state(self._pg, m.store, flat, pieces, plan,
+                                  publishes=m.me == source[0], receiving=receiving,
+                                  timeout_s=self.settings.collective_timeout_s)
         if receiving:
             if self._load is not None:
                 self._load(sd)
@@ -457,8 +553,18 @@ class ReplicaManager:
         scale = 1.0 / self.quorum.size if weight is None else weight
         if scale != 1.0:
             for t in tensors:
-                t.mul_(scale)
-        if self._ok and self.quorum.size > 1:
+                (t.to_local() if hasattr(t, "to_local") else t).mul_(scale)
+        if self._ok and self.quorum.size > 1 and self._mixed is not None:
+            try:
+                if self._pg is None:
+                    raise RuntimeError("no process group for this quorum")
+                self._sum_mixed(tensors)
+            except (RuntimeError, dist.DistError) as exc:
+                logger.warning("[replica %s/%d] cross-group reduction failed in quorum %d: "
+                               "%s", self.group, self.local_rank, self.quorum.id, exc)
+                self._ok, self._pg = False, None
+        elif self._ok and self.quorum.size > 1:
+            tensors = [t.to_local() if hasattr(t, "to_local") else t for t in tensors]
             try:
                 if self._pg is None:
                     raise RuntimeError("no process group for this quorum")
@@ -483,6 +589,25 @@ class ReplicaManager:
                 # at once instead of at its timeout, so every survivor votes in time.
                 self._ok, self._pg = False, None
         self.stats.allreduce_s += time.monotonic() - t0
+
+    def _sum_mixed(self, tensors: list[torch.Tensor]) -> None:
+        """The reduction of a mixed quorum: every box summed across the groups by
+        routing. The tensors' layouts (position `i` named `"i"`) are exchanged through the
+        quorum's store at the first call and whenever they change."""
+        m = self._mixed
+        assert m is not None and self._pg is not None
+        flat = FlatState(tensors={str(i): TensorRef(str(i), (i,), t)
+                                  for i, t in enumerate(tensors)})
+        mine, pieces, digest = _layout_of(flat, m.me)
+        if m.grad_plan is None or m.grad_plan[0] != digest:
+            layouts = m.layouts(f"grads/{m.grad_rounds}", mine)
+            m.grad_rounds += 1
+            m.grad_plan = (digest, plan_sum(layouts, m.groups, m.me), pieces)
+        _, plan, pieces = m.grad_plan
+        local = {str(i): t.to_local() if hasattr(t, "to_local") else t
+                 for i, t in enumerate(tensors)}
+        sum_regions(self._pg, plan, local, pieces, m.group_of,
+                    timeout_s=self.settings.collective_timeout_s)
 
     def should_commit(self, step: int) -> bool:
         """Vote, and return whether every member of the quorum finished its reduction of

@@ -323,3 +323,108 @@ def test_groups_of_two_ranks_heal_rank_by_rank(etcd_server, tmp_path) -> None:
         used = sorted(i for e in evs if e["ev"] == "reduced" and e["step"] == s
                       and e["quorum"] == q for i in e["samples"])
         assert used == list(range(s * 12, s * 12 + 12)), (s, used)
+
+
+@pytest.mark.etcd
+@pytest.mark.multirank
+# ~45 s on a quiet 2-core machine (four process starts); the bound is for a loaded one.
+@pytest.mark.timeout(600)
+def test_groups_of_different_sizes_reduce_and_heal_by_region(etcd_server, tmp_path) -> None:
+    """A group of two ranks (weights sharded in halves) and a group of one (the whole
+    weights) train together: the reduction routes each half across the groups. The
+    one-rank group is SIGKILLed and replaced by another one-rank group, which heals from
+    the two-rank group's memory, resharded (each half from the rank that holds it). The
+    whole weights stay bitwise identical across groups after every step, and every
+    sample of every step is used once."""
+    from elastic.etcd_server import free_port
+
+    stop = tmp_path / "STOP"
+    job = job_id()
+    procs: dict[str, list[subprocess.Popen]] = {}
+    logs = []
+
+    def start(name: str, group: str, ranks: int, *extra: str) -> None:
+        port = free_port()
+        procs[name] = []
+        for rank in range(ranks):
+            log = open(tmp_path / f"{name}-{rank}.log", "wb")  # noqa: SIM115 - child owns it
+            logs.append(log)
+            env = {**os.environ, "PYTHONPATH": str(ROOT), "OMP_NUM_THREADS": "1",
+                   "RANK": str(rank), "WORLD_SIZE": str(ranks), "MASTER_ADDR": "127.0.0.1",
+                   "MASTER_PORT": str(port)}
+            procs[name].append(subprocess.Popen(
+                [sys.executable, str(SCRIPTS / "replica_sharded.py"), "--endpoints",
+                 etcd_server.endpoint, "--job", job, "--group", group, "--out",
+                 str(tmp_path), "--stop-file", str(stop), "--min-groups", "2", "--dtensor",
+                 *extra],
+                stdout=log, stderr=subprocess.STDOUT, env=env, cwd=ROOT,
+                start_new_session=True))
+
+    def steps(group: str, rank: int = 0) -> list[dict]:
+        return [e for e in events(tmp_path) if e["ev"] == "step" and e["group"] == group
+                and e["rank"] == rank]
+
+    def logs_text() -> str:
+        return "\n".join(f"--- {f.name}\n{f.read_text()[-2500:]}"
+                         for f in sorted(tmp_path.glob("*.log")))
+
+    def until(pred, timeout: float, what: str) -> None:
+        try:
+            wait_for(pred, timeout, what)
+        except AssertionError as exc:
+            raise AssertionError(f"{exc}\n{logs_text()}") from None
+
+    try:
+        start("g0", "g0", 2)
+        start("g1", "g1", 1)
+        # Generous bounds: each waits for process starts (torch imports) and a few steps.
+        until(lambda: len(steps("g0")) >= 6 and len(steps("g1")) >= 6, 180,
+              "a group of two ranks and a group of one training together")
+        t_kill = time.time()
+        for p in procs["g1"]:
+            os.killpg(p.pid, signal.SIGKILL)
+            p.wait(10)
+        until(lambda: len([e for e in steps("g0") if e["t"] > t_kill]) >= 3, 120,
+              "g0 training on alone")
+        start("g1-new", "g1", 1, "--heal")
+        until(lambda: any(e["ev"] == "healed" for e in events(tmp_path)), 180,
+              "the one-rank replacement healed from the two-rank group")
+        new = {p.pid for p in procs["g1-new"]}
+        until(lambda: len([e for e in steps("g1") if e["pid"] in new]) >= 3, 120,
+              "the replacement training")
+        total = max(e["step"] for e in steps("g0")) + 4
+        stop.write_text(str(total))
+        for p in procs["g0"] + procs["g1-new"]:
+            p.wait(240)
+            assert p.returncode == 0, logs_text()
+    finally:
+        for group in procs.values():
+            for p in group:
+                if p.poll() is None:
+                    os.killpg(p.pid, signal.SIGKILL)
+                    p.wait(10)
+        for f in logs:
+            f.close()
+
+    evs = events(tmp_path)
+    for r in (0, 1):
+        assert [e["step"] for e in steps("g0", r)] == list(range(total))
+    committed = [e for e in evs if e["ev"] == "step"]
+    for s in range(total):
+        at = [e for e in committed if e["step"] == s]
+        assert len({e["digest"] for e in at}) == 1, (s, at)  # whole weights, every group
+        q = at[0]["quorum"]
+        assert {e["quorum"] for e in at} == {q}, (s, at)
+        # Two groups train in a mixed quorum (their layouts differ), one alone does not.
+        assert all(e["mixed"] == (e["size"] == 2) for e in at), (s, at)
+        used = sorted(i for e in evs if e["ev"] == "reduced" and e["step"] == s
+                      and e["quorum"] == q for i in e["samples"])
+        assert used == list(range(s * 12, s * 12 + 12)), (s, used)
+    assert any(e["size"] == 2 for e in steps("g1") if e["pid"] not in new)
+    assert any(e["size"] == 2 for e in steps("g1") if e["pid"] in new)
+    healed = [e for e in evs if e["ev"] == "healed"]
+    assert [(e["group"], e["rank"]) for e in healed] == [("g1", 0)]
+    # The whole weights (both halves) and the plain tensor, once each.
+    assert healed[0]["bytes"] == 8 * 8 + 4096 * 4, healed
+    done = [e for e in evs if e["ev"] == "done"]
+    assert len(done) == 3 and len({e["extra"] for e in done}) == 1, done

@@ -13,6 +13,11 @@ one port per group), as under its own torchrun agent.
 Every committed step appends an event with the rank's shard digest and the samples it
 used, so the test checks bitwise identical shards across groups after every step and
 that every sample of every step is consumed exactly once.
+
+With `--dtensor` the weights are a DTensor sharded over a one-dimensional mesh of the
+group's ranks, so groups of different sizes (different layouts) can train together: the
+manager then routes the heal and the reduction by global region, and each step's event
+carries the digest of the whole weights (gathered in the group) instead of the shard's.
 """
 
 from __future__ import annotations
@@ -55,6 +60,7 @@ def main() -> None:
     p.add_argument("--min-groups", type=int, default=1)
     p.add_argument("--step-sleep", type=float, default=0.05)
     p.add_argument("--heal", action=argparse.BooleanOptionalAction, default=None)
+    p.add_argument("--dtensor", action="store_true")
     a = p.parse_args()
     rank, ranks = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
     dist.init_process_group("gloo", timeout=timedelta(seconds=30))
@@ -64,10 +70,22 @@ def main() -> None:
         etcd=EtcdSettings(endpoints=tuple(a.endpoints.split(",")), prefix="/relight-test",
                           timeout=30.0, attempt_timeout=1.0))
     shard = slice(rank * DIM // ranks, (rank + 1) * DIM // ranks)
-    state = {"w": torch.zeros(DIM // ranks, dtype=torch.float64), "progress": {"step": 0},
-             "extra": torch.zeros(4096)}
+    w_local = torch.zeros(DIM // ranks, dtype=torch.float64)
+    state = {"w": w_local, "progress": {"step": 0}, "extra": torch.zeros(4096)}
+    if a.dtensor:
+        from torch.distributed.device_mesh import init_device_mesh
+        from torch.distributed.tensor import DTensor, Shard
+
+        mesh = init_device_mesh("cpu", (ranks,))
+
+        def sharded(local: torch.Tensor) -> torch.Tensor:
+            return DTensor.from_local(local, mesh, [Shard(0)], run_check=False)
+
+        state["w"] = sharded(w_local)
     if a.heal is not True:  # a joiner's copy arrives by the heal
-        state["extra"].copy_(torch.arange(4096, dtype=torch.float32) + rank)
+        # A plain tensor is the same on every rank of a group when layouts may differ.
+        state["extra"].copy_(torch.arange(4096, dtype=torch.float32) + (0 if a.dtensor
+                                                                        else rank))
     mgr = ReplicaManager(settings, state=lambda: state, heal=a.heal)
     event(a.out, ev="start", group=a.group, rank=rank, heal=mgr.healing)
     target = None
@@ -78,8 +96,8 @@ def main() -> None:
             event(a.out, ev="healed", group=a.group, rank=rank, step=step, quorum=q.id,
                   bytes=mgr.heal_stats.bytes)
             mgr.heal_stats = None
-        pieces = [torch.empty_like(state["w"]) for _ in range(ranks)]
-        dist.all_gather(pieces, state["w"])
+        pieces = [torch.empty_like(w_local) for _ in range(ranks)]
+        dist.all_gather(pieces, w_local)
         w = torch.cat(pieces)
         mine = share(step, q.size, q.rank(a.group), ranks, rank)
         total = torch.zeros(DIM, dtype=torch.float64)
@@ -88,17 +106,22 @@ def main() -> None:
         dist.all_reduce(total)  # the group's sum over its ranks' samples
         grad = total[shard].clone()
         # Summed across groups: every sample of the global batch once.
-        mgr.allreduce([grad], weight=1.0)
+        mgr.allreduce([sharded(grad) if a.dtensor else grad], weight=1.0)
         # Logged before the vote: a group killed after voting still accounts for its share.
         event(a.out, ev="reduced", group=a.group, rank=rank, step=step, quorum=q.id,
               samples=mine)
         time.sleep(a.step_sleep)
         if mgr.should_commit(step):
-            state["w"].sub_(LR * grad / BATCH_R)
+            w_local.sub_(LR * grad / BATCH_R)
             state["progress"]["step"] = step + 1
+            if a.dtensor:
+                dist.all_gather(pieces, w_local)
+                held = torch.cat(pieces)
+            else:
+                held = w_local
             event(a.out, ev="step", group=a.group, rank=rank, step=step, quorum=q.id,
-                  size=q.size, samples=mine,
-                  digest=hashlib.sha256(state["w"].numpy().tobytes()).hexdigest())
+                  size=q.size, samples=mine, mixed=mgr.layouts_differ,
+                  digest=hashlib.sha256(held.numpy().tobytes()).hexdigest())
         else:
             event(a.out, ev="abandoned", group=a.group, rank=rank, step=step, quorum=q.id,
                   samples=mine)
