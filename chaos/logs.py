@@ -23,9 +23,11 @@ the metrics file (append mode, so restarts extend it), with at least
 With replica groups (`runtime.replicas`), every group's first rank appends to the same
 file, and each record also says which group logged it and in which quorum:
 `replica_group`, `quorum` (its id), `quorum_size`, `state_crc` (each rank's crc32c of
-its parameter shards after the step), `abandoned_steps` (steps this process abandoned
-because a quorum member failed) and, on a group's first step after it joined,
-`healed_bytes` (state bytes received from a live group).
+its parameter shards after the step), in a quorum of groups of different layouts also
+`params_crc` (the crc32c of the whole parameters, layout-independent),
+`abandoned_steps` (steps this process abandoned because a quorum member failed) and, on
+a group's first step after it joined, `healed_bytes` (state bytes received from a live
+group).
 
 Lines that are not JSON objects with a `step` (progress noise, a line torn by a SIGKILL)
 are skipped and counted.
@@ -63,6 +65,7 @@ class StepRecord:
     quorum: int | None = None
     quorum_size: int | None = None
     state_crc: tuple[int, ...] | None = None
+    params_crc: tuple[int, ...] | None = None
     abandoned_steps: int | None = None
     healed_bytes: int | None = None
 
@@ -172,6 +175,7 @@ def parse_metrics(lines: Iterable[str]) -> MetricsParse:
                 quorum=_int(obj.get("quorum")),
                 quorum_size=_int(obj.get("quorum_size")),
                 state_crc=_crcs(obj.get("state_crc")),
+                params_crc=_crcs(obj.get("params_crc")),
                 abandoned_steps=_int(obj.get("abandoned_steps")),
                 healed_bytes=_int(obj.get("healed_bytes")),
             )

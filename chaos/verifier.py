@@ -622,29 +622,43 @@ def replica_lineages(records: Sequence[StepRecord]) -> dict[tuple[str, int], int
 def check_replicas_identical(ev: RunEvidence) -> InvariantResult:
     problems = []
     lineage = replica_lineages(ev.records)
-    by_step: dict[tuple[int, int], dict[str, tuple[int, ...]]] = {}
+    by_step: dict[tuple[int, int], dict[str, StepRecord]] = {}
     for group, recs in by_group(ev.records).items():
         for att in split_attempts(recs):
             for rec in att.records:
                 if rec.state_crc is not None and rec.replica_group is not None:
                     at = (lineage[(group, att.index)], rec.step)
-                    by_step.setdefault(at, {})[rec.replica_group] = rec.state_crc
+                    by_step.setdefault(at, {})[rec.replica_group] = rec
     compared = 0
     lineages = {line for line, _ in by_step}
-    for (line, step), crcs in sorted(by_step.items()):
-        if len(crcs) < 2:
+    for (line, step), recs in sorted(by_step.items()):
+        if len(recs) < 2:
             continue
         compared += 1
-        if len(set(crcs.values())) > 1:
-            where = f" (run {line} of the job: every replica was lost before it)" if line else ""
-            problems.append(f"step {step}{where}: groups disagree on their state: {crcs}")
+        # Shard digests compare between groups of one layout; groups of different
+        # layouts (a mixed quorum) compare their whole parameters' digests.
+        shards: dict[str | None, dict[str, tuple[int, ...]]] = {}
+        for g, rec in recs.items():
+            shards.setdefault(rec.layout, {})[g] = rec.state_crc
+        whole = {g: rec.params_crc for g, rec in recs.items() if rec.params_crc is not None}
+        where = f" (run {line} of the job: every replica was lost before it)" if line else ""
+        for crcs in shards.values():
+            if len(set(crcs.values())) > 1:
+                problems.append(f"step {step}{where}: groups disagree on their state: {crcs}")
+        if len(set(whole.values())) > 1:
+            problems.append(f"step {step}{where}: groups of different layouts disagree on "
+                            f"their whole parameters: {whole}")
+        if len(shards) > 1 and len(whole) < len(recs):
+            problems.append(f"step {step}{where}: groups of different layouts logged no "
+                            "whole-parameter digest (params_crc) to compare")
     if not compared:
         problems.append("no step was logged with a state digest by two groups: replica "
                         "state was never compared (replica.digest_every = 0?)")
     runs = f" in {len(lineages)} runs of the job" if len(lineages) > 1 else ""
     return _result(9, "replicas bitwise identical", problems,
                    f"{compared} step(s) compared across groups{runs}, every digest equal",
-                   tolerance="bitwise (crc32c of every rank's parameter shards)",
+                   tolerance="bitwise (crc32c of every rank's parameter shards; of the whole "
+                             "parameters between groups of different layouts)",
                    measured={"steps_compared": compared})
 
 

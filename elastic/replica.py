@@ -590,6 +590,29 @@ class ReplicaManager:
                 self._ok, self._pg = False, None
         self.stats.allreduce_s += time.monotonic() - t0
 
+    def agree(self, value: float) -> float:
+        """After `allreduce`, before `should_commit`: in a quorum of different layouts,
+        the quorum's first rank's `value` on every rank of every group (a quantity each
+        group computes from the reduced gradients by its own layout, so rounded
+        differently: the gradient norm that scales a clip). Elsewhere `value` itself:
+        groups of one layout compute the same bits. A failure fails the step, as in
+        `allreduce`."""
+        if self._mixed is None or not self._ok or self._pg is None:
+            return value
+        t = torch.tensor([value], dtype=torch.float64)
+        try:
+            opts = dist.BroadcastOptions()
+            opts.rootRank, opts.rootTensor = 0, 0
+            self._pg.broadcast([t], opts).wait(
+                timedelta(seconds=self.settings.collective_timeout_s))
+        except (RuntimeError, dist.DistError) as exc:
+            logger.warning("[replica %s/%d] agreeing on a value failed in quorum %d: %s",
+                           self.group, self.local_rank, self.quorum.id if self.quorum
+                           else -1, exc)
+            self._ok, self._pg = False, None
+            return value
+        return float(t.item())
+
     def _sum_mixed(self, tensors: list[torch.Tensor]) -> None:
         """The reduction of a mixed quorum: every box summed across the groups by
         routing. The tensors' layouts (position `i` named `"i"`) are exchanged through the

@@ -12,7 +12,7 @@ from torch.distributed.tensor import DTensor
 
 from runtime.config import OptimConfig
 
-__all__ = ["LRSchedule", "build_optimizer", "clip_grad_norm_"]
+__all__ = ["LRSchedule", "build_optimizer", "clip_grad_norm_", "grad_norm"]
 
 
 def build_optimizer(params: list[torch.nn.Parameter], cfg: OptimConfig) -> torch.optim.AdamW:
@@ -51,9 +51,24 @@ class LRSchedule:
 
 
 def clip_grad_norm_(
-    params: list[torch.nn.Parameter], max_norm: float, pp_group: dist.ProcessGroup | None
+    params: list[torch.nn.Parameter], max_norm: float, pp_group: dist.ProcessGroup | None,
+    *, total: float | None = None,
 ) -> float:
     """Clip gradients to a global L2 norm of ``max_norm`` (0: only measure); returns the norm.
+    `total`: the norm already measured (`grad_norm`), e.g. agreed between replica groups of
+    different layouts, whose own sums would round differently."""
+    if total is None:
+        total = grad_norm(params, pp_group)
+    if max_norm > 0 and total > max_norm:
+        coef = max_norm / (total + 1e-6)
+        for p in params:
+            if p.grad is not None:
+                p.grad.mul_(coef)
+    return total
+
+
+def grad_norm(params: list[torch.nn.Parameter], pp_group: dist.ProcessGroup | None) -> float:
+    """The global L2 norm of the gradients.
 
     Gradients may be DTensors on different meshes (dense params on dp x tp, experts on
     edp x ep), so norms are taken per mesh and combined; pipeline stages hold disjoint
@@ -73,9 +88,4 @@ def clip_grad_norm_(
         sq += norm.detach().double() ** 2
     if pp_group is not None:
         dist.all_reduce(sq, group=pp_group)
-    total = float(sq.sqrt())
-    if max_norm > 0 and total > max_norm:
-        coef = max_norm / (total + 1e-6)
-        for g in grads:
-            g.mul_(coef)
-    return total
+    return float(sq.sqrt())

@@ -122,17 +122,28 @@ class ReplicaTraining:
 
     def reduce(self, params: list[torch.nn.Parameter], share: float, *,
                extra: Sequence[torch.Tensor] = ()) -> None:
-        """Sum every gradient (this rank's local shard) across the groups, weighted by
+        """Sum every gradient (this rank's shard of it) across the groups, weighted by
         this group's share of the global batch, and `extra` tensors (the step's loss) in
         the same collective. Every group passes the same tensors in the same order: a
-        parameter without a gradient contributes zeros."""
+        parameter without a gradient contributes zeros. The gradients go as DTensors, so
+        a quorum whose groups' layouts differ sums them by global region; `extra` must
+        then be equal on every rank of the group (`layouts_differ`)."""
         grads = list(extra)
         for p in params:
             if p.grad is None:
                 p.grad = torch.zeros_like(p)
-            g = p.grad
-            grads.append(g.to_local() if hasattr(g, "to_local") else g)
+            grads.append(p.grad)
         self.manager.allreduce(grads, weight=share)
+
+    @property
+    def layouts_differ(self) -> bool:
+        """Whether this step's quorum holds groups of different layouts."""
+        return self.manager.layouts_differ
+
+    def agree(self, value: float) -> float:
+        """After `reduce`, before `commit`: the quorum's first group's `value` (the
+        gradient norm), so every group clips alike (`ReplicaManager.agree`)."""
+        return self.manager.agree(value)
 
     def commit(self, step: int) -> bool:
         ok = self.manager.should_commit(step)

@@ -74,7 +74,7 @@ from runtime.observability import (
     restarts_from_env,
     start_prometheus,
 )
-from runtime.optim import LRSchedule, build_optimizer, clip_grad_norm_
+from runtime.optim import LRSchedule, build_optimizer, clip_grad_norm_, grad_norm
 from runtime.parallel.pp import build_pipeline
 from runtime.preemption import NoticeWatcher
 from runtime.watchdog import Watchdog
@@ -298,6 +298,19 @@ class Trainer:
             total += loss.detach().float() / n
         return total
 
+    def _group_loss(self, local_loss: torch.Tensor) -> torch.Tensor:
+        """The group's mean loss over its reporting ranks, on every rank of the group: in
+        a quorum of different layouts, ranks of different groups do not pair up, so the
+        loss crosses groups as one value per group."""
+        row = torch.tensor([float(local_loss) if self.reports_loss else 0.0,
+                            float(self.reports_loss)], dtype=torch.float64,
+                           device=self.device)
+        rows = torch.empty(self.world * 2, dtype=torch.float64, device=self.device)
+        all_gather(rows, row)
+        rows = rows.view(self.world, 2).cpu()
+        return torch.tensor([float(rows[:, 0].sum() / rows[:, 1].sum())],
+                            dtype=local_loss.dtype, device=local_loss.device)
+
     def _state_digests(self) -> list[int]:
         """Every rank's crc32c of its parameter shards, in rank order (replica groups of
         the same layout hold equal lists after every committed step)."""
@@ -312,6 +325,23 @@ class Trainer:
         every = torch.empty(self.world, dtype=torch.float64, device=self.device)
         all_gather(every, mine)
         return [int(v) for v in every.cpu().tolist()]
+
+    def _params_digests(self) -> list[int]:
+        """The crc32c of this rank's parameters gathered whole, for every distinct value
+        over the ranks, sorted: one value without pipeline parallelism, one per stage with
+        it. Layout-independent, so groups of different layouts compare by it; it gathers
+        every parameter (a collective over each parameter's mesh)."""
+        from storage.checksum import crc32c
+
+        crc = 0
+        for p in self.params:
+            whole = p.detach()
+            whole = whole.full_tensor() if hasattr(whole, "full_tensor") else whole
+            crc = crc32c(whole.contiguous().cpu().reshape(-1).view(torch.uint8).numpy(), crc)
+        mine = torch.tensor([float(crc)], dtype=torch.float64, device=self.device)
+        every = torch.empty(self.world, dtype=torch.float64, device=self.device)
+        all_gather(every, mine)
+        return sorted({int(v) for v in every.cpu().tolist()})
 
     def _pipeline(self, n_micro: int) -> Any:
         """The pipeline schedule for `n_micro` micro-batches per rank, built at its first
@@ -370,19 +400,27 @@ class Trainer:
             # share of the batch may differ. Compute it again in the new quorum.
             self.optimizer.zero_grad(set_to_none=True)
             self.data.position = position
+        norm = None
         if self.replicas is not None:
             # The loss rides in the gradients' cross-group sum, weighted like them: every
             # group then logs the job's global mean loss, not its own share's.
             local_loss = local_loss.detach().float().reshape(1).clone()
+            if self.replicas.layouts_differ:
+                local_loss = self._group_loss(local_loss)
             self.replicas.reduce(self.params, self.plan.share, extra=[local_loss])
             local_loss = local_loss[0]
+            if self.replicas.layouts_differ:
+                # Groups of different layouts sum the squares in different orders: the
+                # clip must use one norm everywhere, or the replicas drift apart.
+                norm = self.replicas.agree(grad_norm(self.params, self.pp_group))
             if not self.replicas.commit(self.step):
                 self.optimizer.zero_grad(set_to_none=True)
                 self.data.position = position
                 return None
         if self.on_grads is not None:
             self.on_grads(self)
-        grad_norm = clip_grad_norm_(self.params, self.cfg.optim.grad_clip, self.pp_group)
+        norm = clip_grad_norm_(self.params, self.cfg.optim.grad_clip, self.pp_group,
+                               total=norm)
         self.optimizer.step()
         self.optimizer.zero_grad(set_to_none=True)
         self.step += 1
@@ -400,7 +438,7 @@ class Trainer:
         rows = rows.view(self.world, _ROW).cpu()
         loss = float(rows[:, 0].sum() / rows[:, 1].sum())
         noticed = [r for r in range(self.world) if rows[r, 3] > 0]
-        return {"loss": loss, "lr": lr, "grad_norm": grad_norm, "data_position": position,
+        return {"loss": loss, "lr": lr, "grad_norm": norm, "data_position": position,
                 "mem_per_rank_mb": [round(float(v), 1) for v in rows[:, 2]],
                 "_notice_ranks": noticed,
                 "_notice_left_s": float(rows[noticed, 4].min()) if noticed else None}
@@ -483,6 +521,8 @@ class Trainer:
                     every = cfg.replica.digest_every
                     if every and self.step % every == 0:
                         rec["state_crc"] = self._state_digests()
+                        if self.replicas.layouts_differ:
+                            rec["params_crc"] = self._params_digests()
                 every = cfg.data.eval_every
                 if every and (self.step % every == 0 or self.step == end):
                     rec["eval_loss"] = self.evaluate()

@@ -91,6 +91,22 @@ def test_replicas_that_disagree_fail_check_9() -> None:
     assert failing(ev) == {9}
 
 
+def test_groups_of_different_layouts_compare_whole_parameters_in_check_9() -> None:
+    """node-0 holds the weights on one rank, node-1 on two: their shard digests cannot
+    match, and check 9 compares their whole-parameter digests instead."""
+    def mixed(r: StepRecord) -> StepRecord:
+        whole = (r.step * 7,)
+        if r.replica_group == "node-0":
+            return replace(r, layout="dp_shard1", state_crc=(r.step * 3,), params_crc=whole)
+        return replace(r, params_crc=whole)
+
+    ev = correct_run()
+    ev = replace(ev, records=[mixed(r) for r in ev.records])
+    assert failing(ev) == set()
+    assert failing(edit(ev, "node-0", 15, params_crc=(1,))) == {9}
+    assert failing(edit(ev, "node-1", 15, params_crc=None)) == {9}
+
+
 def test_a_join_restored_from_storage_while_a_group_trained_fails_check_10() -> None:
     ev = edit(correct_run(), "node-0", 11, healed_bytes=None, restored_step=10)
     ev = replace(ev, records=[replace(r, restored_step=10) if r.replica_group == "node-0"
