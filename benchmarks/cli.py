@@ -23,6 +23,7 @@ BENCHMARKS: dict[str, str] = {
     "data": "token-dataset preparation throughput and the loader's cost per step",
     "scale": "planning, manifest, commit, rendezvous at 64..16,384 simulated ranks vs DCP",
     "goodput": "healing in place vs the restart path vs torchft, same failures (MTBF)",
+    "cross_group": "replica groups of different layouts vs one layout: reduction and heal",
 }
 
 
@@ -30,7 +31,7 @@ def main(argv: list[str] | None = None) -> int:
     args = list(sys.argv[1:] if argv is None else argv)
     if not args or args[0] in ("-h", "--help") or args[0] not in BENCHMARKS:
         lines = ["usage: relight bench <name> [options]   (relight bench <name> --help)", ""]
-        lines += [f"  {name:<9} {text}" for name, text in BENCHMARKS.items()]
+        lines += [f"  {name:<11} {text}" for name, text in BENCHMARKS.items()]
         lines += ["", "exit status: 0 ran; 2 unknown benchmark or usage error; else the "
                   "benchmark's own"]
         known = not args or args[0] in ("-h", "--help")

@@ -11,7 +11,8 @@ twice or not at all is a `RegionError`, as is a tensor missing or of another sha
 
 `plan_copy` and `plan_sum` turn the routes into what one rank sends to and receives from
 each other rank; `copy_regions` and `sum_regions` carry them over a process group of every
-rank taking part: one point-to-point message per pair of ranks that share anything, its
+rank taking part: point-to-point messages of about `MESSAGE_BYTES` between each pair of
+ranks that share anything (a sender packs the next while the last travels), each message's
 bytes followed by their crc32c, checked on arrival.
 
 - copy (a heal): each destination box takes the source group's values;
@@ -42,6 +43,11 @@ __all__ = ["RegionError", "Segment", "Transfer", "copy_regions", "plan_copy", "p
            "route", "sum_regions"]
 
 _TAG = 7
+MESSAGE_BYTES = 8 << 20
+"""About how many bytes one message between two ranks carries."""
+SEND_WINDOW = 8
+"""Messages a rank has packed and not yet seen delivered: what bounds the host memory a
+heal of a large state takes on a sender (`SEND_WINDOW * MESSAGE_BYTES`)."""
 
 
 class RegionError(RuntimeError):
@@ -176,36 +182,80 @@ def _crc_bytes(body: torch.Tensor) -> torch.Tensor:
     return torch.tensor(list(crc.to_bytes(4, "little")), dtype=torch.uint8)
 
 
+def _pack(segs: list[Segment], tensors: Mapping[str, torch.Tensor],
+          pieces: Mapping[str, list[Piece]]) -> torch.Tensor:
+    """The message to one rank: every segment's bytes in order, copied once into one
+    host buffer, then their crc32c."""
+    buf = torch.empty(sum(_nbytes(tensors[s.name], s.box) for s in segs) + 4,
+                      dtype=torch.uint8)
+    off = 0
+    for s in segs:
+        src = _view(tensors[s.name], pieces[s.name][s.src_piece], s.box)
+        n = _nbytes(src, s.box)
+        dst = buf[off:off + n]
+        if off % src.element_size() == 0:
+            dst.view(src.dtype).view(s.box[1]).copy_(src)
+        else:
+            dst.copy_(_as_bytes(src.cpu()))
+        off += n
+    buf[-4:] = _crc_bytes(buf[:-4])
+    return buf
+
+
+def _messages(segs: list[Segment], tensors: Mapping[str, torch.Tensor]
+              ) -> list[list[Segment]]:
+    """`segs` cut into messages of about `MESSAGE_BYTES` (a segment is never split), so a
+    sender packs the next message while the last one travels."""
+    out: list[list[Segment]] = []
+    size = 0
+    for s in segs:
+        n = _nbytes(tensors[s.name], s.box)
+        if not out or (size + n > MESSAGE_BYTES and out[-1]):
+            out.append([])
+            size = 0
+        out[-1].append(s)
+        size += n
+    return out
+
+
 def _exchange(pg: dist.ProcessGroup, plan: Transfer, tensors: Mapping[str, torch.Tensor],
-              pieces: Mapping[str, list[Piece]], timeout_s: float) -> dict[int, torch.Tensor]:
-    """Post every receive and send of `plan`, wait for all (each bounded by `timeout_s`),
-    check every message's crc32c; the received bodies by source rank."""
-    works, keep, received = [], [], {}
-    for src, segs in sorted(plan.recvs.items()):
-        buf = torch.empty(sum(_nbytes(tensors[s.name], s.box) for s in segs) + 4,
-                          dtype=torch.uint8)
-        received[src] = buf
-        works.append(pg.recv([buf], src, _TAG))
-    for dst, segs in sorted(plan.sends.items()):
-        parts = [_as_bytes(_view(tensors[s.name], pieces[s.name][s.src_piece], s.box))
-                 for s in segs]
-        body = torch.cat(parts)
-        buf = torch.cat([body, _crc_bytes(body)])
-        keep.append(buf)
-        works.append(pg.send([buf], dst, _TAG))
+              pieces: Mapping[str, list[Piece]], timeout_s: float
+              ) -> list[tuple[int, list[Segment], torch.Tensor]]:
+    """Post every receive of `plan`, then pack and send, the destinations in turn; wait
+    for all (each bounded by `timeout_s`) and check every message's crc32c. The messages
+    received: (source rank, its segments, its body)."""
+    wait = timedelta(seconds=timeout_s)
+    recvs, sends, received = [], [], []
     try:
-        for w in works:
-            w.wait(timedelta(seconds=timeout_s))
+        # Every receive is posted before this rank waits for anything, so no send of
+        # another rank can wait on this one's progress.
+        for src, segs in sorted(plan.recvs.items()):
+            for k, msg in enumerate(_messages(segs, tensors)):
+                buf = torch.empty(sum(_nbytes(tensors[s.name], s.box) for s in msg) + 4,
+                                  dtype=torch.uint8)
+                received.append((src, msg, buf))
+                recvs.append(pg.recv([buf], src, _TAG + k))
+        outgoing = {dst: _messages(segs, tensors) for dst, segs in sorted(plan.sends.items())}
+        for k in range(max((len(m) for m in outgoing.values()), default=0)):
+            for dst, msgs in outgoing.items():
+                if k < len(msgs):
+                    if len(sends) >= SEND_WINDOW:
+                        sends.pop(0)[0].wait(wait)
+                    buf = _pack(msgs[k], tensors, pieces)  # host bytes, read by gloo and crc
+                    sends.append((pg.send([buf], dst, _TAG + k), buf))
+        for w in [w for w, _ in sends] + recvs:
+            w.wait(wait)
     except RuntimeError as exc:  # gloo: a peer closed, died or timed out
         raise RegionError(f"region exchange did not complete (each message waited up to "
                           f"{timeout_s:.0f} s): {exc}") from exc
-    for src, buf in received.items():
+    bodies = []
+    for src, msg, buf in received:
         body = buf[:-4]
         if not torch.equal(_crc_bytes(body), buf[-4:]):
-            raise RegionError(f"region exchange: the message from rank {src} arrived with a "
+            raise RegionError(f"region exchange: a message from rank {src} arrived with a "
                               "crc32c that differs from the sender's")
-        received[src] = body
-    return received
+        bodies.append((src, msg, body))
+    return bodies
 
 
 def _segments_of(body: torch.Tensor, segs: list[Segment], tensors: Mapping[str, torch.Tensor]
@@ -226,37 +276,50 @@ def copy_regions(pg: dist.ProcessGroup, plan: Transfer, tensors: Mapping[str, to
     """Carry out `plan` (from `plan_copy`) on the local tensors `tensors` (by name, with
     their `pieces`); the bytes this rank received."""
     received = _exchange(pg, plan, tensors, pieces, timeout_s)
-    for src, body in received.items():
-        for s, part in _segments_of(body, plan.recvs[src], tensors):
+    for _src, msg, body in received:
+        for s, part in _segments_of(body, msg, tensors):
             _view(tensors[s.name], pieces[s.name][s.dst_piece], s.box).copy_(part)
-    return sum(b.numel() for b in received.values())
+    return sum(b.numel() for _, _, b in received)
 
 
 def sum_regions(pg: dist.ProcessGroup, plan: Transfer, tensors: Mapping[str, torch.Tensor],
                 pieces: Mapping[str, list[Piece]], group_of: Sequence[int], *,
                 timeout_s: float) -> int:
     """Carry out `plan` (from `plan_sum`): every local tensor becomes the sum over the
-    groups, in group order (`group_of[r]`: the group index of exchange rank `r`; this
-    rank's own values stand at its group's place); the bytes this rank received."""
+    groups, ((x0 + x1) + x2) + ... in group order on every rank (`group_of[r]`: the group
+    index of exchange rank `r`); the bytes this rank received."""
     received = _exchange(pg, plan, tensors, pieces, timeout_s)
-    parts: dict[int, dict[str, torch.Tensor]] = {}
-    for src, body in received.items():
-        g = group_of[src]
-        theirs = parts.setdefault(g, {})
-        for s, part in _segments_of(body, plan.recvs[src], tensors):
-            if s.name not in theirs:
-                theirs[s.name] = torch.zeros_like(tensors[s.name])
-            _view(theirs[s.name], pieces[s.name][s.dst_piece], s.box).copy_(part)
-    mine = group_of[pg.rank()]
-    for name, t in tensors.items():
-        terms = [t if g == mine else parts.get(g, {}).get(name)
-                 for g in range(max(group_of) + 1)]
-        if any(x is None for x in terms):
-            if t.numel():
-                raise RegionError(f"tensor {name!r}: no values arrived from every group")
-            continue
-        total = terms[0].clone()
-        for x in terms[1:]:
-            total.add_(x)
-        t.copy_(total)
-    return sum(b.numel() for b in received.values())
+    mine, groups = group_of[pg.rank()], max(group_of) + 1
+    parts: dict[int, list[tuple[Segment, torch.Tensor]]] = {g: [] for g in range(groups)}
+    for src, msg, body in received:
+        parts[group_of[src]].extend(_segments_of(body, msg, tensors))
+    held = sum(t.numel() for t in tensors.values())
+    for g in range(groups):
+        got = sum(math.prod(s.box[1]) for s, _ in parts[g])
+        if g != mine and got != held:
+            raise RegionError(f"cross-group sum: group {g} sent {got} of the {held} elements "
+                              f"rank {pg.rank()} holds")
+
+    def add(acc: Mapping[str, torch.Tensor], g: int) -> None:
+        for s, part in parts[g]:
+            _view(acc[s.name], pieces[s.name][s.dst_piece], s.box).add_(part)
+
+    if mine <= 1:
+        # Addition commutes bit for bit, so x1 + x0 is x0 + x1: the first two groups' ranks
+        # add into their own tensors.
+        for g in range(groups):
+            if g != mine:
+                add(tensors, g)
+        return sum(b.numel() for _, _, b in received)
+    acc = {n: torch.empty_like(t) for n, t in tensors.items()}
+    for s, part in parts[0]:
+        _view(acc[s.name], pieces[s.name][s.dst_piece], s.box).copy_(part)
+    for g in range(1, groups):
+        if g == mine:
+            for n, t in acc.items():
+                t.add_(tensors[n])
+        else:
+            add(acc, g)
+    for n, t in tensors.items():
+        t.copy_(acc[n])
+    return sum(b.numel() for _, _, b in received)

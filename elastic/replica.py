@@ -541,12 +541,16 @@ class ReplicaManager:
                         "%.2fs", self.group, self.local_rank, quorum.healthy[0], quorum.id,
                         stats.tensors, stats.bytes / 1e6, stats.seconds)
 
-    def allreduce(self, tensors: list[torch.Tensor], *, weight: float | None = None) -> None:
+    def allreduce(self, tensors: list[torch.Tensor], *, weight: float | None = None,
+                  names: list[str] | None = None) -> None:
         """Reduce `tensors` in place across the quorum's groups: each group's tensors
         times `weight`, summed (default weight `1 / quorum size`: the mean). A group
         whose share of the global batch differs from the others' passes its share as
         `weight`. A failure (a peer died or timed out) is remembered, not raised:
-        `should_commit` then abandons the step on every group."""
+        `should_commit` then abandons the step on every group. `names`: each tensor's
+        identity across groups (parameter names), which a quorum of different layouts
+        pairs tensors by; default their positions, when every rank passes the same
+        tensors in the same order (not so across pipeline splits that differ)."""
         if self.quorum is None:
             raise QuorumError("ReplicaManager.allreduce before start_step()")
         t0 = time.monotonic()
@@ -558,7 +562,7 @@ class ReplicaManager:
             try:
                 if self._pg is None:
                     raise RuntimeError("no process group for this quorum")
-                self._sum_mixed(tensors)
+                self._sum_mixed(tensors, names)
             except (RuntimeError, dist.DistError) as exc:
                 logger.warning("[replica %s/%d] cross-group reduction failed in quorum %d: "
                                "%s", self.group, self.local_rank, self.quorum.id, exc)
@@ -613,22 +617,25 @@ class ReplicaManager:
             return value
         return float(t.item())
 
-    def _sum_mixed(self, tensors: list[torch.Tensor]) -> None:
+    def _sum_mixed(self, tensors: list[torch.Tensor], names: list[str] | None) -> None:
         """The reduction of a mixed quorum: every box summed across the groups by
-        routing. The tensors' layouts (position `i` named `"i"`) are exchanged through the
-        quorum's store at the first call and whenever they change."""
+        routing. The tensors' layouts are exchanged through the quorum's store at the
+        first call and whenever they change."""
         m = self._mixed
         assert m is not None and self._pg is not None
-        flat = FlatState(tensors={str(i): TensorRef(str(i), (i,), t)
-                                  for i, t in enumerate(tensors)})
+        names = [str(i) for i in range(len(tensors))] if names is None else names
+        if len(names) != len(tensors) or len(set(names)) != len(names):
+            raise ValueError("ReplicaManager.allreduce: names= must name each tensor once")
+        flat = FlatState(tensors={n: TensorRef(n, (n,), t)
+                                  for n, t in zip(names, tensors, strict=True)})
         mine, pieces, digest = _layout_of(flat, m.me)
         if m.grad_plan is None or m.grad_plan[0] != digest:
             layouts = m.layouts(f"grads/{m.grad_rounds}", mine)
             m.grad_rounds += 1
             m.grad_plan = (digest, plan_sum(layouts, m.groups, m.me), pieces)
         _, plan, pieces = m.grad_plan
-        local = {str(i): t.to_local() if hasattr(t, "to_local") else t
-                 for i, t in enumerate(tensors)}
+        local = {n: t.to_local() if hasattr(t, "to_local") else t
+                 for n, t in zip(names, tensors, strict=True)}
         sum_regions(self._pg, plan, local, pieces, m.group_of,
                     timeout_s=self.settings.collective_timeout_s)
 

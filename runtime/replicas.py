@@ -121,19 +121,22 @@ class ReplicaTraining:
         return self.manager.confirm_step()
 
     def reduce(self, params: list[torch.nn.Parameter], share: float, *,
-               extra: Sequence[torch.Tensor] = ()) -> None:
+               names: Sequence[str], extra: Sequence[torch.Tensor] = ()) -> None:
         """Sum every gradient (this rank's shard of it) across the groups, weighted by
         this group's share of the global batch, and `extra` tensors (the step's loss) in
         the same collective. Every group passes the same tensors in the same order: a
-        parameter without a gradient contributes zeros. The gradients go as DTensors, so
-        a quorum whose groups' layouts differ sums them by global region; `extra` must
-        then be equal on every rank of the group (`layouts_differ`)."""
+        parameter without a gradient contributes zeros. The gradients go as DTensors
+        named by their parameters' `names`, so a quorum whose groups' layouts differ sums
+        them by global region; `extra` must then be equal on every rank of the group
+        (`layouts_differ`)."""
         grads = list(extra)
         for p in params:
             if p.grad is None:
                 p.grad = torch.zeros_like(p)
             grads.append(p.grad)
-        self.manager.allreduce(grads, weight=share)
+        self.manager.allreduce(grads, weight=share,
+                               names=[f"extra/{i}" for i in range(len(extra))]
+                               + [f"param/{n}" for n in names])
 
     @property
     def layouts_differ(self) -> bool:

@@ -158,7 +158,10 @@ class Trainer:
         # The registered model (built on the meta device, sharded, then materialised) or
         # the user's factory model (runtime.models).
         self.model: Transformer = create_model(cfg, self.pmesh, self.device)
-        self.params = [p for p in self.model.parameters() if p.requires_grad]
+        named = [(n, p) for n, p in self.model.named_parameters() if p.requires_grad]
+        self.params = [p for _, p in named]
+        self.param_names = [n for n, _ in named]
+        """Each parameter's name: its identity across replica groups of any layout."""
         self.optimizer = build_optimizer(self.params, cfg.optim)
         self.lr = LRSchedule(cfg.optim.lr, cfg.optim.warmup_steps, cfg.train.steps,
                              cfg.optim.min_lr_ratio)
@@ -407,7 +410,8 @@ class Trainer:
             local_loss = local_loss.detach().float().reshape(1).clone()
             if self.replicas.layouts_differ:
                 local_loss = self._group_loss(local_loss)
-            self.replicas.reduce(self.params, self.plan.share, extra=[local_loss])
+            self.replicas.reduce(self.params, self.plan.share, names=self.param_names,
+                                 extra=[local_loss])
             local_loss = local_loss[0]
             if self.replicas.layouts_differ:
                 # Groups of different layouts sum the squares in different orders: the

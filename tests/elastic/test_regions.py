@@ -98,32 +98,38 @@ def _pieces(rank: int) -> dict[str, list[Piece]]:
     return {"w": [Piece(off, shape, (0, 0))], "s": [Piece((), (), ())]}
 
 
-def _on_gloo(body) -> list:  # noqa: ANN001 - body(pg, rank) -> result
+def _on_gloo(body, ranks: int = len(HELD)) -> list:  # noqa: ANN001 - body(pg, rank)
     store = dist.HashStore()
-    results: list = [None] * len(HELD)
+    results: list = [None] * ranks
 
     def run(rank: int) -> None:
         try:
             opts = dist.ProcessGroupGloo._Options()
             opts._timeout = timedelta(seconds=60)
             opts._devices = [dist.ProcessGroupGloo.create_device(hostname="127.0.0.1")]
-            pg = dist.ProcessGroupGloo(store, rank, len(HELD), opts)
+            pg = dist.ProcessGroupGloo(store, rank, ranks, opts)
             results[rank] = body(pg, rank)
         except BaseException as exc:  # noqa: BLE001 - reported below
             results[rank] = exc
 
-    threads = [threading.Thread(target=run, args=(r,)) for r in HELD]
+    threads = [threading.Thread(target=run, args=(r,)) for r in range(ranks)]
     for t in threads:
         t.start()
     for t in threads:
-        t.join(120)  # generous: four gloo groups and a few small messages
-    for r in HELD:
+        t.join(120)  # generous: a few gloo groups and a few small messages
+    for r in range(ranks):
         if isinstance(results[r], BaseException):
             raise results[r]
     return results
 
 
-def test_copy_and_sum_over_gloo_between_layouts() -> None:
+@pytest.mark.parametrize("message_bytes", [8 << 20, 40])
+def test_copy_and_sum_over_gloo_between_layouts(message_bytes: int, monkeypatch) -> None:
+    # 40 bytes: every segment of `w` (48 bytes) a message of its own, `s` with the next,
+    # and a sender waits for each message before it packs the next.
+    monkeypatch.setattr("elastic.regions.MESSAGE_BYTES", message_bytes)
+    if message_bytes < 48:
+        monkeypatch.setattr("elastic.regions.SEND_WINDOW", 1)
     gen = torch.Generator().manual_seed(3)
     a, b = torch.randn(SHAPE, generator=gen, dtype=torch.float64), torch.randn(
         SHAPE, generator=gen, dtype=torch.float64)
@@ -154,3 +160,31 @@ def test_copy_and_sum_over_gloo_between_layouts() -> None:
     for rank in HELD:
         assert torch.equal(out[rank]["w"], _local(rank, total, 0)["w"]), rank
         assert float(out[rank]["s"]) == 3.0
+
+
+def test_a_sum_of_three_groups_adds_in_group_order_on_every_rank() -> None:
+    """Rows in halves, the whole tensor, columns in halves: every rank ends with
+    ((a + b) + c) on its box, bit for bit, whichever group it is in."""
+    held = [rows(0, 2), rows(2, 4), rows(0, 4), cols(0, 3), cols(3, 6)]
+    group_of = [0, 0, 1, 2, 2]
+    layouts = [RankLayout(r, (TensorLayout("w", ("w",), SHAPE, "float32", "t", (b,)),), ())
+               for r, b in enumerate(held)]
+    gen = torch.Generator().manual_seed(5)
+    values = [torch.randn(SHAPE, generator=gen) * 10 ** k for k in range(3)]  # scales differ
+
+    def part(t: torch.Tensor, rank: int) -> torch.Tensor:
+        (o, n) = held[rank]
+        return t[o[0]:o[0] + n[0], o[1]:o[1] + n[1]]
+
+    def add(pg, rank):  # noqa: ANN001, ANN202
+        t = {"w": part(values[group_of[rank]], rank).clone()}
+        pieces = {"w": [Piece(held[rank][0], held[rank][1], (0, 0))]}
+        plan = plan_sum(layouts, [[0, 1], [2], [3, 4]], rank)
+        sum_regions(pg, plan, t, pieces, group_of, timeout_s=60)
+        return t["w"]
+
+    out = _on_gloo(add, ranks=len(held))
+    total = (values[0] + values[1]) + values[2]
+    assert not torch.equal(total, values[0] + (values[1] + values[2]))  # order matters
+    for rank, got in enumerate(out):
+        assert torch.equal(got, part(total, rank)), rank
