@@ -61,8 +61,12 @@ def _worker(rank: int, port: int, cfg: dict[str, Any], out: Any) -> None:
 
     from ckpt.layout import Piece
     from ckpt.plan import RankLayout, TensorLayout
+    from elastic import regions
     from elastic.heal import transfer_state
     from elastic.regions import copy_regions, plan_copy, plan_sum, sum_regions
+
+    if cfg.get("message_mb"):
+        regions.MESSAGE_BYTES = int(cfg["message_mb"] * 2**20)
 
     timeout = timedelta(seconds=cfg["timeout_s"])
     dist.init_process_group("gloo", rank=rank, world_size=RANKS, timeout=timeout)
@@ -166,12 +170,15 @@ def _worker(rank: int, port: int, cfg: dict[str, Any], out: Any) -> None:
     dist.destroy_process_group()
 
 
-def run(mb: float, tensors: int, reps: int, timeout_s: float = 120.0) -> dict[str, Any]:
-    """Run the three arms in four fresh processes; the medians and the checks."""
+def run(mb: float, tensors: int, reps: int, timeout_s: float = 120.0,
+        message_mb: float | None = None) -> dict[str, Any]:
+    """Run the three arms in four fresh processes; the medians and the checks.
+    `message_mb`: the routed exchanges' message size (`elastic.regions.MESSAGE_BYTES`)."""
     ctx = mp.get_context("spawn")
     out = ctx.Queue()
     port = _free_port()
-    cfg = {"mb": mb, "tensors": tensors, "reps": reps, "timeout_s": timeout_s}
+    cfg = {"mb": mb, "tensors": tensors, "reps": reps, "timeout_s": timeout_s,
+           "message_mb": message_mb}
     procs = [ctx.Process(target=_worker, args=(r, port, cfg, out)) for r in range(RANKS)]
     for p in procs:
         p.start()
@@ -185,6 +192,7 @@ def run(mb: float, tensors: int, reps: int, timeout_s: float = 120.0) -> dict[st
                 p.kill()
     med = {k: statistics.median(v) for k, v in got["results"].items()}
     return {"mb": mb, "tensors": tensors, "reps": reps, "shape": got["shape"],
+            "message_mb": message_mb,
             "bytes_per_rank": got["bytes_per_rank"], "correct": got["correct"],
             "median_s": med, "all_s": got["results"],
             "mixed_over_matched_reduce": med["mixed_reduce"] / med["matched_reduce"],
@@ -214,9 +222,11 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--mb", type=float, default=64.0, help="state size in MB (all tensors)")
     ap.add_argument("--tensors", type=int, default=16)
     ap.add_argument("--reps", type=int, default=5)
+    ap.add_argument("--message-mb", type=float,
+                    help="the routed exchanges' message size (default: elastic.regions')")
     ap.add_argument("--json", help="write the results here")
     a = ap.parse_args(argv)
-    res = run(a.mb, a.tensors, a.reps)
+    res = run(a.mb, a.tensors, a.reps, message_mb=a.message_mb)
     if a.json:
         with open(a.json, "w") as f:
             json.dump(res, f, indent=1)

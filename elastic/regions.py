@@ -43,7 +43,7 @@ __all__ = ["RegionError", "Segment", "Transfer", "copy_regions", "plan_copy", "p
            "route", "sum_regions"]
 
 _TAG = 7
-MESSAGE_BYTES = 8 << 20
+MESSAGE_BYTES = 64 << 20
 """About how many bytes one message between two ranks carries."""
 SEND_WINDOW = 8
 """Messages a rank has packed and not yet seen delivered: what bounds the host memory a

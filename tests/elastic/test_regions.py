@@ -123,7 +123,7 @@ def _on_gloo(body, ranks: int = len(HELD)) -> list:  # noqa: ANN001 - body(pg, r
     return results
 
 
-@pytest.mark.parametrize("message_bytes", [8 << 20, 40])
+@pytest.mark.parametrize("message_bytes", [64 << 20, 40])
 def test_copy_and_sum_over_gloo_between_layouts(message_bytes: int, monkeypatch) -> None:
     # 40 bytes: every segment of `w` (48 bytes) a message of its own, `s` with the next,
     # and a sender waits for each message before it packs the next.
