@@ -174,6 +174,7 @@ def run(mb: float, tensors: int, reps: int, timeout_s: float = 120.0,
         message_mb: float | None = None) -> dict[str, Any]:
     """Run the three arms in four fresh processes; the medians and the checks.
     `message_mb`: the routed exchanges' message size (`elastic.regions.MESSAGE_BYTES`)."""
+    load_before = os.getloadavg()[0]
     ctx = mp.get_context("spawn")
     out = ctx.Queue()
     port = _free_port()
@@ -199,7 +200,7 @@ def run(mb: float, tensors: int, reps: int, timeout_s: float = 120.0,
             "mixed_over_matched_heal": med["mixed_heal"] / med["matched_heal"],
             "reduce_over_floor": {k: med[f"{k}_reduce"] / med["floor"]
                                   for k in ("matched", "mixed")},
-            "load_before": os.getloadavg()[0]}
+            "load_before": load_before, "load_after": os.getloadavg()[0]}
 
 
 def table(res: dict[str, Any]) -> str:
