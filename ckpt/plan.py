@@ -28,7 +28,7 @@ from ckpt.gc_pause import gc_paused
 
 __all__ = [
     "TensorLayout", "RankLayout", "PieceWrite", "TensorPlan", "SavePlan", "plan_save",
-    "ReadTask", "LoadPlan", "plan_load", "layout_digest", "regular_grid",
+    "ReadTask", "LoadPlan", "plan_load", "layout_digest", "regular_grid", "intersect",
 ]
 
 Box = tuple[tuple[int, ...], tuple[int, ...]]  # (offset, shape)
@@ -69,6 +69,18 @@ class RankLayout:
     def from_json(j: dict[str, Any]) -> RankLayout:
         return RankLayout(int(j["rank"]), tuple(TensorLayout.from_json(t) for t in j["tensors"]),
                           tuple(j["values"]))
+
+
+def intersect(a_off, a_shape, b_off, b_shape) -> Box | None:  # noqa: ANN001 - int sequences
+    """The box two boxes share, or None when they share no element."""
+    off, shp = [], []
+    for ao, as_, bo, bs in zip(a_off, a_shape, b_off, b_shape, strict=True):
+        lo, hi = max(ao, bo), min(ao + as_, bo + bs)
+        if hi <= lo:
+            return None
+        off.append(lo)
+        shp.append(hi - lo)
+    return tuple(off), tuple(shp)
 
 
 def layout_digest(layout: RankLayout, extra: Any = None) -> str:

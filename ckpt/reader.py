@@ -16,6 +16,7 @@ import torch
 from ckpt.errors import CheckpointError
 from ckpt.format import StorageKind, chunk_key, numel
 from ckpt.manifest import Manifest, PieceEntry, TensorEntry
+from ckpt.plan import intersect
 from ckpt.resources import resources
 from ckpt.shardio import ShardGeometry, direct_read_ok, grid_geometry, read_shard_region
 from ckpt.tsio import map_ts_error, open_array, tensorstore, to_numpy
@@ -29,15 +30,6 @@ def _box_slices(inter_off, inter_shape, base_off) -> tuple[slice, ...]:
                                                           strict=True))
 
 
-def _intersect(a_off, a_shape, b_off, b_shape):
-    off, shp = [], []
-    for ao, as_, bo, bs in zip(a_off, a_shape, b_off, b_shape, strict=True):
-        lo, hi = max(ao, bo), min(ao + as_, bo + bs)
-        if hi <= lo:
-            return None
-        off.append(lo)
-        shp.append(hi - lo)
-    return tuple(off), tuple(shp)
 
 
 def _chunk_bytes(off, shape, chunks, item) -> int:
@@ -97,7 +89,7 @@ class RegionReader:
                 self._ts(arr[region] if region else arr, (), t.array)
                 return
             for p in t.piece_list():
-                inter = _intersect(self.off, self.shape, p.offset, p.shape)
+                inter = intersect(self.off, self.shape, p.offset, p.shape)
                 if inter is None:
                     continue
                 dst = _box_slices(inter[0], inter[1], self.off)
@@ -169,7 +161,7 @@ class RegionReader:
                   for o, s, c in zip(self.off, self.shape, chunks, strict=True)]
         for cell in itertools.product(*ranges):
             s_off = tuple(c * k for c, k in zip(cell, chunks, strict=True))
-            inter = _intersect(self.off, self.shape, s_off, chunks)
+            inter = intersect(self.off, self.shape, s_off, chunks)
             if inter is None:
                 continue
             self._direct(chunk_key(t.array, cell),

@@ -36,7 +36,7 @@ import torch
 import torch.distributed as dist
 
 from ckpt.layout import Piece
-from ckpt.plan import Box, RankLayout, TensorLayout
+from ckpt.plan import Box, RankLayout, TensorLayout, intersect
 from storage.checksum import crc32c
 
 __all__ = ["RegionError", "Segment", "Transfer", "copy_regions", "plan_copy", "plan_sum",
@@ -85,17 +85,6 @@ class Transfer:
                 self.recvs.setdefault(s.src, []).append(s)
 
 
-def _intersect(a: Box, b: Box) -> Box | None:
-    off, shape = [], []
-    for ao, an, bo, bn in zip(a[0], a[1], b[0], b[1], strict=True):
-        lo, hi = max(ao, bo), min(ao + an, bo + bn)
-        if hi <= lo:
-            return None
-        off.append(lo)
-        shape.append(hi - lo)
-    return tuple(off), tuple(shape)
-
-
 def route(dst: RankLayout, sources: Sequence[RankLayout]) -> list[Segment]:
     """Where every box `dst` holds comes from in the group of ranks `sources`, tensor by
     tensor in `dst`'s (name) order. Both sides must hold the same tensors (names, global
@@ -123,7 +112,7 @@ def route(dst: RankLayout, sources: Sequence[RankLayout]) -> list[Segment]:
         for j, want in enumerate(t.pieces):
             covered = 0
             for box, holders in boxes.items():
-                inter = _intersect(want, box)
+                inter = intersect(*want, *box)
                 if inter is None:
                     continue
                 rank, i = holders[dst.rank % len(holders)]

@@ -317,34 +317,28 @@ class Trainer:
     def _state_digests(self) -> list[int]:
         """Every rank's crc32c of its parameter shards, in rank order (replica groups of
         the same layout hold equal lists after every committed step)."""
-        from storage.checksum import crc32c
-
-        crc = 0
-        for p in self.params:
-            local = p.detach()
-            local = local.to_local() if hasattr(local, "to_local") else local
-            crc = crc32c(local.contiguous().cpu().reshape(-1).view(torch.uint8).numpy(), crc)
-        mine = torch.tensor([float(crc)], dtype=torch.float64, device=self.device)
-        every = torch.empty(self.world, dtype=torch.float64, device=self.device)
-        all_gather(every, mine)
-        return [int(v) for v in every.cpu().tolist()]
+        return self._rank_crcs(lambda p: p.to_local() if hasattr(p, "to_local") else p)
 
     def _params_digests(self) -> list[int]:
         """The crc32c of this rank's parameters gathered whole, for every distinct value
         over the ranks, sorted: one value without pipeline parallelism, one per stage with
         it. Layout-independent, so groups of different layouts compare by it; it gathers
         every parameter (a collective over each parameter's mesh)."""
+        return sorted(set(self._rank_crcs(
+            lambda p: p.full_tensor() if hasattr(p, "full_tensor") else p)))
+
+    def _rank_crcs(self, view: Callable[[torch.Tensor], torch.Tensor]) -> list[int]:
+        """Every rank's crc32c over `view(parameter)` of its parameters, in rank order."""
         from storage.checksum import crc32c
 
         crc = 0
         for p in self.params:
-            whole = p.detach()
-            whole = whole.full_tensor() if hasattr(whole, "full_tensor") else whole
-            crc = crc32c(whole.contiguous().cpu().reshape(-1).view(torch.uint8).numpy(), crc)
+            t = view(p.detach())
+            crc = crc32c(t.contiguous().cpu().reshape(-1).view(torch.uint8).numpy(), crc)
         mine = torch.tensor([float(crc)], dtype=torch.float64, device=self.device)
         every = torch.empty(self.world, dtype=torch.float64, device=self.device)
         all_gather(every, mine)
-        return sorted({int(v) for v in every.cpu().tolist()})
+        return [int(v) for v in every.cpu().tolist()]
 
     def _pipeline(self, n_micro: int) -> Any:
         """The pipeline schedule for `n_micro` micro-batches per rank, built at its first

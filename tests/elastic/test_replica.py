@@ -222,6 +222,72 @@ def test_survivors_keep_training_through_a_lost_group(etcd_cluster, tmp_path) ->
     assert len(discarded) <= 2, discarded
 
 
+class _ShardedGroups:
+    """Replica groups of scripts/replica_sharded.py, each a torch.distributed world of
+    its own (one port per group), against one etcd; a STOP file ends the run."""
+
+    def __init__(self, tmp_path: Path, endpoint: str, *extra: str) -> None:
+        self.tmp, self.endpoint, self.extra = tmp_path, endpoint, extra
+        self.stop, self.job = tmp_path / "STOP", job_id()
+        self.procs: dict[str, list[subprocess.Popen]] = {}
+        self.logs: list = []
+
+    def start(self, name: str, group: str, ranks: int, *extra: str) -> None:
+        from elastic.etcd_server import free_port
+
+        port = free_port()
+        self.procs[name] = []
+        for rank in range(ranks):
+            log = open(self.tmp / f"{name}-{rank}.log", "wb")  # noqa: SIM115 - child owns it
+            self.logs.append(log)
+            env = {**os.environ, "PYTHONPATH": str(ROOT), "OMP_NUM_THREADS": "1",
+                   "RANK": str(rank), "WORLD_SIZE": str(ranks), "MASTER_ADDR": "127.0.0.1",
+                   "MASTER_PORT": str(port)}
+            self.procs[name].append(subprocess.Popen(
+                [sys.executable, str(SCRIPTS / "replica_sharded.py"), "--endpoints",
+                 self.endpoint, "--job", self.job, "--group", group, "--out",
+                 str(self.tmp), "--stop-file", str(self.stop), "--min-groups", "2",
+                 *self.extra, *extra],
+                stdout=log, stderr=subprocess.STDOUT, env=env, cwd=ROOT,
+                start_new_session=True))
+
+    def steps(self, group: str, rank: int = 0) -> list[dict]:
+        return [e for e in events(self.tmp) if e["ev"] == "step" and e["group"] == group
+                and e["rank"] == rank]
+
+    def logs_text(self) -> str:
+        return "\n".join(f"--- {f.name}\n{f.read_text()[-2500:]}"
+                         for f in sorted(self.tmp.glob("*.log")))
+
+    def until(self, pred, timeout: float, what: str) -> None:
+        try:
+            wait_for(pred, timeout, what)
+        except AssertionError as exc:
+            raise AssertionError(f"{exc}\n{self.logs_text()}") from None
+
+    def kill(self, name: str) -> None:
+        for p in self.procs[name]:
+            os.killpg(p.pid, signal.SIGKILL)
+            p.wait(10)
+
+    def finish(self, total: int, *names: str) -> None:
+        """Ask for `total` steps and wait for `names` to exit 0."""
+        self.stop.write_text(str(total))
+        for name in names:
+            for p in self.procs[name]:
+                p.wait(240)
+                assert p.returncode == 0, self.logs_text()
+
+    def close(self) -> None:
+        for group in self.procs.values():
+            for p in group:
+                if p.poll() is None:
+                    os.killpg(p.pid, signal.SIGKILL)
+                    p.wait(10)
+        for f in self.logs:
+            f.close()
+
+
 @pytest.mark.long
 @pytest.mark.etcd
 @pytest.mark.multirank
@@ -232,73 +298,27 @@ def test_groups_of_two_ranks_heal_rank_by_rank(etcd_server, tmp_path) -> None:
     group is SIGKILLed, the survivor trains on alone, the replacement group heals each
     rank's shard from the same rank of the survivor, and every shard stays bitwise
     identical across groups after every step."""
-    from elastic.etcd_server import free_port
-
-    stop = tmp_path / "STOP"
-    job = job_id()
-    procs: dict[str, list[subprocess.Popen]] = {}
-    logs = []
-
-    def start(name: str, group: str, *extra: str) -> None:
-        port = free_port()
-        procs[name] = []
-        for rank in range(2):
-            log = open(tmp_path / f"{name}-{rank}.log", "wb")  # noqa: SIM115 - child owns it
-            logs.append(log)
-            env = {**os.environ, "PYTHONPATH": str(ROOT), "OMP_NUM_THREADS": "1",
-                   "RANK": str(rank), "WORLD_SIZE": "2", "MASTER_ADDR": "127.0.0.1",
-                   "MASTER_PORT": str(port)}
-            procs[name].append(subprocess.Popen(
-                [sys.executable, str(SCRIPTS / "replica_sharded.py"), "--endpoints",
-                 etcd_server.endpoint, "--job", job, "--group", group, "--out",
-                 str(tmp_path), "--stop-file", str(stop), "--min-groups", "2", *extra],
-                stdout=log, stderr=subprocess.STDOUT, env=env, cwd=ROOT,
-                start_new_session=True))
-
-    def steps(group: str, rank: int) -> list[dict]:
-        return [e for e in events(tmp_path) if e["ev"] == "step" and e["group"] == group
-                and e["rank"] == rank]
-
-    def logs_text() -> str:
-        return "\n".join(f"--- {f.name}\n{f.read_text()[-2500:]}"
-                         for f in sorted(tmp_path.glob("*.log")))
-
-    def until(pred, timeout: float, what: str) -> None:
-        try:
-            wait_for(pred, timeout, what)
-        except AssertionError as exc:
-            raise AssertionError(f"{exc}\n{logs_text()}") from None
-
+    run = _ShardedGroups(tmp_path, etcd_server.endpoint)
+    steps = run.steps
     try:
-        start("g0", "g0")
-        start("g1", "g1")
-        until(lambda: all(len(steps(g, r)) >= 6 for g in ("g0", "g1") for r in (0, 1)),
-              120, "two groups of two ranks training")
+        run.start("g0", "g0", 2)
+        run.start("g1", "g1", 2)
+        run.until(lambda: all(len(steps(g, r)) >= 6 for g in ("g0", "g1") for r in (0, 1)),
+                  120, "two groups of two ranks training")
         t_kill = time.time()
-        for p in procs["g1"]:
-            os.killpg(p.pid, signal.SIGKILL)
-            p.wait(10)
-        until(lambda: len([e for e in steps("g0", 0) if e["t"] > t_kill]) >= 5, 60,
-              "g0 training on alone")
-        start("g1-new", "g1", "--heal")
-        until(lambda: len([e for e in events(tmp_path) if e["ev"] == "healed"]) == 2,
-              120, "both ranks of the replacement healed")
-        new = {p.pid for p in procs["g1-new"]}
-        until(lambda: all(len([e for e in steps("g1", r) if e["pid"] in new]) >= 3
-                          for r in (0, 1)), 60, "the replacement training")
+        run.kill("g1")
+        run.until(lambda: len([e for e in steps("g0", 0) if e["t"] > t_kill]) >= 5, 60,
+                  "g0 training on alone")
+        run.start("g1-new", "g1", 2, "--heal")
+        run.until(lambda: len([e for e in events(tmp_path) if e["ev"] == "healed"]) == 2,
+                  120, "both ranks of the replacement healed")
+        new = {p.pid for p in run.procs["g1-new"]}
+        run.until(lambda: all(len([e for e in steps("g1", r) if e["pid"] in new]) >= 3
+                              for r in (0, 1)), 60, "the replacement training")
         total = max(e["step"] for e in steps("g0", 0)) + 5
-        stop.write_text(str(total))
-        for p in procs["g0"] + procs["g1-new"]:
-            p.wait(240)
-            assert p.returncode == 0, logs_text()
+        run.finish(total, "g0", "g1-new")
     finally:
-        for group in procs.values():
-            for p in group:
-                if p.poll() is None:
-                    os.killpg(p.pid, signal.SIGKILL)
-                    p.wait(10)
-        for f in logs:
-            f.close()
+        run.close()
 
     evs = events(tmp_path)
     starts = sorted((e["group"], e["rank"], e["heal"]) for e in evs if e["ev"] == "start")
@@ -336,75 +356,28 @@ def test_groups_of_different_sizes_reduce_and_heal_by_region(etcd_server, tmp_pa
     the two-rank group's memory, resharded (each half from the rank that holds it). The
     whole weights stay bitwise identical across groups after every step, and every
     sample of every step is used once."""
-    from elastic.etcd_server import free_port
-
-    stop = tmp_path / "STOP"
-    job = job_id()
-    procs: dict[str, list[subprocess.Popen]] = {}
-    logs = []
-
-    def start(name: str, group: str, ranks: int, *extra: str) -> None:
-        port = free_port()
-        procs[name] = []
-        for rank in range(ranks):
-            log = open(tmp_path / f"{name}-{rank}.log", "wb")  # noqa: SIM115 - child owns it
-            logs.append(log)
-            env = {**os.environ, "PYTHONPATH": str(ROOT), "OMP_NUM_THREADS": "1",
-                   "RANK": str(rank), "WORLD_SIZE": str(ranks), "MASTER_ADDR": "127.0.0.1",
-                   "MASTER_PORT": str(port)}
-            procs[name].append(subprocess.Popen(
-                [sys.executable, str(SCRIPTS / "replica_sharded.py"), "--endpoints",
-                 etcd_server.endpoint, "--job", job, "--group", group, "--out",
-                 str(tmp_path), "--stop-file", str(stop), "--min-groups", "2", "--dtensor",
-                 *extra],
-                stdout=log, stderr=subprocess.STDOUT, env=env, cwd=ROOT,
-                start_new_session=True))
-
-    def steps(group: str, rank: int = 0) -> list[dict]:
-        return [e for e in events(tmp_path) if e["ev"] == "step" and e["group"] == group
-                and e["rank"] == rank]
-
-    def logs_text() -> str:
-        return "\n".join(f"--- {f.name}\n{f.read_text()[-2500:]}"
-                         for f in sorted(tmp_path.glob("*.log")))
-
-    def until(pred, timeout: float, what: str) -> None:
-        try:
-            wait_for(pred, timeout, what)
-        except AssertionError as exc:
-            raise AssertionError(f"{exc}\n{logs_text()}") from None
-
+    run = _ShardedGroups(tmp_path, etcd_server.endpoint, "--dtensor")
+    steps = run.steps
     try:
-        start("g0", "g0", 2)
-        start("g1", "g1", 1)
+        run.start("g0", "g0", 2)
+        run.start("g1", "g1", 1)
         # Generous bounds: each waits for process starts (torch imports) and a few steps.
-        until(lambda: len(steps("g0")) >= 6 and len(steps("g1")) >= 6, 180,
-              "a group of two ranks and a group of one training together")
+        run.until(lambda: len(steps("g0")) >= 6 and len(steps("g1")) >= 6, 180,
+                  "a group of two ranks and a group of one training together")
         t_kill = time.time()
-        for p in procs["g1"]:
-            os.killpg(p.pid, signal.SIGKILL)
-            p.wait(10)
-        until(lambda: len([e for e in steps("g0") if e["t"] > t_kill]) >= 3, 120,
-              "g0 training on alone")
-        start("g1-new", "g1", 1, "--heal")
-        until(lambda: any(e["ev"] == "healed" for e in events(tmp_path)), 180,
-              "the one-rank replacement healed from the two-rank group")
-        new = {p.pid for p in procs["g1-new"]}
-        until(lambda: len([e for e in steps("g1") if e["pid"] in new]) >= 3, 120,
-              "the replacement training")
+        run.kill("g1")
+        run.until(lambda: len([e for e in steps("g0") if e["t"] > t_kill]) >= 3, 120,
+                  "g0 training on alone")
+        run.start("g1-new", "g1", 1, "--heal")
+        run.until(lambda: any(e["ev"] == "healed" for e in events(tmp_path)), 180,
+                  "the one-rank replacement healed from the two-rank group")
+        new = {p.pid for p in run.procs["g1-new"]}
+        run.until(lambda: len([e for e in steps("g1") if e["pid"] in new]) >= 3, 120,
+                  "the replacement training")
         total = max(e["step"] for e in steps("g0")) + 4
-        stop.write_text(str(total))
-        for p in procs["g0"] + procs["g1-new"]:
-            p.wait(240)
-            assert p.returncode == 0, logs_text()
+        run.finish(total, "g0", "g1-new")
     finally:
-        for group in procs.values():
-            for p in group:
-                if p.poll() is None:
-                    os.killpg(p.pid, signal.SIGKILL)
-                    p.wait(10)
-        for f in logs:
-            f.close()
+        run.close()
 
     evs = events(tmp_path)
     for r in (0, 1):

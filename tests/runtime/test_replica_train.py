@@ -108,6 +108,16 @@ class _Groups:
         except AssertionError as exc:
             raise AssertionError(f"{exc}\n{self.logs_text()}") from None
 
+    def replace_and_train_on(self, name: str, group: str, nproc: int, *, more: int) -> None:
+        """Start `name` as a replacement of `group`, wait until it healed and trains, then
+        until both it and g0 trained `more` steps past g0's step at that point."""
+        self.start(name, group, nproc=nproc)
+        new, g0 = self.tmp / f"{name}.jsonl", self.tmp / "g0.jsonl"
+        self.until(lambda: len(_records(new)) >= 4, 240, "the replacement healed and training")
+        enough = max(r["step"] for r in _records(g0)) + more
+        self.until(lambda: min(max((r["step"] for r in _records(p)), default=0)
+                               for p in (g0, new)) >= enough, 240, "both groups training on")
+
     def kill(self, name: str) -> None:
         self.killed.add(name)
         _kill_tree(self.procs[name])
@@ -149,11 +159,7 @@ def test_trainer_groups_survive_a_lost_group_and_heal_it(etcd_server, tmp_path) 
         assert alone[0]["ckpt_saved"], alone[0]
         assert [r["step"] for r in alone[1:4] if r["ckpt_saved"]] == [
             r["step"] for r in alone[1:4] if r["step"] % 5 == 0]
-        run.start("g1-new", "g1")
-        run.until(lambda: len(_records(g1b)) >= 4, 240, "the replacement healed and training")
-        enough = max(r["step"] for r in _records(g0)) + 6
-        run.until(lambda: min(max((r["step"] for r in _records(p)), default=0)
-                              for p in (g0, g1b)) >= enough, 240, "both groups training on")
+        run.replace_and_train_on("g1-new", "g1", 2, more=6)
     finally:
         run.close()
 
@@ -204,11 +210,7 @@ def test_trainer_groups_of_different_sizes_train_together_and_heal_resharded(
         run.kill("g1")
         run.until(lambda: len([r for r in _records(g0) if r["time"] > t_kill
                                and r["quorum_size"] == 1]) >= 3, 120, "g0 training on alone")
-        run.start("g1-new", "g1", nproc=1)
-        run.until(lambda: len(_records(g1b)) >= 4, 240, "the replacement healed and training")
-        enough = max(r["step"] for r in _records(g0)) + 4
-        run.until(lambda: min(max((r["step"] for r in _records(p)), default=0)
-                              for p in (g0, g1b)) >= enough, 240, "both groups training on")
+        run.replace_and_train_on("g1-new", "g1", 1, more=4)
     finally:
         run.close()
 
