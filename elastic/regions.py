@@ -291,7 +291,8 @@ def sum_regions(pg: dist.ProcessGroup, plan: Transfer, tensors: Mapping[str, tor
 
     def add(acc: Mapping[str, torch.Tensor], g: int) -> None:
         for s, part in parts[g]:
-            _view(acc[s.name], pieces[s.name][s.dst_piece], s.box).add_(part)
+            view = _view(acc[s.name], pieces[s.name][s.dst_piece], s.box)
+            view.add_(part.to(view.device))  # messages arrive in host memory
 
     if mine <= 1:
         # Addition commutes bit for bit, so x1 + x0 is x0 + x1: the first two groups' ranks
