@@ -24,7 +24,7 @@ With replica groups (`runtime.replicas`), every group's first rank appends to th
 file, and each record also says which group logged it and in which quorum:
 `replica_group`, `quorum` (its id), `quorum_size`, `state_crc` (each rank's crc32c of
 its parameter shards after the step), in a quorum of groups of different layouts also
-`params_crc` (the crc32c of the whole parameters, layout-independent),
+`params_crc` (a digest of the whole parameters, layout-independent),
 `abandoned_steps` (steps this process abandoned because a quorum member failed) and, on
 a group's first step after it joined, `healed_bytes` (state bytes received from a live
 group).

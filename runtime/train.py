@@ -138,6 +138,11 @@ def _process_age_s() -> float | None:
         return None
 
 
+def _bytes_of(t: torch.Tensor) -> Any:
+    """A tensor's bytes as a host array (for a checksum)."""
+    return t.contiguous().cpu().reshape(-1).view(torch.uint8).numpy()
+
+
 def _step_seed(seed: int, step: int) -> int:
     return (seed * 1_000_003 + step * 7919 + 17) % (2**63)
 
@@ -317,25 +322,35 @@ class Trainer:
     def _state_digests(self) -> list[int]:
         """Every rank's crc32c of its parameter shards, in rank order (replica groups of
         the same layout hold equal lists after every committed step)."""
-        return self._rank_crcs(lambda p: p.to_local() if hasattr(p, "to_local") else p)
-
-    def _params_digests(self) -> list[int]:
-        """The crc32c of this rank's parameters gathered whole, for every distinct value
-        over the ranks, sorted: one value without pipeline parallelism, one per stage with
-        it. Layout-independent, so groups of different layouts compare by it; it gathers
-        every parameter (a collective over each parameter's mesh)."""
-        return sorted(set(self._rank_crcs(
-            lambda p: p.full_tensor() if hasattr(p, "full_tensor") else p)))
-
-    def _rank_crcs(self, view: Callable[[torch.Tensor], torch.Tensor]) -> list[int]:
-        """Every rank's crc32c over `view(parameter)` of its parameters, in rank order."""
         from storage.checksum import crc32c
 
         crc = 0
         for p in self.params:
-            t = view(p.detach())
-            crc = crc32c(t.contiguous().cpu().reshape(-1).view(torch.uint8).numpy(), crc)
-        mine = torch.tensor([float(crc)], dtype=torch.float64, device=self.device)
+            local = p.detach()
+            local = local.to_local() if hasattr(local, "to_local") else local
+            crc = crc32c(_bytes_of(local), crc)
+        return self._every_rank(crc)
+
+    def _params_digests(self) -> list[int]:
+        """A digest of the whole parameters that does not depend on the layout: per
+        parameter, the crc32c of its name seeded with the crc32c of its gathered whole
+        tensor; summed over the parameters (order-free), and over the distinct values of
+        the ranks (one per pipeline stage: the ranks of a stage hold the same whole
+        parameters). Groups of different layouts compare by it. It gathers every
+        parameter (a collective over each parameter's mesh)."""
+        from storage.checksum import crc32c
+
+        total = 0
+        for name, p in zip(self.param_names, self.params, strict=True):
+            whole = p.detach()
+            whole = whole.full_tensor() if hasattr(whole, "full_tensor") else whole
+            total += crc32c(name.encode(), crc32c(_bytes_of(whole)))
+        # Sums of 32-bit values over up to 2**20 parameters stay exact in float64.
+        return [sum(set(self._every_rank(total)))]
+
+    def _every_rank(self, value: int) -> list[int]:
+        """`value` of every rank of this group, in rank order."""
+        mine = torch.tensor([float(value)], dtype=torch.float64, device=self.device)
         every = torch.empty(self.world, dtype=torch.float64, device=self.device)
         all_gather(every, mine)
         return [int(v) for v in every.cpu().tolist()]

@@ -65,7 +65,9 @@ class _Groups:
         self.logs: list = []
         self.killed: set[str] = set()
 
-    def start(self, name: str, group: str, *, nproc: int = 2, restarts: int = 0) -> None:
+    def start(self, name: str, group: str, *extra: str, nproc: int = 2,
+              restarts: int = 0) -> None:
+        """`extra`: training settings of this group only (e.g. its own layout)."""
         log = open(self.tmp / f"{name}.log", "wb")  # noqa: SIM115 - the child owns it
         self.logs.append(log)
         steps = 1000  # far beyond what a test needs: it stops the groups itself
@@ -86,7 +88,7 @@ class _Groups:
              f"--replica.etcd={self.etcd}", "--replica.prefix=/relight-test",
              "--replica.min_groups=2", "--replica.host=127.0.0.1",
              "--replica.lease_ttl_s=5", "--replica.collective_timeout_s=10",
-             "--replica.digest_every=1"],
+             "--replica.digest_every=1", *extra],
             stdout=log, stderr=subprocess.STDOUT, cwd=ROOT, start_new_session=True,
             env={**os.environ, "PYTHONPATH": str(ROOT), "OMP_NUM_THREADS": "1"})
 
@@ -108,10 +110,11 @@ class _Groups:
         except AssertionError as exc:
             raise AssertionError(f"{exc}\n{self.logs_text()}") from None
 
-    def replace_and_train_on(self, name: str, group: str, nproc: int, *, more: int) -> None:
+    def replace_and_train_on(self, name: str, group: str, nproc: int, *extra: str,
+                             more: int) -> None:
         """Start `name` as a replacement of `group`, wait until it healed and trains, then
         until both it and g0 trained `more` steps past g0's step at that point."""
-        self.start(name, group, nproc=nproc)
+        self.start(name, group, *extra, nproc=nproc)
         new, g0 = self.tmp / f"{name}.jsonl", self.tmp / "g0.jsonl"
         self.until(lambda: len(_records(new)) >= 4, 240, "the replacement healed and training")
         enough = max(r["step"] for r in _records(g0)) + more
@@ -231,6 +234,37 @@ def test_trainer_groups_of_different_sizes_train_together_and_heal_resharded(
     assert compared >= 8
     pos = [r["data_position"] for r in survivor]
     assert pos == [16 * i for i in range(len(pos))]
+
+
+# ~40 s on a quiet 2-core machine; in the long tier (CI runs the FSDP case above).
+@pytest.mark.long
+@pytest.mark.timeout(600)
+def test_trainer_groups_of_different_pipeline_splits_train_together(etcd_server,
+                                                                     tmp_path) -> None:
+    """A group of two pipeline stages and a group of one rank train together: each rank
+    holds other parameters than the same rank of the other group, and the sum pairs
+    gradients by parameter name. The one-rank group is replaced and heals from the
+    pipelined group. Whole parameters bitwise identical at every shared step."""
+    run = _Groups(tmp_path, etcd_server.endpoint)
+    g0, g1, g1b = tmp_path / "g0.jsonl", tmp_path / "g1.jsonl", tmp_path / "g1-new.jsonl"
+    try:
+        run.start("g0", "g0", "--parallel.pp=2")
+        run.start("g1", "g1", nproc=1)
+        run.until(lambda: len(_records(g0)) >= 5 and len(_records(g1)) >= 5, 240,
+                  "a pipelined group and a one-rank group training together")
+        t_kill = time.time()
+        run.kill("g1")
+        run.until(lambda: len([r for r in _records(g0) if r["time"] > t_kill
+                               and r["quorum_size"] == 1]) >= 2, 120, "g0 training on alone")
+        run.replace_and_train_on("g1-new", "g1", 1, more=3)
+    finally:
+        run.close()
+    survivor, others = _records(g0), _records(g1) + _records(g1b)
+    assert [r["step"] for r in survivor] == list(range(1, len(survivor) + 1))
+    assert _records(g1b)[0]["healed_bytes"] > 0
+    whole = {r["step"]: r["params_crc"] for r in survivor if "params_crc" in r}
+    shared = [r for r in others if r["step"] in whole]
+    assert len(shared) >= 6 and all(r["params_crc"] == whole[r["step"]] for r in shared)
 
 
 def test_the_first_step_of_a_lone_group_after_a_shared_quorum_is_due_for_storage() -> None:
