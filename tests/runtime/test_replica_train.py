@@ -236,27 +236,35 @@ def test_trainer_groups_of_different_sizes_train_together_and_heal_resharded(
     assert pos == [16 * i for i in range(len(pos))]
 
 
-# ~40 s on a quiet 2-core machine; in the long tier (CI runs the FSDP case above).
+MOE = ("--model.num_experts=4", "--model.top_k=2")
+
+
+# ~25 s each on a quiet 2-core machine; in the long tier (CI runs the FSDP case above).
 @pytest.mark.long
 @pytest.mark.timeout(600)
-def test_trainer_groups_of_different_pipeline_splits_train_together(etcd_server,
-                                                                     tmp_path) -> None:
-    """A group of two pipeline stages and a group of one rank train together: each rank
-    holds other parameters than the same rank of the other group, and the sum pairs
-    gradients by parameter name. The one-rank group is replaced and heals from the
-    pipelined group. Whole parameters bitwise identical at every shared step."""
+@pytest.mark.parametrize("split", [("--parallel.pp=2",), ("--parallel.tp=2",),
+                                   ("--parallel.ep=2", *MOE)],
+                         ids=["pipeline", "tensor", "expert"])
+def test_trainer_groups_of_different_splits_train_together(etcd_server, tmp_path,
+                                                           split: tuple[str, ...]) -> None:
+    """A group of two ranks split by pipeline stages, tensor parallelism or experts and a
+    group of one rank train together: each rank holds other parameters or other parts of
+    them than the same rank of the other group, and the sum pairs gradients by parameter
+    name and global region. The one-rank group is replaced and heals from the split group.
+    Whole parameters bitwise identical at every shared step."""
     run = _Groups(tmp_path, etcd_server.endpoint)
     g0, g1, g1b = tmp_path / "g0.jsonl", tmp_path / "g1.jsonl", tmp_path / "g1-new.jsonl"
+    model = [a for a in split if a.startswith("--model.")]
     try:
-        run.start("g0", "g0", "--parallel.pp=2")
-        run.start("g1", "g1", nproc=1)
+        run.start("g0", "g0", *split)
+        run.start("g1", "g1", *model, nproc=1)
         run.until(lambda: len(_records(g0)) >= 5 and len(_records(g1)) >= 5, 240,
                   "a pipelined group and a one-rank group training together")
         t_kill = time.time()
         run.kill("g1")
         run.until(lambda: len([r for r in _records(g0) if r["time"] > t_kill
                                and r["quorum_size"] == 1]) >= 2, 120, "g0 training on alone")
-        run.replace_and_train_on("g1-new", "g1", 1, more=3)
+        run.replace_and_train_on("g1-new", "g1", 1, *model, more=3)
     finally:
         run.close()
     survivor, others = _records(g0), _records(g1) + _records(g1b)
