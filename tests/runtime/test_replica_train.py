@@ -192,28 +192,38 @@ def test_trainer_groups_survive_a_lost_group_and_heal_it(etcd_server, tmp_path) 
     assert pos == [16 * i for i in range(len(pos))]
 
 
-# ~30 s on a quiet 2-core machine (three agents, four workers); the bound is for a loaded
-# one. In CI: the runtime's only end-to-end run of groups of different layouts.
+MOE = ("--model.num_experts=4", "--model.top_k=2")
+
+
+# ~25 s each on a quiet 2-core machine (three agents, four workers); the bound is for a
+# loaded one. FSDP in CI (the runtime's end-to-end run of groups of different layouts),
+# the other splits in the long tier.
 @pytest.mark.timeout(600)
-def test_trainer_groups_of_different_sizes_train_together_and_heal_resharded(
-        etcd_server, tmp_path) -> None:
-    """A group of two FSDP ranks and a group of one train together (a quorum of
-    different layouts: gradients summed by global region). The one-rank group is lost and
-    replaced by another one-rank group, which heals from the two-rank group's memory,
-    resharded. The whole parameters are bitwise identical across the groups after every
-    step they share."""
+@pytest.mark.parametrize("split", [
+    pytest.param((), id="fsdp"),
+    pytest.param(("--parallel.pp=2",), id="pipeline", marks=pytest.mark.long),
+    pytest.param(("--parallel.tp=2",), id="tensor", marks=pytest.mark.long),
+    pytest.param(("--parallel.ep=2", *MOE), id="expert", marks=pytest.mark.long)])
+def test_trainer_groups_of_different_layouts_train_together_and_heal_resharded(
+        etcd_server, tmp_path, split: tuple[str, ...]) -> None:
+    """A group of two ranks (FSDP, or split by pipeline stages, tensor parallelism or
+    experts) and a group of one rank train together: a quorum of different layouts, whose
+    gradients are summed by parameter name and global region. The one-rank group is lost
+    and replaced by another, which heals from the two-rank group's memory, resharded. The
+    whole parameters are bitwise identical across the groups after every step they share."""
     run = _Groups(tmp_path, etcd_server.endpoint)
     g0, g1, g1b = tmp_path / "g0.jsonl", tmp_path / "g1.jsonl", tmp_path / "g1-new.jsonl"
+    model = [a for a in split if a.startswith("--model.")]
     try:
-        run.start("g0", "g0")
-        run.start("g1", "g1", nproc=1)
+        run.start("g0", "g0", *split)
+        run.start("g1", "g1", *model, nproc=1)
         run.until(lambda: len(_records(g0)) >= 6 and len(_records(g1)) >= 6, 240,
                   "a group of two ranks and a group of one training together")
         t_kill = time.time()
         run.kill("g1")
         run.until(lambda: len([r for r in _records(g0) if r["time"] > t_kill
                                and r["quorum_size"] == 1]) >= 3, 120, "g0 training on alone")
-        run.replace_and_train_on("g1-new", "g1", 1, more=4)
+        run.replace_and_train_on("g1-new", "g1", 1, *model, more=4)
     finally:
         run.close()
 
@@ -234,45 +244,6 @@ def test_trainer_groups_of_different_sizes_train_together_and_heal_resharded(
     assert compared >= 8
     pos = [r["data_position"] for r in survivor]
     assert pos == [16 * i for i in range(len(pos))]
-
-
-MOE = ("--model.num_experts=4", "--model.top_k=2")
-
-
-# ~25 s each on a quiet 2-core machine; in the long tier (CI runs the FSDP case above).
-@pytest.mark.long
-@pytest.mark.timeout(600)
-@pytest.mark.parametrize("split", [("--parallel.pp=2",), ("--parallel.tp=2",),
-                                   ("--parallel.ep=2", *MOE)],
-                         ids=["pipeline", "tensor", "expert"])
-def test_trainer_groups_of_different_splits_train_together(etcd_server, tmp_path,
-                                                           split: tuple[str, ...]) -> None:
-    """A group of two ranks split by pipeline stages, tensor parallelism or experts and a
-    group of one rank train together: each rank holds other parameters or other parts of
-    them than the same rank of the other group, and the sum pairs gradients by parameter
-    name and global region. The one-rank group is replaced and heals from the split group.
-    Whole parameters bitwise identical at every shared step."""
-    run = _Groups(tmp_path, etcd_server.endpoint)
-    g0, g1, g1b = tmp_path / "g0.jsonl", tmp_path / "g1.jsonl", tmp_path / "g1-new.jsonl"
-    model = [a for a in split if a.startswith("--model.")]
-    try:
-        run.start("g0", "g0", *split)
-        run.start("g1", "g1", *model, nproc=1)
-        run.until(lambda: len(_records(g0)) >= 5 and len(_records(g1)) >= 5, 240,
-                  "a pipelined group and a one-rank group training together")
-        t_kill = time.time()
-        run.kill("g1")
-        run.until(lambda: len([r for r in _records(g0) if r["time"] > t_kill
-                               and r["quorum_size"] == 1]) >= 2, 120, "g0 training on alone")
-        run.replace_and_train_on("g1-new", "g1", 1, *model, more=3)
-    finally:
-        run.close()
-    survivor, others = _records(g0), _records(g1) + _records(g1b)
-    assert [r["step"] for r in survivor] == list(range(1, len(survivor) + 1))
-    assert _records(g1b)[0]["healed_bytes"] > 0
-    whole = {r["step"]: r["params_crc"] for r in survivor if "params_crc" in r}
-    shared = [r for r in others if r["step"] in whole]
-    assert len(shared) >= 6 and all(r["params_crc"] == whole[r["step"]] for r in shared)
 
 
 def test_the_first_step_of_a_lone_group_after_a_shared_quorum_is_due_for_storage() -> None:
