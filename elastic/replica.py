@@ -38,6 +38,7 @@ quorum whose layouts match uses the per-local-rank groups above.
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import logging
 import time
@@ -50,7 +51,7 @@ import torch
 import torch.distributed as dist
 
 from ckpt.flatten import FlatState, TensorRef, flatten_state
-from ckpt.layout import Piece, rank_layout
+from ckpt.layout import Piece, describe_placements, rank_layout
 from ckpt.plan import RankLayout, layout_digest
 from elastic.etcd_client import EtcdClient, EtcdSettings
 from elastic.heal import HealError, HealStats, reshard_state, transfer_state
@@ -159,9 +160,10 @@ class _MixedQuorum:
     """The process group's ranks of each member, in quorum order."""
     me: int
     store: dist.Store
-    grad_plan: tuple[str, Transfer, dict[str, list[Piece]]] | None = None
-    """The reduction's routing for the tensors `allreduce` was last given (their layout
-    digest), made at the first call in the quorum and when the tensors change."""
+    grad_plan: tuple[tuple, Transfer, dict[str, list[Piece]]] | None = None
+    """The reduction's routing for the tensors `allreduce` was last given (their names,
+    shapes, dtypes and placements), made at the first call in the quorum and when the
+    tensors change."""
     grad_rounds: int = 0
 
     @property
@@ -176,7 +178,10 @@ class _MixedQuorum:
         return [RankLayout.from_json(json.loads(d)) for d in docs]
 
 
-def _layout_of(flat: FlatState, rank: int) -> tuple[RankLayout, dict[str, list[Piece]], str]:
+_Layout = tuple[RankLayout, dict[str, list[Piece]], str]
+
+
+def _layout_of(flat: FlatState, rank: int) -> _Layout:
     """This rank's layout, its local pieces, and a digest of the layout alone (not of
     the rank's number)."""
     lay, pieces = rank_layout(flat, rank)
@@ -460,7 +465,8 @@ class ReplicaManager:
             base = dist.PrefixStore(f"quorum/{quorum.id}/", store)
             sd = None if self._state is None else self._state()
             flat = None if sd is None else flatten_state(sd)
-            mixed = self._mixed_quorum(quorum, base, flat)
+            layout = None if flat is None else _layout_of(flat, self.local_rank)
+            mixed = self._mixed_quorum(quorum, base, layout)
             if mixed is None:
                 prefixed = dist.PrefixStore(f"rank{self.local_rank}/", base)
                 rank, size = quorum.rank(self.group), quorum.size
@@ -473,7 +479,7 @@ class ReplicaManager:
                         "of %d", self.group, self.local_rank, quorum.id,
                         " (layouts differ)" if mixed else "", rank, size)
             if quorum.healing:
-                self._heal(quorum, prefixed, sd, flat)
+                self._heal(quorum, prefixed, sd, flat, layout)
         except (RuntimeError, dist.DistError, HealError) as exc:
             # A member died between the quorum and the connection: fail this step; the
             # next quorum forms without it.
@@ -489,13 +495,13 @@ class ReplicaManager:
             else:
                 self._ok = False
 
-    def _mixed_quorum(self, quorum: Quorum, base: dist.Store, flat: FlatState | None
+    def _mixed_quorum(self, quorum: Quorum, base: dist.Store, layout: _Layout | None
                       ) -> _MixedQuorum | None:
         """Whether `quorum`'s layouts differ, decided alike on every rank of every member
         from what each rank puts in the quorum's store: its group's size (first ranks)
         and its layout's digest (empty without `state=`: taken to match when the sizes
         do)."""
-        digest = "" if flat is None else _layout_of(flat, self.local_rank)[2]
+        digest = "" if layout is None else layout[2]
         base.set(f"layout/{self.group}/{self.local_rank}", digest)
         if self.local_rank == 0:
             base.set(f"size/{self.group}", str(self._link.size))
@@ -512,11 +518,11 @@ class ReplicaManager:
         return _MixedQuorum(groups, offsets[quorum.rank(self.group)] + self.local_rank, base)
 
     def _heal(self, quorum: Quorum, store: dist.Store, sd: Mapping[str, Any] | None,
-              flat: FlatState | None) -> None:
+              flat: FlatState | None, layout: _Layout | None) -> None:
         """The quorum's first step begins with the live heal of its joiners: each rank
         of a joiner receives from the same rank of the first healthy member, or, when
         the layouts differ, each box from the member's rank that holds it."""
-        if sd is None or flat is None:
+        if sd is None or flat is None or layout is None:
             raise QuorumError(f"group {list(quorum.healing)} is healing from this group's "
                               "memory, but this ReplicaManager was given no state=")
         receiving = self.group in quorum.healing
@@ -525,8 +531,8 @@ class ReplicaManager:
                                    quorum.rank(quorum.healthy[0]), sd, receiving=receiving)
         else:
             m = self._mixed
-            mine, pieces, _ = _layout_of(flat, m.me)
-            layouts = m.layouts("heal/layout", mine)
+            mine, pieces, _ = layout
+            layouts = m.layouts("heal/layout", dataclasses.replace(mine, rank=m.me))
             source = m.groups[quorum.rank(quorum.healthy[0])]
             dests = [r for g in quorum.healing for r in m.groups[quorum.rank(g)]]
             plan = plan_copy(layouts, source, dests, m.me)
@@ -558,36 +564,17 @@ class ReplicaManager:
         if scale != 1.0:
             for t in tensors:
                 (t.to_local() if hasattr(t, "to_local") else t).mul_(scale)
-        if self._ok and self.quorum.size > 1 and self._mixed is not None:
+        if self._ok and self.quorum.size > 1:
             try:
                 if self._pg is None:
                     raise RuntimeError("no process group for this quorum")
-                self._sum_mixed(tensors, names)
+                if self._mixed is not None:
+                    self._sum_mixed(tensors, names)
+                else:
+                    self._sum_matched([t.to_local() if hasattr(t, "to_local") else t
+                                       for t in tensors])
             except (RuntimeError, dist.DistError) as exc:
                 logger.warning("[replica %s/%d] cross-group reduction failed in quorum %d: "
-                               "%s", self.group, self.local_rank, self.quorum.id, exc)
-                self._ok, self._pg = False, None
-        elif self._ok and self.quorum.size > 1:
-            tensors = [t.to_local() if hasattr(t, "to_local") else t for t in tensors]
-            try:
-                if self._pg is None:
-                    raise RuntimeError("no process group for this quorum")
-                # One flat buffer per dtype: one collective for all of them (a gloo
-                # allreduce of a list means one tensor per device, not many tensors).
-                by_dtype: dict[torch.dtype, list[torch.Tensor]] = {}
-                for t in tensors:
-                    by_dtype.setdefault(t.dtype, []).append(t)
-                for group in by_dtype.values():
-                    flat = (group[0] if len(group) == 1 and group[0].is_contiguous()
-                            else torch.cat([t.reshape(-1) for t in group]))
-                    self._pg.allreduce([flat]).wait()
-                    if flat is not group[0]:
-                        offset = 0
-                        for t in group:
-                            t.copy_(flat[offset:offset + t.numel()].view_as(t))
-                            offset += t.numel()
-            except (RuntimeError, dist.DistError) as exc:
-                logger.warning("[replica %s/%d] cross-group allreduce failed in quorum %d: "
                                "%s", self.group, self.local_rank, self.quorum.id, exc)
                 # Closing our side now makes a peer still blocked in this collective fail
                 # at once instead of at its timeout, so every survivor votes in time.
@@ -617,6 +604,25 @@ class ReplicaManager:
             return value
         return float(t.item())
 
+    def _sum_matched(self, tensors: list[torch.Tensor]) -> None:
+        """The reduction of a quorum of one layout: each local rank's tensors all-reduced
+        with the same rank of every other group, one flat buffer per dtype (one
+        collective for all of them: a gloo allreduce of a list means one tensor per
+        device, not many tensors)."""
+        assert self._pg is not None
+        by_dtype: dict[torch.dtype, list[torch.Tensor]] = {}
+        for t in tensors:
+            by_dtype.setdefault(t.dtype, []).append(t)
+        for group in by_dtype.values():
+            flat = (group[0] if len(group) == 1 and group[0].is_contiguous()
+                    else torch.cat([t.reshape(-1) for t in group]))
+            self._pg.allreduce([flat]).wait()
+            if flat is not group[0]:
+                offset = 0
+                for t in group:
+                    t.copy_(flat[offset:offset + t.numel()].view_as(t))
+                    offset += t.numel()
+
     def _sum_mixed(self, tensors: list[torch.Tensor], names: list[str] | None) -> None:
         """The reduction of a mixed quorum: every box summed across the groups by
         routing. The tensors' layouts are exchanged through the quorum's store at the
@@ -626,13 +632,17 @@ class ReplicaManager:
         names = [str(i) for i in range(len(tensors))] if names is None else names
         if len(names) != len(tensors) or len(set(names)) != len(names):
             raise ValueError("ReplicaManager.allreduce: names= must name each tensor once")
-        flat = FlatState(tensors={n: TensorRef(n, (n,), t)
-                                  for n, t in zip(names, tensors, strict=True)})
-        mine, pieces, digest = _layout_of(flat, m.me)
-        if m.grad_plan is None or m.grad_plan[0] != digest:
+        # A cheap signature per step; the layout (a walk and a digest of every tensor's
+        # boxes) only when it changes.
+        signature = tuple((n, tuple(t.shape), t.dtype, describe_placements(t))
+                          for n, t in zip(names, tensors, strict=True))
+        if m.grad_plan is None or m.grad_plan[0] != signature:
+            flat = FlatState(tensors={n: TensorRef(n, (n,), t)
+                                      for n, t in zip(names, tensors, strict=True)})
+            mine, pieces, _ = _layout_of(flat, m.me)
             layouts = m.layouts(f"grads/{m.grad_rounds}", mine)
             m.grad_rounds += 1
-            m.grad_plan = (digest, plan_sum(layouts, m.groups, m.me), pieces)
+            m.grad_plan = (signature, plan_sum(layouts, m.groups, m.me), pieces)
         _, plan, pieces = m.grad_plan
         local = {n: t.to_local() if hasattr(t, "to_local") else t
                  for n, t in zip(names, tensors, strict=True)}
