@@ -36,7 +36,16 @@ import zlib
 from pathlib import Path
 from typing import Any
 
-from benchmarks.scale_state import CONFIGS, ITEMSIZE, MESHES, MODELS, Box, rank_pieces
+from benchmarks.scale_state import (
+    CONFIGS,
+    ITEMSIZE,
+    MESHES,
+    MODELS,
+    MOMENTS,
+    Box,
+    rank_pieces,
+    stage_of,
+)
 
 __all__ = ["relight_arm", "dcp_arm", "main"]
 
@@ -95,23 +104,69 @@ def _emit(doc: dict[str, Any]) -> None:
 # --------------------------------------------------------------------------- relight
 
 
-def relight_inputs(config: str, world: int) -> tuple[list[Any], dict[int, list[Any]]]:
+def stage_grids(config: str, world: int) -> dict[tuple[int, str], Any]:
+    """(stage, tensor name) -> the `MeshGrid` a rank of that stage would report for it, as
+    `ckpt.layout.mesh_grid` derives it from the DTensor: the stage's mesh is (replicate,
+    fsdp / ep, ep, tp) in `rank_pieces`'s numbering; tensor parallelism splits first and
+    FSDP within its blocks (strided sharding), experts over ep and each expert's dim 1
+    over the rest of fsdp. Mesh dims of one rank are left out, as the engine does."""
+    from ckpt.grid import MeshGrid
+
+    model, mesh = MODELS[CONFIGS[config][0]], MESHES[CONFIGS[config][1]].at(world)
+    shape = (mesh.replicate, mesh.fsdp // mesh.ep, mesh.ep, mesh.tp)
+    strides = (mesh.pp * mesh.fsdp * mesh.tp, mesh.ep * mesh.tp, mesh.tp, 1)
+    out = {}
+    for stage in range(mesh.pp):
+        start = stage * mesh.fsdp * mesh.tp
+        for p in model.params():
+            if stage_of(p, model.n_layers, mesh.pp) != stage:
+                continue
+            splits: list[tuple[int, ...]] = [()] * len(p.shape)
+            if p.expert and mesh.ep > 1:
+                splits[0], splits[1] = (2,), (1,)
+            else:
+                fsdp = (1, 2)
+                if p.tp == "col":
+                    splits[0] = (3, *fsdp)
+                elif p.tp == "row":
+                    splits[1], splits[0] = (3,), fsdp
+                else:
+                    splits[0] = fsdp
+            kept = tuple(tuple(m for m in sp if shape[m] > 1) for sp in splits)
+            grid = MeshGrid(shape, start, tuple(st if n > 1 else 0 for n, st in
+                                                zip(shape, strides, strict=True)), kept)
+            for prefix in ("model/", *(f"optim/{m}/" for m in MOMENTS)):
+                out[(stage, prefix + p.name)] = grid
+    return out
+
+
+def relight_inputs(config: str, world: int) -> tuple[list[bytes], dict[int, list[Any]]]:
+    """Every rank's layout as the save's all-gather delivers it (`RankLayout.compact`:
+    tensors with a grid shared by a stage's ranks, the others with the rank's own box),
+    and every rank's load needs."""
     from ckpt.plan import RankLayout, TensorLayout
 
     model, mesh = MODELS[CONFIGS[config][0]], MESHES[CONFIGS[config][1]].at(world)
-    shared: dict[tuple[str, Box], Any] = {}
-    layouts, needs = [], {}
+    grids = stage_grids(config, world)
+    blobs: dict[tuple[int, int, int], bytes] = {}
+    out, needs = [], {}
     for rank, held in rank_pieces(model, mesh):
-        tensors = []
-        for name, shape, box in held:
-            t = shared.get((name, box))
-            if t is None:
-                t = shared[(name, box)] = TensorLayout(name, tuple(name.split("/")), shape,
-                                                       "float32", "sim", (box,))
-            tensors.append(t)
-        layouts.append(RankLayout(rank, tuple(tensors), ()))
+        t = rank % mesh.tp
+        f = rank // mesh.tp % mesh.fsdp
+        stage = rank // (mesh.tp * mesh.fsdp) % mesh.pp
+        key = (stage, f, t)
+        if key not in blobs:
+            tensors = []
+            for name, shape, box in held:
+                grid = grids[(stage, name)]
+                if grid.chunks(shape) is None:
+                    grid = None
+                tensors.append(TensorLayout(name, tuple(name.split("/")), shape, "float32",
+                                            "sim", (box,), grid))
+            blobs[key] = RankLayout(rank, tuple(tensors), ()).compact()
+        out.append(blobs[key])
         needs[rank] = [(name, box, ITEMSIZE) for name, _, box in held]
-    return layouts, needs
+    return out, needs
 
 
 def relight_manifest(plan: Any, world: int) -> tuple[bytes, Any, bytes]:
@@ -141,13 +196,14 @@ def table_path(manifest_path: str | Path) -> Path:
 def relight_arm(config: str, world: int, manifest_out: str | None = None,
                 manifest: bool = True) -> dict[str, Any]:
     from ckpt.manifest import parse_manifest
-    from ckpt.plan import plan_load, plan_save
+    from ckpt.plan import GridPieces, layouts_from_blobs, plan_load, plan_save
 
-    layouts, needs = relight_inputs(config, world)
+    blobs, needs = relight_inputs(config, world)
     ranks = tuple(range(world))
-    pieces = sum(len(lay.tensors) for lay in layouts)
+    pieces = sum(len(n) for n in needs.values())
     _emit({"event": "start", "world": world})
     with PeakRSS() as mem_save, Clock() as save:
+        layouts = layouts_from_blobs(blobs, ranks)
         plan = plan_save(layouts, ranks)
         plan.writes_of(0)
     with PeakRSS() as mem_load, Clock() as load:
@@ -156,13 +212,16 @@ def relight_arm(config: str, world: int, manifest_out: str | None = None,
         "world": world, "pieces": pieces, "save_s": save.cpu, "load_s": load.cpu,
         "save_wall_s": save.wall, "load_wall_s": load.wall,
         "save_mib": mem_save.mib, "load_mib": mem_load.mib,
-        "save_bytes": sum(plan.write_bytes.values()),
+        "save_bytes": sum(t.nbytes for t in plan.tensors.values()),
+        "grid_tensors": sum(isinstance(t.pieces, GridPieces) for t in plan.tensors.values()),
+        "tensors": len(plan.tensors),
+        "layout_bytes": sum(len(b) for b in blobs),
         "read_bytes": sum(lplan.read_bytes.values()),
         # What the ranks receive: a region several ranks need is read once and sent on.
         "load_bytes": sum(math.prod(t.box[1]) * ITEMSIZE * (1 + len(t.receivers))
                           for t in lplan.tasks),
     }
-    del layouts, needs, lplan
+    del layouts, blobs, needs, lplan
     if not manifest:
         return out
     # The planning figures survive a manifest step that runs past the cap.

@@ -17,7 +17,7 @@ from collections.abc import Iterator
 from dataclasses import dataclass
 
 __all__ = ["MODELS", "MESHES", "CONFIGS", "ModelSpec", "MeshSpec", "ParamSpec", "Mesh",
-           "rank_pieces", "state_bytes", "Box"]
+           "rank_pieces", "state_bytes", "stage_of", "Box"]
 
 Box = tuple[tuple[int, ...], tuple[int, ...]]  # (offset, shape)
 ITEMSIZE = 4  # fp32 master weights and moments, as mixed-precision training keeps them
@@ -164,7 +164,7 @@ def _split(box: Box, dim: int, parts: int, i: int) -> Box:
     return tuple(off), tuple(shp)
 
 
-def _stage_of(p: ParamSpec, n_layers: int, pp: int) -> int:
+def stage_of(p: ParamSpec, n_layers: int, pp: int) -> int:
     if p.layer == -1:
         return 0
     if p.layer == -2:
@@ -187,7 +187,7 @@ def rank_pieces(model: ModelSpec, mesh: Mesh) -> Iterator[tuple[int, list[tuple[
         if key not in cache:
             held = []
             for p in params:
-                if _stage_of(p, model.n_layers, mesh.pp) != stage:
+                if stage_of(p, model.n_layers, mesh.pp) != stage:
                     continue
                 box: Box = ((0,) * len(p.shape), p.shape)
                 if p.expert and mesh.ep > 1:

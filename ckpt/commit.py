@@ -61,7 +61,7 @@ from ckpt.manifest import (
     read_commit,
     validate,
 )
-from ckpt.plan import SavePlan, regular_grid
+from ckpt.plan import GridPieces, SavePlan, regular_grid
 from storage import ObjectNotFoundError, StorageError, Store
 from storage.checksum import crc32c
 
@@ -175,8 +175,11 @@ def plan_manifest(plan: SavePlan, attempt: str, data: str, values: dict[str, Any
             # The cells of a regular grid (any even split) are listed by position: two
             # ints per piece instead of an object each, which at thousands of ranks is
             # most of the manifest (every rank's slice of every norm weight).
-            chunks = regular_grid(t.shape, [(p.offset, p.shape) for p in t.pieces]) \
-                if t.pieces else None
+            if isinstance(t.pieces, GridPieces):
+                chunks: tuple[int, ...] | None = t.pieces.chunks
+            else:
+                chunks = regular_grid(t.shape, [(p.offset, p.shape) for p in t.pieces]) \
+                    if t.pieces else None
             if chunks is not None:
                 e = TensorEntry(t.shape, t.dtype, t.storage, t.path, t.placements,
                                 chunks=chunks,

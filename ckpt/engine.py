@@ -55,6 +55,7 @@ from ckpt.plan import (
     LoadPlan,
     RankLayout,
     layout_digest,
+    layouts_from_blobs,
     plan_load,
     plan_save,
 )
@@ -139,7 +140,7 @@ def save(
     lay: RankLayout | None = None
     pieces_of: dict[str, list[Piece]] = {}
     try:
-        lay, pieces_of = rank_layout(flat, comm.rank)
+        lay, pieces_of = rank_layout(flat, comm.rank, grids=True)
         digest = layout_digest(lay, [comm.ranks, opts.pack_bytes, opts.inner_bytes,
                                      opts.packed_inner])
         # Async saves check in the background thread (every rank, before writing): on S3
@@ -200,13 +201,13 @@ def save(
     attempt = got[0][1]
     key = (tuple(g[0] for g in got), comm.ranks)
     if cached is None or cached.key != key:
-        layouts = [RankLayout.from_json(j) for j in comm.allgather_json(lay.to_json(), what)]
+        layouts = layouts_from_blobs(comm.allgather_bytes(lay.compact(), what), comm.ranks)
         plan = plan_save(layouts, comm.ranks, pack_bytes=opts.pack_bytes,
                          inner_bytes=opts.inner_bytes, packed_inner=opts.packed_inner)
         cached = CachedPlan(key, plan)
         res.cached = cached
         logger.info("%s new save plan: %d tensors, this rank writes %d bytes", pre,
-                    len(plan.tensors), plan.write_bytes.get(comm.rank, 0))
+                    len(plan.tensors), plan.write_bytes_of(comm.rank))
         early = None
     if early is not None:
         done = early

@@ -20,6 +20,7 @@ from torch.distributed.tensor.placement_types import Partial, Replicate, Shard
 from ckpt.errors import UnsupportedStateError
 from ckpt.flatten import FlatState
 from ckpt.format import dtype_name
+from ckpt.grid import MeshGrid
 from ckpt.plan import RankLayout, TensorLayout
 
 try:  # private in torch; present in 2.4+ under this name
@@ -29,7 +30,8 @@ except ImportError:  # pragma: no cover - older torch
     _get_shard_size_and_offsets = None
     _StridedShard = Shard
 
-__all__ = ["Piece", "local_pieces", "local_view", "describe_placements", "rank_layout"]
+__all__ = ["Piece", "local_pieces", "local_view", "describe_placements", "rank_layout",
+           "mesh_grid"]
 
 
 @dataclass(frozen=True, slots=True)
@@ -155,16 +157,96 @@ def local_view(t: torch.Tensor, piece: Piece) -> torch.Tensor:
     return local[index] if index else local
 
 
-def rank_layout(flat: FlatState, rank: int) -> tuple[RankLayout, dict[str, list[Piece]]]:
+
+
+def rank_layout(flat: FlatState, rank: int, grids: bool = False
+                ) -> tuple[RankLayout, dict[str, list[Piece]]]:
     """What this rank holds, as the planners see it (every tensor's global shape, dtype
-    and the boxes it holds, in name order), and each tensor's local pieces."""
+    and the boxes it holds, in name order), and each tensor's local pieces. `grids`:
+    DTensors whose layout has a closed form (`mesh_grid`, with `rank` their global
+    rank) carry it too."""
     tensors = []
     pieces_of: dict[str, list[Piece]] = {}
     for name, ref in sorted(flat.tensors.items()):
         shape, pieces = local_pieces(ref.tensor, name)
         pieces_of[name] = pieces
+        boxes = tuple((p.offset, p.shape) for p in pieces)
+        grid = mesh_grid(ref.tensor, rank, boxes) if grids else None
         tensors.append(TensorLayout(
             name, ref.path, shape, dtype_name(ref.tensor.dtype, name),
-            describe_placements(ref.tensor),
-            tuple((p.offset, p.shape) for p in pieces)))
+            describe_placements(ref.tensor), boxes, grid))
     return RankLayout(rank, tuple(tensors), tuple(sorted(flat.values))), pieces_of
+
+
+Boxes = tuple[tuple[tuple[int, ...], tuple[int, ...]], ...]
+
+
+def mesh_grid(t: torch.Tensor, rank: int, boxes: Boxes) -> MeshGrid | None:
+    """The closed form of DTensor `t`'s layout (`ckpt.grid`), or None: not a DTensor,
+    a mesh whose ranks are not affine in the coordinates, splits without a regular grid,
+    or a grid that does not give this rank (global `rank`) exactly `boxes` (a safety
+    net: the rule below is checked against DTensor's own on every rank)."""
+    if not isinstance(t, DTensor):
+        return None
+    mesh = t.device_mesh
+    key = (id(mesh), tuple(mesh.shape), tuple(repr(p) for p in t.placements), len(t.shape))
+    hit = _GRIDS.get(key)
+    if hit is None:
+        if len(_GRIDS) > 10_000:
+            _GRIDS.clear()
+        hit = _GRIDS[key] = _grid_of(mesh, t.placements, len(t.shape))
+    grid = hit[0]
+    if grid is None:
+        return None
+    coord = mesh.get_coordinate()
+    shape = tuple(t.shape)
+    if coord is None or grid.coord_of(rank) != tuple(coord) or grid.chunks(shape) is None:
+        return None
+    box = grid.box_at(tuple(coord), shape)
+    if box is None:
+        return grid if not boxes else None
+    return grid if boxes == (box,) else None
+
+
+_GRIDS: dict[tuple, tuple[MeshGrid | None, object]] = {}
+"""Keyed by the mesh's id, with the mesh kept beside its grid so the id stays its own."""
+
+
+def _grid_of(mesh, placements, ndim: int) -> tuple[MeshGrid | None, object]:  # noqa: ANN001
+    ranks = mesh.mesh.to(torch.long)
+    shape = tuple(ranks.shape)
+    start = int(ranks.reshape(-1)[0])
+    strides = []
+    for d, size in enumerate(shape):
+        index = [0] * len(shape)
+        index[d] = 1
+        strides.append(int(ranks[tuple(index)]) - start if size > 1 else 0)
+    expect = torch.full(shape, start, dtype=torch.long)
+    for d, (size, stride) in enumerate(zip(shape, strides, strict=True)):
+        view = [1] * len(shape)
+        view[d] = size
+        expect = expect + (torch.arange(size, dtype=torch.long) * stride).reshape(view)
+    if not torch.equal(expect, ranks):
+        return None, mesh
+    per_dim: list[list[tuple[int, object]]] = [[] for _ in range(ndim)]
+    for m, p in enumerate(placements):
+        if isinstance(p, Replicate):
+            continue
+        if not isinstance(p, (Shard, _StridedShard)) or not 0 <= p.dim < ndim:
+            return None, mesh
+        per_dim[p.dim].append((m, p))
+    splits = []
+    for entries in per_dim:
+        strided = [p for _, p in entries if _StridedShard is not Shard
+                   and isinstance(p, _StridedShard)]
+        if strided:
+            # FSDP over tensor parallelism: the strided shard (outer mesh dim) splits
+            # each block of the inner mesh dim's shard, so the inner dim splits first.
+            first, second = (entries + [(None, None)] * 2)[:2]
+            if (len(entries) != 2 or strided != [first[1]]
+                    or first[1].split_factor != shape[second[0]]):
+                return None, mesh
+            entries = [second, first]
+        # A mesh dim of one rank splits nothing (and would break the innermost rule).
+        splits.append(tuple(m for m, _ in entries if shape[m] > 1))
+    return MeshGrid(shape, start, tuple(strides), tuple(splits)), mesh

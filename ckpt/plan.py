@@ -19,16 +19,19 @@ from __future__ import annotations
 import hashlib
 import json
 import math
-from dataclasses import dataclass, field
+from collections.abc import Iterator, Sequence
+from dataclasses import dataclass
 from typing import Any
 
 from ckpt.errors import UnsupportedStateError
 from ckpt.format import StorageKind, inner_chunk_shape, itemsize, numel
 from ckpt.gc_pause import gc_paused
+from ckpt.grid import MeshGrid, cell_box, cell_index, cell_of_index
 
 __all__ = [
     "TensorLayout", "RankLayout", "PieceWrite", "TensorPlan", "SavePlan", "plan_save",
     "ReadTask", "LoadPlan", "plan_load", "layout_digest", "regular_grid", "intersect",
+    "GridPieces", "layouts_from_blobs",
 ]
 
 Box = tuple[tuple[int, ...], tuple[int, ...]]  # (offset, shape)
@@ -42,15 +45,22 @@ class TensorLayout:
     dtype: str
     placements: str
     pieces: tuple[Box, ...]
+    grid: MeshGrid | None = None
+    """The closed form of the tensor's layout over its whole mesh, when it has one
+    (`ckpt.grid`); `pieces` are then this rank's box, or empty in a `compact` form."""
 
-    def to_json(self) -> list[Any]:
-        return [self.name, list(self.path), list(self.shape), self.dtype, self.placements,
-                [[list(o), list(s)] for o, s in self.pieces]]
+    def to_json(self, compact: bool = False) -> list[Any]:
+        pieces = [] if compact and self.grid is not None else [
+            [list(o), list(s)] for o, s in self.pieces]
+        out = [self.name, list(self.path), list(self.shape), self.dtype, self.placements,
+               pieces]
+        return out if self.grid is None else [*out, self.grid.to_json()]
 
     @staticmethod
     def from_json(j: list[Any]) -> TensorLayout:
         return TensorLayout(j[0], tuple(j[1]), tuple(j[2]), j[3], j[4],
-                            tuple((tuple(o), tuple(s)) for o, s in j[5]))
+                            tuple((tuple(o), tuple(s)) for o, s in j[5]),
+                            MeshGrid.from_json(j[6]) if len(j) > 6 else None)
 
 
 @dataclass(frozen=True, slots=True)
@@ -60,15 +70,48 @@ class RankLayout:
     rank: int
     tensors: tuple[TensorLayout, ...]
     values: tuple[str, ...]
+    own: tuple[TensorLayout, ...] = ()
+    """Read from the compact form (`layouts_from_blobs`): the tensors without a grid,
+    whose boxes are this rank's own. `tensors` then holds those with one, and ranks
+    that sent the same grids share that tuple."""
 
     def to_json(self) -> dict[str, Any]:
-        return {"rank": self.rank, "tensors": [t.to_json() for t in self.tensors],
+        return {"rank": self.rank, "tensors": [t.to_json() for t in (*self.tensors, *self.own)],
                 "values": list(self.values)}
 
     @staticmethod
     def from_json(j: dict[str, Any]) -> RankLayout:
         return RankLayout(int(j["rank"]), tuple(TensorLayout.from_json(t) for t in j["tensors"]),
                           tuple(j["values"]))
+
+    def compact(self) -> bytes:
+        """The layout as the save's all-gather carries it: the tensors with a grid and the
+        values (the same bytes on every rank of a mesh that holds the same tensors), a
+        newline, then the tensors without one. No rank: the receiver knows it."""
+        shared = {"tensors": [t.to_json(True) for t in self.tensors if t.grid is not None],
+                  "values": list(self.values)}
+        own = [t.to_json() for t in self.tensors if t.grid is None]
+        return (json.dumps(shared, separators=(",", ":")) + "\n"
+                + json.dumps(own, separators=(",", ":"))).encode()
+
+
+@gc_paused
+def layouts_from_blobs(blobs: list[bytes], ranks: tuple[int, ...]) -> list[RankLayout]:
+    """Every rank's layout from its `compact` bytes, each distinct shared part parsed
+    once: ranks that sent the same one share its tensors tuple, which `plan_save` walks
+    once for all of them."""
+    shared: dict[bytes, tuple[tuple[TensorLayout, ...], tuple[str, ...]]] = {}
+    out = []
+    for blob, rank in zip(blobs, ranks, strict=True):
+        head, _, tail = blob.partition(b"\n")
+        got = shared.get(head)
+        if got is None:
+            j = json.loads(head)
+            got = shared[head] = (tuple(TensorLayout.from_json(t) for t in j["tensors"]),
+                                  tuple(j["values"]))
+        own = () if tail == b"[]" else tuple(TensorLayout.from_json(t) for t in json.loads(tail))
+        out.append(RankLayout(rank, got[0], got[1], own))
+    return out
 
 
 def intersect(a_off, a_shape, b_off, b_shape) -> Box | None:  # noqa: ANN001 - int sequences
@@ -105,6 +148,69 @@ class PieceWrite:
         return numel(self.shape)
 
 
+class GridPieces(Sequence[PieceWrite]):
+    """The pieces of a tensor planned in grid form: one per non-empty cell, made on
+    demand from the grid (a tensor split 16,384 ways is not 16,384 objects unless
+    something walks them). Cells in row-major order, as sorted boxes are."""
+
+    __slots__ = ("grid", "shape", "chunks", "cells", "array", "turn", "packed_offset")
+
+    def __init__(self, grid: MeshGrid, shape: tuple[int, ...], chunks: tuple[int, ...],
+                 array: str, turn: int, packed_offset: int = -1) -> None:
+        self.grid, self.shape, self.chunks = grid, shape, chunks
+        self.cells = grid.cells(shape, chunks)
+        self.array, self.turn, self.packed_offset = array, turn, packed_offset
+
+    @property
+    def packed(self) -> bool:
+        return self.packed_offset >= 0
+
+    def writer(self, cell: tuple[int, ...]) -> int:
+        # A packed tensor's cells share one replica, so each writer's packed array has
+        # the same slots (`plan_save`); a chunked one's turn moves from cell to cell.
+        return self.grid.writer(cell, self.cells, self.turn if self.packed
+                                else self.turn + cell_index(cell, self.cells))
+
+    def _piece(self, cell: tuple[int, ...], writer: int) -> PieceWrite:
+        off, shp = cell_box(cell, self.shape, self.chunks)
+        if self.packed:
+            return PieceWrite(off, shp, writer, f"packed/r{writer:05d}", self.packed_offset)
+        return PieceWrite(off, shp, writer, self.array)
+
+    def written_by(self, rank: int) -> PieceWrite | None:
+        """The piece `rank` writes, if any: a rank holds one cell of a grid tensor."""
+        coord = self.grid.coord_of(rank)
+        cell = None if coord is None else self.grid.cell_at(coord, self.cells)
+        if cell is None or self.writer(cell) != rank:
+            return None
+        return self._piece(cell, rank)
+
+    def __len__(self) -> int:
+        return math.prod(self.cells)
+
+    def __getitem__(self, i: int) -> PieceWrite:  # type: ignore[override]
+        if not -len(self) <= i < len(self):
+            raise IndexError(i)
+        cell = cell_of_index(i % len(self), self.cells)
+        return self._piece(cell, self.writer(cell))
+
+    def __iter__(self) -> Iterator[PieceWrite]:
+        for i in range(len(self)):
+            cell = cell_of_index(i, self.cells)
+            yield self._piece(cell, self.writer(cell))
+
+    def _key(self) -> tuple[Any, ...]:
+        return (self.grid, self.shape, self.chunks, self.array, self.turn, self.packed_offset)
+
+    def __eq__(self, other: object) -> bool:
+        if isinstance(other, GridPieces):
+            return self._key() == other._key()
+        return NotImplemented
+
+    def __hash__(self) -> int:
+        return hash(self._key())
+
+
 @dataclass(frozen=True, slots=True)
 class TensorPlan:
     name: str
@@ -116,7 +222,8 @@ class TensorPlan:
     array: str
     chunks: tuple[int, ...]
     inner: tuple[int, ...]
-    pieces: tuple[PieceWrite, ...]
+    pieces: Sequence[PieceWrite]
+    """A tuple, or `GridPieces` for a tensor planned from its grid."""
     meta_writer: int
     """The rank that writes this tensor's zarr.json ("grid"); pieces' writers write theirs."""
 
@@ -134,14 +241,33 @@ class SavePlan:
     packed_size: dict[int, int]
     """Bytes in each writer's packed array (0 or absent: none)."""
     packed_inner: int
-    write_bytes: dict[int, int] = field(default_factory=dict)
 
     @property
     def coordinator(self) -> int:
         return self.ranks[0]
 
     def writes_of(self, rank: int) -> list[tuple[TensorPlan, PieceWrite]]:
-        return [(t, p) for t in self.tensors.values() for p in t.pieces if p.writer == rank]
+        out = []
+        for t in self.tensors.values():
+            if isinstance(t.pieces, GridPieces):
+                p = t.pieces.written_by(rank)
+                if p is not None:
+                    out.append((t, p))
+            else:
+                out.extend((t, p) for p in t.pieces if p.writer == rank)
+        return out
+
+    def write_bytes_of(self, rank: int) -> int:
+        return sum(numel(p.shape) * itemsize(t.dtype) for t, p in self.writes_of(rank))
+
+    @property
+    def write_bytes(self) -> dict[int, int]:
+        """Bytes each rank writes (walks every piece: for reports and tests)."""
+        out = dict.fromkeys(self.ranks, 0)
+        for t in self.tensors.values():
+            for p in t.pieces:
+                out[p.writer] = out.get(p.writer, 0) + numel(p.shape) * itemsize(t.dtype)
+        return out
 
 
 def regular_grid(shape: tuple[int, ...], boxes: list[Box]) -> tuple[int, ...] | None:
@@ -161,6 +287,10 @@ def regular_grid(shape: tuple[int, ...], boxes: list[Box]) -> tuple[int, ...] | 
     return chunks
 
 
+def _pad16(n: int) -> int:
+    return ((n + 15) // 16) * 16
+
+
 @gc_paused
 def plan_save(
     layouts: list[RankLayout],
@@ -170,40 +300,70 @@ def plan_save(
     inner_bytes: int = 4 << 20,
     packed_inner: int = 64 * 1024,
 ) -> SavePlan:
-    """The global save plan; every rank computes the same one from the same layouts."""
+    """The global save plan; every rank computes the same one from the same layouts.
+
+    Ranks whose layouts share one tensors tuple (`layouts_from_blobs` makes them so when
+    their descriptions are equal) are walked once. A tensor every rank of its mesh
+    reports with the same `MeshGrid` is planned from the grid: its cells, their writers
+    (the holder on the cell's shard coordinates, rotating over the replicated mesh dims)
+    and its packed slot, in time that does not grow with the number of its pieces.
+    Every other tensor (and a grid tensor some rank reports otherwise) is planned from
+    its pieces: identical boxes are replicas, the biggest pieces first go each to its
+    least-loaded holder."""
+    groups: dict[tuple[int, int], tuple[RankLayout, list[int]]] = {}
+    lays = {lay.rank: lay for lay in layouts}
+    for lay in sorted(layouts, key=lambda x: x.rank):
+        key = (id(lay.tensors), id(lay.values))
+        if key in groups:
+            groups[key][1].append(lay.rank)
+        else:
+            groups[key] = (lay, [lay.rank])
+
     by_name: dict[str, TensorLayout] = {}
     holders: dict[str, dict[Box, list[int]]] = {}
+    grid_reports: dict[str, list[tuple[TensorLayout, list[int]]]] = {}
     value_owner: dict[str, int] = {}
-    for lay in sorted(layouts, key=lambda x: x.rank):
+    for lay, members in groups.values():
         for t in lay.tensors:
             seen = by_name.setdefault(t.name, t)
             if seen.shape != t.shape or seen.dtype != t.dtype:
                 raise UnsupportedStateError(
                     f"tensor {t.name!r} has global shape {seen.shape} {seen.dtype} on one rank "
-                    f"and {t.shape} {t.dtype} on rank {lay.rank}; every rank must agree",
+                    f"and {t.shape} {t.dtype} on rank {members[0]}; every rank must agree",
                     tensor=t.name)
-            boxes = holders.setdefault(t.name, {})
-            for box in t.pieces:
-                if math.prod(box[1]) > 0:
-                    boxes.setdefault(box, []).append(lay.rank)
+            if t.grid is not None:
+                grid_reports.setdefault(t.name, []).append((t, members))
+            else:
+                _add_holders(holders.setdefault(t.name, {}), t.pieces, members)
+        for r, own in ((r, lays[r].own) for r in members):
+            for t in own:
+                seen = by_name.setdefault(t.name, t)
+                if seen.shape != t.shape or seen.dtype != t.dtype:
+                    raise UnsupportedStateError(
+                        f"tensor {t.name!r} has global shape {seen.shape} {seen.dtype} on one "
+                        f"rank and {t.shape} {t.dtype} on rank {r}; every rank must agree",
+                        tensor=t.name)
+                _add_holders(holders.setdefault(t.name, {}), t.pieces, [r])
         for v in lay.values:
             if v in by_name:
                 raise UnsupportedStateError(f"{v!r} is a tensor on one rank, a value on another")
-            value_owner.setdefault(v, lay.rank)
+            value_owner.setdefault(v, members[0])
     for v in value_owner:
         if v in by_name:
             raise UnsupportedStateError(f"{v!r} is a tensor on one rank, a value on another")
 
+    grids = _whole_grids(grid_reports, holders)
+
     # Coverage: distinct pieces must tile the tensor (no Partial, no gaps).
-    for name, t in by_name.items():
-        total = sum(math.prod(s) for _, s in holders[name])
-        if total != numel(t.shape):
+    for name, boxes in holders.items():
+        total = sum(math.prod(s) for _, s in boxes)
+        if total != numel(by_name[name].shape):
             raise UnsupportedStateError(
                 f"tensor {name!r}: the ranks' distinct pieces hold {total} elements of "
-                f"{numel(t.shape)}; placements disagree across ranks or leave gaps",
-                tensor=name)
+                f"{numel(by_name[name].shape)}; placements disagree across ranks or leave "
+                "gaps", tensor=name)
 
-    # Writers: biggest pieces first, each to the least-loaded holder.
+    # Writers of the pieces: biggest first, each to the least-loaded holder.
     load: dict[int, int] = {r: 0 for r in ranks}
     jobs = []
     for name, boxes in holders.items():
@@ -220,43 +380,145 @@ def plan_save(
     tensors: dict[str, TensorPlan] = {}
     packed_size: dict[int, int] = {}
     meta_count: dict[int, int] = {}
-    for idx, name in enumerate(sorted(by_name)):
+    order = sorted(by_name)
+    # Packed grid tensors first: each takes one slot at the same offset in every packed
+    # array of its writers (one replica of its mesh), so their cells need no offsets of
+    # their own. Tensors of the same mesh and replica share a run of slots.
+    slots: dict[str, int] = {}
+    runs: dict[tuple[MeshGrid, int], list[tuple[str, int]]] = {}
+    for idx, name in enumerate(order):
+        g = grids.get(name)
+        t = by_name[name]
+        if g is not None and numel(t.shape) * itemsize(t.dtype) <= pack_bytes:
+            cell = numel(g[1]) * itemsize(t.dtype)
+            runs.setdefault(_replica_class(g[0], idx), []).append((name, _pad16(cell)))
+    for (grid, turn), members in runs.items():
+        writers = _replica_ranks(grid, turn)
+        base = max((packed_size.get(r, 0) for r in writers), default=0)
+        for name, size in members:
+            slots[name] = base
+            base += size
+        for r in writers:
+            packed_size[r] = base
+
+    for idx, name in enumerate(order):
         t = by_name[name]
         item = itemsize(t.dtype)
-        boxes = sorted(holders[name])
         base = f"t{idx:05d}"
+        g = grids.get(name)
+        if g is not None:
+            grid, chunks = g
+            if name in slots:
+                pieces = GridPieces(grid, t.shape, chunks, "", idx, slots[name])
+                tensors[name] = TensorPlan(name, t.path, t.shape, t.dtype, t.placements,
+                                           StorageKind.PACKED, "", (), (), pieces, -1)
+                continue
+            pieces = GridPieces(grid, t.shape, chunks, base, idx)
+            inner = inner_chunk_shape(chunks, item, inner_bytes)
+            # zarr.json from the writer of a cell that moves from tensor to tensor.
+            meta = pieces.writer(cell_of_index(idx % len(pieces), pieces.cells))
+            tensors[name] = TensorPlan(name, t.path, t.shape, t.dtype, t.placements,
+                                       StorageKind.GRID, base, chunks, inner, pieces, meta)
+            continue
+        boxes = sorted(holders[name])
         if numel(t.shape) * item <= pack_bytes:
-            pieces = []
+            piece_list = []
             for box in boxes:
                 w = writer[(name, box)]
                 off = packed_size.get(w, 0)
-                pieces.append(PieceWrite(box[0], box[1], w, f"packed/r{w:05d}", off))
-                nb = math.prod(box[1]) * item
-                packed_size[w] = off + ((nb + 15) // 16) * 16
+                piece_list.append(PieceWrite(box[0], box[1], w, f"packed/r{w:05d}", off))
+                packed_size[w] = off + _pad16(math.prod(box[1]) * item)
             tensors[name] = TensorPlan(name, t.path, t.shape, t.dtype, t.placements,
-                                       StorageKind.PACKED, "", (), (), tuple(pieces), -1)
+                                       StorageKind.PACKED, "", (), (), tuple(piece_list), -1)
             continue
         chunks = regular_grid(t.shape, boxes)
         if chunks is not None:
             inner = inner_chunk_shape(chunks, item, inner_bytes)
-            pieces = tuple(PieceWrite(b[0], b[1], writer[(name, b)], base) for b in boxes)
+            piece_tuple = tuple(PieceWrite(b[0], b[1], writer[(name, b)], base) for b in boxes)
             # zarr.json goes to the piece writer with the fewest so far: each is a small
             # durable put (two fsyncs on files), and Shard(0) would put them all on rank 0.
-            meta = min(sorted({p.writer for p in pieces}) or [ranks[0]],
+            meta = min(sorted({p.writer for p in piece_tuple}) or [ranks[0]],
                        key=lambda r: meta_count.get(r, 0))
             meta_count[meta] = meta_count.get(meta, 0) + 1
             tensors[name] = TensorPlan(name, t.path, t.shape, t.dtype, t.placements,
-                                       StorageKind.GRID, base, chunks, inner, pieces, meta)
+                                       StorageKind.GRID, base, chunks, inner, piece_tuple, meta)
         else:
-            pieces = tuple(
+            piece_tuple = tuple(
                 PieceWrite(b[0], b[1], writer[(name, b)], f"{base}/p{k:05d}")
                 for k, b in enumerate(boxes))
             tensors[name] = TensorPlan(name, t.path, t.shape, t.dtype, t.placements,
-                                       StorageKind.PIECES, base, (), (), pieces, -1)
-    write_bytes = {r: 0 for r in ranks}
-    for (name, box), w in writer.items():
-        write_bytes[w] += math.prod(box[1]) * itemsize(by_name[name].dtype)
-    return SavePlan(tuple(ranks), tensors, value_owner, packed_size, packed_inner, write_bytes)
+                                       StorageKind.PIECES, base, (), (), piece_tuple, -1)
+    return SavePlan(tuple(ranks), tensors, value_owner, packed_size, packed_inner)
+
+
+def _add_holders(boxes: dict[Box, list[int]], pieces: tuple[Box, ...],
+                 members: list[int]) -> None:
+    for r in members:
+        for box in pieces:
+            if math.prod(box[1]) > 0:
+                boxes.setdefault(box, []).append(r)
+
+
+def _whole_grids(reports: dict[str, list[tuple[TensorLayout, list[int]]]],
+                 holders: dict[str, dict[Box, list[int]]]
+                 ) -> dict[str, tuple[MeshGrid, tuple[int, ...]]]:
+    """The grid tensors planned from their grids: every rank of the mesh reports the
+    same grid and no rank reports the tensor otherwise. The others join `holders`, each
+    rank's box made from its grid."""
+    out: dict[str, tuple[MeshGrid, tuple[int, ...]]] = {}
+    checked: dict[tuple[Any, ...], bool] = {}
+    for name, got in reports.items():
+        t0 = got[0][0]
+        grid = t0.grid
+        assert grid is not None
+        chunks = grid.chunks(t0.shape)
+        whole = (chunks is not None and name not in holders
+                 and all(t.grid == grid for t, _ in got))
+        if whole:
+            # Keyed by the member lists (shared by every tensor of a layout group).
+            key = (grid, tuple(id(m) for _, m in got))
+            if key not in checked:
+                mesh = set(grid.ranks())
+                reporters = [r for _, m in got for r in m]
+                checked[key] = len(reporters) == len(mesh) and set(reporters) == mesh
+            whole = checked[key]
+        if whole:
+            assert chunks is not None
+            out[name] = (grid, chunks)
+            continue
+        boxes = holders.setdefault(name, {})
+        for t, members in got:
+            for r in members:
+                assert t.grid is not None
+                coord = t.grid.coord_of(r)
+                box = None if coord is None else t.grid.box_at(coord, t.shape)
+                if box is None and coord is None:
+                    raise UnsupportedStateError(
+                        f"tensor {name!r}: rank {r} reports a mesh it is not part of",
+                        tensor=name)
+                if box is not None:
+                    _add_holders(boxes, (box,), [r])
+    return out
+
+
+def _replica_class(grid: MeshGrid, turn: int) -> tuple[MeshGrid, int]:
+    """Which replica of its mesh writes a packed grid tensor planned with `turn`."""
+    rep = math.prod(grid.mesh[m] for m in grid.replicate_dims)
+    return grid, turn % max(1, rep)
+
+
+def _replica_ranks(grid: MeshGrid, turn: int) -> list[int]:
+    """The ranks of `grid`'s mesh on replica `turn` (every shard coordinate)."""
+    rep = grid.replicate_dims
+    fixed: dict[int, int] = {}
+    for m in reversed(rep):
+        fixed[m] = turn % grid.mesh[m]
+        turn //= grid.mesh[m]
+    out = [grid.start]
+    for m, (size, stride) in enumerate(zip(grid.mesh, grid.strides, strict=True)):
+        values = [fixed[m]] if m in fixed else range(size)
+        out = [r + i * stride for r in out for i in values]
+    return out
 
 
 # ---------------------------------------------------------------------------- load

@@ -371,3 +371,22 @@ def sync_save_fails_on_one_rank(url: str, failing: int) -> dict[str, Any]:
     same = torch.equal(target["w"].to_local(), state["w"].to_local())
     return {"error": error, "committed_after_failure": committed_after_failure,
             "loaded_equal": same, "values": target["values"]}
+
+
+def grid_forms(mesh: list[int], cases: list[dict[str, Any]]) -> list[Any]:
+    """For each {shape, pl}: the closed form `ckpt.layout.mesh_grid` finds for this rank's
+    DTensor (its JSON, or None), and whether that grid gives exactly its pieces."""
+    from ckpt.layout import local_pieces, mesh_grid
+
+    out = []
+    for i, case in enumerate(cases):
+        t = build([{"name": "t", "shape": case["shape"], "dtype": "float32"}], mesh,
+                  [case["pl"]], i)["t"]
+        _, pieces = local_pieces(t, "t")
+        boxes = tuple((p.offset, p.shape) for p in pieces)
+        grid = mesh_grid(t, dist.get_rank(), boxes)
+        coord = tuple(t.device_mesh.get_coordinate())
+        out.append(None if grid is None else {
+            "grid": grid.to_json(),
+            "exact": grid.box_at(coord, tuple(t.shape)) == (boxes[0] if boxes else None)})
+    return out

@@ -264,3 +264,26 @@ def test_sync_save_failure_on_one_rank_raises_on_every_rank(pool, tmp_path) -> N
         assert ("rank 2" if rank == 2 else "rank(s) [2]") in r["error"], r
         assert not r["committed_after_failure"], r
         assert r["loaded_equal"] and r["values"] == {"rank_of_writer": 0}, r
+
+
+def test_dtensor_layouts_have_their_closed_form(pool) -> None:
+    # Which placements the save planner plans per tensor (`ckpt.grid`) rather than per
+    # piece: one mesh dim per tensor dim (uneven sizes too), several splitting one dim
+    # evenly, FSDP over TP (strided); an uneven nested split keeps its pieces.
+    cases = [
+        {"shape": [10, 3], "pl": ["S0"]},
+        {"shape": [8, 6], "pl": ["S1", "S0"]},
+        {"shape": [8, 6], "pl": ["R", "S1"]},
+        {"shape": [8, 6], "pl": ["S0", "S0"]},
+        {"shape": [8, 6], "pl": ["SS0:2", "S0"]},
+        {"shape": [6, 6], "pl": ["S0", "S0"]},
+    ]
+    one = pool.run("tests.ckpt.cases:grid_forms", mesh=[4], cases=cases[:1], timeout=60)
+    two = pool.run("tests.ckpt.cases:grid_forms", mesh=[2, 2], cases=cases[1:], timeout=60)
+    splits = [[[0], []], [[1], [0]], [[], [1]], [[0, 1], []], [[1, 0], []]]
+    for rank in range(WORLD):
+        got = one[rank] + two[rank]
+        assert [g is not None for g in got] == [True] * 5 + [False]
+        assert all(g["exact"] for g in got[:5])
+        assert [g["grid"][3] for g in got[:5]] == splits
+        assert got[0]["grid"][:3] == [[4], 0, [1]] and got[1]["grid"][:3] == [[2, 2], 0, [2, 1]]
