@@ -9,8 +9,10 @@ arm, sampled every 5 ms (the planners are pure Python; the sampler costs nothing
 measurable next to them). Times are CPU seconds of the worker (`Clock`), wall seconds
 beside them in the JSON; the cap is on wall time.
 
-Relight (what `ckpt.engine` runs on every rank): `plan_save` over every rank's
-`RankLayout`, this rank's `writes_of`, `plan_load` over every rank's needs; then the
+Relight (what `ckpt.engine` runs on every rank): the parse of every rank's layout as the
+exchange delivers it, `plan_save`, this rank's `writes_of`; the parse of every rank's load
+needs, `plan_load` and this rank's tasks (`LoadPlan.mine`), loading into the layout
+saved; then the
 manifest built from the plan as the coordinator builds it (`ckpt.commit`), its bytes,
 and its parse time (`parse_manifest`: json + checks, as `read_manifest` does on each rank).
 
@@ -140,16 +142,22 @@ def stage_grids(config: str, world: int) -> dict[tuple[int, str], Any]:
     return out
 
 
-def relight_inputs(config: str, world: int) -> tuple[list[bytes], dict[int, list[Any]]]:
-    """Every rank's layout as the save's all-gather delivers it (`RankLayout.compact`:
-    tensors with a grid shared by a stage's ranks, the others with the rank's own box),
-    and every rank's load needs."""
-    from ckpt.plan import RankLayout, TensorLayout
+def relight_inputs(config: str, world: int
+                   ) -> tuple[list[tuple[bytes, bytes]], list[tuple[bytes, bytes]], int]:
+    """What the save's and the load's exchanges deliver to each rank, loading into the
+    layout saved: per rank, the layout (`RankLayout.compact` through
+    `Comm.allgather_shared`: the tensors with a grid, one bytes object per distinct
+    text, and the others with the rank's own box), and the load's needs (the grid needs
+    and wanted names as `grid_needs_json`, shared likewise, and the JSON document
+    `all_or_raise` carries with the rank's other needs); and the number of pieces."""
+    from ckpt.plan import RankLayout, TensorLayout, grid_needs_json
 
     model, mesh = MODELS[CONFIGS[config][0]], MESHES[CONFIGS[config][1]].at(world)
     grids = stage_grids(config, world)
-    blobs: dict[tuple[int, int, int], bytes] = {}
-    out, needs = [], {}
+    blobs: dict[tuple[int, int, int], tuple[bytes, bytes]] = {}
+    loads: dict[tuple[int, int, int], tuple[bytes, bytes]] = {}
+    texts: dict[bytes, bytes] = {}
+    out, needs, pieces = [], [], 0
     for rank, held in rank_pieces(model, mesh):
         t = rank % mesh.tp
         f = rank // mesh.tp % mesh.fsdp
@@ -163,10 +171,19 @@ def relight_inputs(config: str, world: int) -> tuple[list[bytes], dict[int, list
                     grid = None
                 tensors.append(TensorLayout(name, tuple(name.split("/")), shape, "float32",
                                             "sim", (box,), grid))
-            blobs[key] = RankLayout(rank, tuple(tensors), ()).compact()
+            shared, own = RankLayout(rank, tuple(tensors), ()).compact()
+            blobs[key] = (texts.setdefault(shared, shared), own)
+            wants = [(t.name, t.shape, ITEMSIZE, t.grid) for t in tensors if t.grid]
+            text = grid_needs_json(wants, sorted(t.name for t in tensors))
+            doc = {"err": None, "data": {"needs": [
+                (t.name, [list(t.pieces[0][0]), list(t.pieces[0][1])], ITEMSIZE)
+                for t in tensors if t.grid is None]}}
+            loads[key] = (texts.setdefault(text, text),
+                          json.dumps(doc, separators=(",", ":")).encode())
         out.append(blobs[key])
-        needs[rank] = [(name, box, ITEMSIZE) for name, _, box in held]
-    return out, needs
+        needs.append(loads[key])
+        pieces += len(held)
+    return out, needs, pieces
 
 
 def relight_manifest(plan: Any, world: int) -> tuple[bytes, Any, bytes]:
@@ -195,19 +212,30 @@ def table_path(manifest_path: str | Path) -> Path:
 
 def relight_arm(config: str, world: int, manifest_out: str | None = None,
                 manifest: bool = True) -> dict[str, Any]:
+    from ckpt.comm import parse_json_list
     from ckpt.manifest import parse_manifest
-    from ckpt.plan import GridPieces, layouts_from_blobs, plan_load, plan_save
+    from ckpt.plan import (
+        GridPieces,
+        layouts_from_parts,
+        parse_grid_needs,
+        plan_load,
+        plan_save,
+    )
 
-    blobs, needs = relight_inputs(config, world)
+    blobs, needs, pieces = relight_inputs(config, world)
     ranks = tuple(range(world))
-    pieces = sum(len(n) for n in needs.values())
     _emit({"event": "start", "world": world})
     with PeakRSS() as mem_save, Clock() as save:
-        layouts = layouts_from_blobs(blobs, ranks)
+        layouts = layouts_from_parts(blobs, ranks)
         plan = plan_save(layouts, ranks)
         plan.writes_of(0)
     with PeakRSS() as mem_load, Clock() as load:
-        lplan = plan_load(needs)
+        # What `ckpt.engine.load` runs on each rank once the exchanges are done.
+        docs = parse_json_list([doc for _, doc in needs])
+        own = {r: [(n, (tuple(b[0]), tuple(b[1])), i) for n, b, i in d["data"]["needs"]]
+               for r, d in zip(ranks, docs, strict=True)}
+        lplan = plan_load(own, grids=parse_grid_needs([text for text, _ in needs], ranks))
+        lplan.mine(0)
     out: dict[str, Any] = {
         "world": world, "pieces": pieces, "save_s": save.cpu, "load_s": load.cpu,
         "save_wall_s": save.wall, "load_wall_s": load.wall,
@@ -215,13 +243,18 @@ def relight_arm(config: str, world: int, manifest_out: str | None = None,
         "save_bytes": sum(t.nbytes for t in plan.tensors.values()),
         "grid_tensors": sum(isinstance(t.pieces, GridPieces) for t in plan.tensors.values()),
         "tensors": len(plan.tensors),
-        "layout_bytes": sum(len(b) for b in blobs),
-        "read_bytes": sum(lplan.read_bytes.values()),
+        # What each rank receives in the layout exchange: a digest and its own part per
+        # rank, and each distinct shared text once.
+        "layout_bytes": sum(24 + len(o) for _, o in blobs)
+        + sum(len(t) for t in {id(s): s for s, _ in blobs}.values()),
+        "read_bytes": lplan.total_read_bytes,
+        "grid_reads": len(lplan.grid_reads),
         # What the ranks receive: a region several ranks need is read once and sent on.
         "load_bytes": sum(math.prod(t.box[1]) * ITEMSIZE * (1 + len(t.receivers))
-                          for t in lplan.tasks),
+                          for t in lplan.tasks)
+        + sum(g.nbytes * g.grid.replicas for g in lplan.grid_reads),
     }
-    del layouts, blobs, needs, lplan
+    del layouts, blobs, needs, lplan, docs, own
     if not manifest:
         return out
     # The planning figures survive a manifest step that runs past the cap.

@@ -8,6 +8,7 @@ rank of the group must make the same call.
 
 from __future__ import annotations
 
+import hashlib
 import json
 from datetime import timedelta
 from typing import Any
@@ -131,6 +132,32 @@ class Comm:
         if out is None:
             return None
         return self._unpadded(out, lens)
+
+    def allgather_shared(self, shared: bytes, own: bytes, what: str = GENERIC
+                         ) -> list[tuple[bytes, bytes]]:
+        """Every rank's (`shared`, `own`) pair, in group order. `shared` is what many
+        ranks send alike (the layout of a mesh's tensors): it travels as a digest in the
+        all-gather of the `own` parts, and each distinct text once, broadcast by the
+        first rank that has it. Ranks with equal shared texts get the same bytes object."""
+        if not self.active or self.size == 1:
+            return [(shared, own)]
+        head = hashlib.sha256(shared).digest()[:16] + len(shared).to_bytes(8, "little")
+        got = self.allgather_bytes(head + own, what)
+        first: dict[bytes, int] = {}
+        for i, g in enumerate(got):
+            first.setdefault(g[:16], i)
+        texts: dict[bytes, bytes] = {}
+        for digest, i in first.items():  # the same order on every rank
+            n = int.from_bytes(got[i][16:24], "little")
+            mine = self.ranks[i] == self.rank
+            if n == 0 or self.size == 1:
+                texts[digest] = shared if mine else b""
+                continue
+            buf = self._padded(shared if mine else b"", n)
+            self._wait(dist.broadcast(buf, src=self.ranks[i], group=self.group,
+                                      async_op=True), what)
+            texts[digest] = shared if mine else bytes(buf.cpu().numpy().tobytes())
+        return [(texts[g[:16]], g[24:]) for g in got]
 
     def allgather_json(self, obj: Any, what: str = GENERIC) -> list[Any]:
         blobs = self.allgather_bytes(json.dumps(obj, separators=(",", ":")).encode(), what)

@@ -48,14 +48,17 @@ from ckpt.errors import (
 from ckpt.flatten import FlatState, flatten_state, name_of, set_value
 from ckpt.format import COMMIT_KEY, dtype_name, numel
 from ckpt.handle import SaveHandle
-from ckpt.layout import Piece, local_pieces, local_view, rank_layout
+from ckpt.layout import Piece, local_pieces, local_view, mesh_grid, rank_layout
 from ckpt.manifest import Manifest, read_manifest
 from ckpt.options import SaveOptions
 from ckpt.plan import (
+    GridNeed,
     LoadPlan,
     RankLayout,
+    grid_needs_json,
     layout_digest,
-    layouts_from_blobs,
+    layouts_from_parts,
+    parse_grid_needs,
     plan_load,
     plan_save,
 )
@@ -201,7 +204,7 @@ def save(
     attempt = got[0][1]
     key = (tuple(g[0] for g in got), comm.ranks)
     if cached is None or cached.key != key:
-        layouts = layouts_from_blobs(comm.allgather_bytes(lay.compact(), what), comm.ranks)
+        layouts = layouts_from_parts(comm.allgather_shared(*lay.compact(), what), comm.ranks)
         plan = plan_save(layouts, comm.ranks, pack_bytes=opts.pack_bytes,
                          inner_bytes=opts.inner_bytes, packed_inner=opts.packed_inner)
         cached = CachedPlan(key, plan)
@@ -363,6 +366,7 @@ def load(
     error: BaseException | None = None
     m: Manifest | None = None
     needs: list[tuple[str, Any, int]] = []
+    grid_needs: list[GridNeed] = []
     local: dict[str, list[Piece]] = {}
     missing: list[str] = []
     try:
@@ -384,6 +388,11 @@ def load(
                                          f"{dtype_name(ref.tensor.dtype, name)}"))
                 continue
             local[name] = pieces
+            boxes = tuple((p.offset, p.shape) for p in pieces)
+            grid = mesh_grid(ref.tensor, comm.rank, boxes)
+            if grid is not None:
+                grid_needs.append((name, tuple(shape), e.itemsize, grid))
+                continue
             for p in pieces:
                 needs.append((name, [list(p.offset), list(p.shape)], e.itemsize))
         if shapes_bad:
@@ -410,11 +419,15 @@ def load(
     except Exception as e:  # noqa: BLE001 - storage errors etc. are reported on every rank
         error = e
     wanted = sorted(set(flat.tensors) | set(flat.values))
-    gathered = all_or_raise(comm, error, {"needs": needs, "wanted": wanted},
-                            f"the load of {store.url} (every rank of the group must call "
-                            "ckpt.load / CheckpointManager.restore)", url=store.url)
+    what = (f"the load of {store.url} (every rank of the group must call ckpt.load / "
+            "CheckpointManager.restore)")
+    gathered = all_or_raise(comm, error, {"needs": needs}, what, url=store.url)
     assert m is not None
-    all_wanted = set().union(*(set(g["wanted"]) for g in gathered))
+    # The tensors with a grid and the wanted names: the same text on every rank of a
+    # mesh that loads the same state dict, so each distinct one travels and parses once.
+    shared = comm.allgather_shared(grid_needs_json(grid_needs, wanted), b"", what)
+    grids = parse_grid_needs([text for text, _ in shared], comm.ranks)
+    all_wanted = set().union(*(set(w) for _, w, _ in grids))
     unexpected = sorted((set(m.tensors) | set(m.values)) - all_wanted)
     if strict and unexpected:
         raise UnexpectedKeyError(
@@ -426,7 +439,8 @@ def load(
         r: [(n, (tuple(b[0]), tuple(b[1])), i) for n, b, i in g["needs"]]
         for r, g in zip(comm.ranks, gathered, strict=True)
     }
-    plan: LoadPlan = plan_load(all_needs, broadcast=broadcast)
+    plan: LoadPlan = plan_load(all_needs, broadcast=broadcast, grids=grids)
+    mine = plan.mine(comm.rank)
 
     # Read what this rank reads, straight into its tensors; report failures on every
     # rank before exchanging.
@@ -436,7 +450,7 @@ def load(
     readers: list[tuple[Any, RegionReader]] = []
     try:
         packed_cache: dict[str, Any] = {}
-        for task in plan.tasks:
+        for _, task in mine:
             if task.reader == comm.rank:
                 t = flat.tensors[task.name].tensor
                 piece = views[(task.name, task.box)]
@@ -459,7 +473,7 @@ def load(
     all_or_raise(comm, error, None, f"the reads of the load of {store.url}", url=store.url)
 
     sends, recvs, copies = [], [], []
-    for tag, task in enumerate(plan.tasks):
+    for tag, task in mine:
         if task.reader == comm.rank:
             data = got[(task.name, task.box)]
             for peer in task.receivers:

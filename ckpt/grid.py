@@ -81,6 +81,11 @@ class MeshGrid:
         return out
 
     @property
+    def replicas(self) -> int:
+        """How many ranks hold each cell."""
+        return math.prod(self.mesh[m] for m in self.replicate_dims)
+
+    @property
     def replicate_dims(self) -> tuple[int, ...]:
         split = {m for s in self.splits for m in s}
         return tuple(m for m in range(len(self.mesh)) if m not in split)
@@ -171,6 +176,14 @@ class MeshGrid:
             coord[m] = turn % self.mesh[m]
             turn //= self.mesh[m]
         return self.rank_at(tuple(coord))
+
+
+    def holders(self, cell: tuple[int, ...], cells: tuple[int, ...]) -> list[int]:
+        """The ranks that hold `cell`: its shard coordinates on every replica."""
+        out = [self.writer(cell, cells, 0)]
+        for m in self.replicate_dims:
+            out = [r + i * self.strides[m] for r in out for i in range(self.mesh[m])]
+        return out
 
 
 def cell_box(cell: tuple[int, ...], shape: tuple[int, ...], chunks: tuple[int, ...]) -> Box:

@@ -31,7 +31,8 @@ from ckpt.grid import MeshGrid, cell_box, cell_index, cell_of_index
 __all__ = [
     "TensorLayout", "RankLayout", "PieceWrite", "TensorPlan", "SavePlan", "plan_save",
     "ReadTask", "LoadPlan", "plan_load", "layout_digest", "regular_grid", "intersect",
-    "GridPieces", "layouts_from_blobs",
+    "GridPieces", "layouts_from_parts", "GridRead", "GridNeed", "grid_needs_json",
+    "parse_grid_needs",
 ]
 
 Box = tuple[tuple[int, ...], tuple[int, ...]]  # (offset, shape)
@@ -71,7 +72,7 @@ class RankLayout:
     tensors: tuple[TensorLayout, ...]
     values: tuple[str, ...]
     own: tuple[TensorLayout, ...] = ()
-    """Read from the compact form (`layouts_from_blobs`): the tensors without a grid,
+    """Read from the compact form (`layouts_from_parts`): the tensors without a grid,
     whose boxes are this rank's own. `tensors` then holds those with one, and ranks
     that sent the same grids share that tuple."""
 
@@ -84,26 +85,27 @@ class RankLayout:
         return RankLayout(int(j["rank"]), tuple(TensorLayout.from_json(t) for t in j["tensors"]),
                           tuple(j["values"]))
 
-    def compact(self) -> bytes:
-        """The layout as the save's all-gather carries it: the tensors with a grid and the
-        values (the same bytes on every rank of a mesh that holds the same tensors), a
-        newline, then the tensors without one. No rank: the receiver knows it."""
+    def compact(self) -> tuple[bytes, bytes]:
+        """The layout as the save's all-gather carries it (`Comm.allgather_shared`): the
+        tensors with a grid and the values (the same bytes on every rank of a mesh that
+        holds the same tensors), and the tensors without one. No rank: the receiver
+        knows it."""
         shared = {"tensors": [t.to_json(True) for t in self.tensors if t.grid is not None],
                   "values": list(self.values)}
         own = [t.to_json() for t in self.tensors if t.grid is None]
-        return (json.dumps(shared, separators=(",", ":")) + "\n"
-                + json.dumps(own, separators=(",", ":"))).encode()
+        return (json.dumps(shared, separators=(",", ":")).encode(),
+                json.dumps(own, separators=(",", ":")).encode())
 
 
 @gc_paused
-def layouts_from_blobs(blobs: list[bytes], ranks: tuple[int, ...]) -> list[RankLayout]:
-    """Every rank's layout from its `compact` bytes, each distinct shared part parsed
+def layouts_from_parts(parts: list[tuple[bytes, bytes]], ranks: tuple[int, ...]
+                       ) -> list[RankLayout]:
+    """Every rank's layout from its `compact` parts, each distinct shared part parsed
     once: ranks that sent the same one share its tensors tuple, which `plan_save` walks
     once for all of them."""
     shared: dict[bytes, tuple[tuple[TensorLayout, ...], tuple[str, ...]]] = {}
     out = []
-    for blob, rank in zip(blobs, ranks, strict=True):
-        head, _, tail = blob.partition(b"\n")
+    for (head, tail), rank in zip(parts, ranks, strict=True):
         got = shared.get(head)
         if got is None:
             j = json.loads(head)
@@ -302,7 +304,7 @@ def plan_save(
 ) -> SavePlan:
     """The global save plan; every rank computes the same one from the same layouts.
 
-    Ranks whose layouts share one tensors tuple (`layouts_from_blobs` makes them so when
+    Ranks whose layouts share one tensors tuple (`layouts_from_parts` makes them so when
     their descriptions are equal) are walked once. A tensor every rank of its mesh
     reports with the same `MeshGrid` is planned from the grid: its cells, their writers
     (the holder on the cell's shard coordinates, rotating over the replicated mesh dims)
@@ -459,45 +461,65 @@ def _add_holders(boxes: dict[Box, list[int]], pieces: tuple[Box, ...],
                 boxes.setdefault(box, []).append(r)
 
 
+def _complete_grids(reports: dict[str, list[tuple[MeshGrid, tuple[int, ...], list[int]]]],
+                    others: Any) -> set[str]:
+    """The tensors to plan from their grids: every report (grid, shape, ranks) of the
+    tensor has the same regular grid, its ranks are exactly the grid's mesh, and no rank
+    has it in `others` (reports of it in another form)."""
+    out: set[str] = set()
+    checked: dict[tuple[Any, ...], bool] = {}
+    for name, got in reports.items():
+        grid, shape = got[0][0], got[0][1]
+        if (name in others or grid.chunks(shape) is None
+                or any(g != grid or s != shape for g, s, _ in got)):
+            continue
+        # Keyed by the member lists (shared by every tensor of a layout group).
+        key = (grid, tuple(id(m) for _, _, m in got))
+        if key not in checked:
+            mesh = set(grid.ranks())
+            reporters = [r for _, _, m in got for r in m]
+            checked[key] = len(reporters) == len(mesh) and set(reporters) == mesh
+        if checked[key]:
+            out.add(name)
+    return out
+
+
+def _boxes_of(name: str, grid: MeshGrid, shape: tuple[int, ...], members: list[int]
+              ) -> list[tuple[int, Box]]:
+    """Each rank's box of a grid tensor planned from pieces after all."""
+    out = []
+    for r in members:
+        coord = grid.coord_of(r)
+        if coord is None:
+            raise UnsupportedStateError(
+                f"tensor {name!r}: rank {r} reports a mesh it is not part of", tensor=name)
+        box = grid.box_at(coord, shape)
+        if box is not None:
+            out.append((r, box))
+    return out
+
+
 def _whole_grids(reports: dict[str, list[tuple[TensorLayout, list[int]]]],
                  holders: dict[str, dict[Box, list[int]]]
                  ) -> dict[str, tuple[MeshGrid, tuple[int, ...]]]:
-    """The grid tensors planned from their grids: every rank of the mesh reports the
-    same grid and no rank reports the tensor otherwise. The others join `holders`, each
-    rank's box made from its grid."""
+    """The grid tensors planned from their grids (`_complete_grids`). The others join
+    `holders`, each rank's box made from its grid."""
+    plain = {name: [(t.grid, t.shape, m) for t, m in got] for name, got in reports.items()}
+    whole = _complete_grids(plain, holders)  # type: ignore[arg-type]
     out: dict[str, tuple[MeshGrid, tuple[int, ...]]] = {}
-    checked: dict[tuple[Any, ...], bool] = {}
     for name, got in reports.items():
         t0 = got[0][0]
-        grid = t0.grid
-        assert grid is not None
-        chunks = grid.chunks(t0.shape)
-        whole = (chunks is not None and name not in holders
-                 and all(t.grid == grid for t, _ in got))
-        if whole:
-            # Keyed by the member lists (shared by every tensor of a layout group).
-            key = (grid, tuple(id(m) for _, m in got))
-            if key not in checked:
-                mesh = set(grid.ranks())
-                reporters = [r for _, m in got for r in m]
-                checked[key] = len(reporters) == len(mesh) and set(reporters) == mesh
-            whole = checked[key]
-        if whole:
+        assert t0.grid is not None
+        if name in whole:
+            chunks = t0.grid.chunks(t0.shape)
             assert chunks is not None
-            out[name] = (grid, chunks)
+            out[name] = (t0.grid, chunks)
             continue
         boxes = holders.setdefault(name, {})
         for t, members in got:
-            for r in members:
-                assert t.grid is not None
-                coord = t.grid.coord_of(r)
-                box = None if coord is None else t.grid.box_at(coord, t.shape)
-                if box is None and coord is None:
-                    raise UnsupportedStateError(
-                        f"tensor {name!r}: rank {r} reports a mesh it is not part of",
-                        tensor=name)
-                if box is not None:
-                    _add_holders(boxes, (box,), [r])
+            assert t.grid is not None
+            for r, box in _boxes_of(name, t.grid, t.shape, members):
+                _add_holders(boxes, (box,), [r])
     return out
 
 
@@ -535,15 +557,118 @@ class ReadTask:
 
 
 @dataclass(frozen=True, slots=True)
+class GridRead:
+    """A tensor every rank of its mesh loads in the same grid form: the ranks holding a
+    cell are the mesh's ranks on the cell's shard coordinates; one of them (rotating over
+    the replicated mesh dims, cell by cell) reads it and sends it to the others, or with
+    `broadcast` off each reads its own. A rank's task is computed from the grid alone."""
+
+    name: str
+    shape: tuple[int, ...]
+    itemsize: int
+    grid: MeshGrid
+    chunks: tuple[int, ...]
+    turn: int
+    """The tensor's position among the grid reads: its rotation and its message tag."""
+    broadcast: bool = True
+
+    def task_of(self, rank: int) -> ReadTask | None:
+        coord = self.grid.coord_of(rank)
+        cells = self.grid.cells(self.shape, self.chunks)
+        cell = None if coord is None else self.grid.cell_at(coord, cells)
+        if cell is None:
+            return None
+        box = cell_box(cell, self.shape, self.chunks)
+        if not self.broadcast:
+            return ReadTask(self.name, box, rank, ())
+        reader = self.grid.writer(cell, cells, self.turn + cell_index(cell, cells))
+        holders = self.grid.holders(cell, cells)
+        return ReadTask(self.name, box, reader, tuple(r for r in holders if r != reader))
+
+    @property
+    def nbytes(self) -> int:
+        return numel(self.shape) * self.itemsize
+
+
+@dataclass(frozen=True, slots=True)
 class LoadPlan:
     tasks: tuple[ReadTask, ...]
     read_bytes: dict[int, int]
+    """Bytes each rank reads for `tasks` (the grid reads' are not counted here)."""
+    grid_reads: tuple[GridRead, ...] = ()
+
+    def mine(self, rank: int) -> list[tuple[int, ReadTask]]:
+        """(tag, task) for every task `rank` reads or receives; a task's tag is the
+        same on its reader and its receivers."""
+        out = [(i, t) for i, t in enumerate(self.tasks)
+               if t.reader == rank or rank in t.receivers]
+        for g in self.grid_reads:
+            task = g.task_of(rank)
+            if task is not None and (task.reader == rank or rank in task.receivers):
+                out.append((len(self.tasks) + g.turn, task))
+        return out
+
+    @property
+    def total_read_bytes(self) -> int:
+        """Bytes the whole group reads."""
+        return sum(self.read_bytes.values()) + sum(
+            g.nbytes * (1 if g.broadcast else g.grid.replicas) for g in self.grid_reads)
+
+
+GridNeed = tuple[str, tuple[int, ...], int, MeshGrid]
+"""A tensor a rank loads whose target layout has a grid: name, shape, itemsize, grid."""
+
+
+def grid_needs_json(needs: list[GridNeed], wanted: list[str]) -> bytes:
+    """A rank's grid needs and the names it wants, as `Comm.allgather_shared` carries
+    them: equal on every rank of a mesh that loads the same state dict."""
+    return json.dumps({"grids": [[n, list(s), i, g.to_json()] for n, s, i, g in needs],
+                       "wanted": wanted}, separators=(",", ":")).encode()
 
 
 @gc_paused
-def plan_load(needs: dict[int, list[tuple[str, Box, int]]], broadcast: bool = True) -> LoadPlan:
+def parse_grid_needs(parts: list[bytes], ranks: tuple[int, ...]
+                     ) -> list[tuple[list[GridNeed], list[str], list[int]]]:
+    """Each distinct `grid_needs_json` text once: (needs, wanted, the ranks that sent it)."""
+    seen: dict[bytes, tuple[list[GridNeed], list[str], list[int]]] = {}
+    for text, rank in zip(parts, ranks, strict=True):
+        got = seen.get(text)
+        if got is None:
+            j = json.loads(text)
+            got = seen[text] = ([(n, tuple(s), i, MeshGrid.from_json(g))
+                                 for n, s, i, g in j["grids"]], j["wanted"], [])
+        got[2].append(rank)
+    return list(seen.values())
+
+
+@gc_paused
+def plan_load(needs: dict[int, list[tuple[str, Box, int]]], broadcast: bool = True,
+              grids: list[tuple[list[GridNeed], list[str], list[int]]] = ()) -> LoadPlan:
     """`needs[rank]` = [(tensor name, region, itemsize)]. With `broadcast`, ranks that
-    need the same region form a group: the least-loaded member reads, others receive."""
+    need the same region form a group: the least-loaded member reads, others receive.
+    `grids` (`parse_grid_needs`): tensors whose every rank of the mesh loads them in the
+    same grid are planned per tensor (`GridRead`); the rest join `needs` box by box."""
+    reports: dict[str, list[tuple[MeshGrid, tuple[int, ...], list[int]]]] = {}
+    items: dict[str, int] = {}
+    for got, _, members in grids:
+        for name, shape, item, grid in got:
+            reports.setdefault(name, []).append((grid, shape, members))
+            items[name] = item
+    plain = {name for rank in needs for name, _, _ in needs[rank]}
+    whole = _complete_grids(reports, plain)
+    needs = {r: list(v) for r, v in needs.items()}
+    for name, got in reports.items():
+        if name not in whole:
+            for grid, shape, members in got:
+                for r, box in _boxes_of(name, grid, shape, members):
+                    needs.setdefault(r, []).append((name, box, items[name]))
+    grid_reads = []
+    for turn, name in enumerate(sorted(whole)):
+        grid, shape, _ = reports[name][0]
+        chunks = grid.chunks(shape)
+        assert chunks is not None
+        grid_reads.append(GridRead(name, shape, items[name], grid, chunks, turn, broadcast))
+
     groups: dict[tuple[str, Box], list[int]] = {}
     sizes: dict[tuple[str, Box], int] = {}
     for rank in sorted(needs):
@@ -568,4 +693,4 @@ def plan_load(needs: dict[int, list[tuple[str, Box, int]]], broadcast: bool = Tr
         reader = min(members, key=lambda r: (load[r], (r + i) % span))
         load[reader] += sizes[key]
         tasks.append(ReadTask(key[0], key[1], reader, tuple(r for r in members if r != reader)))
-    return LoadPlan(tuple(tasks), load)
+    return LoadPlan(tuple(tasks), load, tuple(grid_reads))

@@ -390,3 +390,17 @@ def grid_forms(mesh: list[int], cases: list[dict[str, Any]]) -> list[Any]:
             "grid": grid.to_json(),
             "exact": grid.box_at(coord, tuple(t.shape)) == (boxes[0] if boxes else None)})
     return out
+
+
+def shared_parts(shared: list[str], own: list[str]) -> dict[str, Any]:
+    """`Comm.allgather_shared` of this rank's entries of `shared` and `own`: what every
+    rank received, and whether equal shared texts came back as one object."""
+    from ckpt.comm import Comm
+
+    rank = dist.get_rank()
+    got = Comm(None, 60).allgather_shared(shared[rank].encode(), own[rank].encode())
+    by_text: dict[bytes, set[int]] = {}
+    for s, _ in got:
+        by_text.setdefault(s, set()).add(id(s))
+    return {"got": [[s.decode(), o.decode()] for s, o in got],
+            "one_object_per_text": all(len(ids) == 1 for ids in by_text.values())}

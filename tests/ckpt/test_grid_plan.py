@@ -16,7 +16,10 @@ from ckpt.plan import (
     GridPieces,
     RankLayout,
     TensorLayout,
-    layouts_from_blobs,
+    grid_needs_json,
+    layouts_from_parts,
+    parse_grid_needs,
+    plan_load,
     plan_save,
 )
 
@@ -78,7 +81,7 @@ def _layouts(base: MeshGrid, tensors: list[tuple[str, tuple[int, ...], MeshGrid]
 
 
 def _compact(layouts: list[RankLayout]) -> list[RankLayout]:
-    return layouts_from_blobs([lay.compact() for lay in layouts],
+    return layouts_from_parts([lay.compact() for lay in layouts],
                               tuple(lay.rank for lay in layouts))
 
 
@@ -181,3 +184,50 @@ def test_grid_coordinates_round_trip() -> None:
     tall = MeshGrid((2, 4), 0, (4, 1), ((0, 1),))
     assert tall.chunks((6,)) == (1,)  # blocks of 3 rows, one row to each of 3 of 4 ranks
     assert tall.box_at((1, 2), (6,)) == ((5,), (1,)) and tall.box_at((1, 3), (6,)) is None
+
+
+@settings(max_examples=100, deadline=None)
+@given(states(), st.booleans())
+def test_grid_load_plan_reads_each_cell_once_for_all_its_holders(case, broadcast) -> None:  # noqa: ANN001
+    base, tensors, _ = case
+    ranks = tuple(sorted(base.ranks()))
+    needs = [(name, shape, 4, grid) for name, shape, grid in tensors]
+    text = grid_needs_json(needs, sorted(n for n, _, _ in tensors))
+    plan = plan_load({}, broadcast, parse_grid_needs([text] * len(ranks), ranks))
+    assert len(plan.grid_reads) == len(tensors) and not plan.tasks
+    reads: dict[tuple[str, tuple], list[int]] = {}
+    for r in ranks:
+        coord = base.coord_of(r)
+        got = {t.name: t for _, t in plan.mine(r)}
+        for name, shape, grid in tensors:
+            box = grid.box_at(coord, shape)
+            if box is None:
+                assert name not in got
+                continue
+            task = got[name]
+            assert task.box == box and (task.reader == r or r in task.receivers)
+            if task.reader == r:
+                reads.setdefault((name, box[0]), []).append(r)
+                for peer in task.receivers:  # each receiver holds the same box
+                    assert grid.box_at(base.coord_of(peer), shape) == box
+    for (name, _), readers in reads.items():
+        grid = next(g for n, _, g in tensors if n == name)
+        assert len(readers) == (1 if broadcast else grid.replicas)
+    assert plan.total_read_bytes == sum(
+        math.prod(s) * 4 * (1 if broadcast else g.replicas) for _, s, g in tensors)
+    # Tags: one per tensor, the same on the reader and its receivers.
+    tags = {(t.name, tag) for r in ranks for tag, t in plan.mine(r)}
+    assert len(tags) == len({n for n, _ in tags})
+
+
+def test_a_grid_some_rank_loads_otherwise_is_read_by_pieces() -> None:
+    grid = MeshGrid((4,), 0, (1,), ((0,), ()))
+    ranks = (0, 1, 2, 3)
+    text = grid_needs_json([("a", (8, 8), 4, grid)], ["a"])
+    other = grid_needs_json([], ["a"])
+    # Rank 3 loads "a" whole (a plain tensor): ranks 0-2's cells become boxes.
+    plan = plan_load({3: [("a", ((0, 0), (8, 8)), 4)]}, True,
+                     parse_grid_needs([text, text, text, other], ranks))
+    assert not plan.grid_reads
+    assert sorted(t.box for t in plan.tasks) == [
+        ((0, 0), (2, 8)), ((0, 0), (8, 8)), ((2, 0), (2, 8)), ((4, 0), (2, 8))]

@@ -287,3 +287,12 @@ def test_dtensor_layouts_have_their_closed_form(pool) -> None:
         assert all(g["exact"] for g in got[:5])
         assert [g["grid"][3] for g in got[:5]] == splits
         assert got[0]["grid"][:3] == [[4], 0, [1]] and got[1]["grid"][:3] == [[2, 2], 0, [2, 1]]
+
+
+def test_shared_parts_reach_every_rank_once_each(pool) -> None:
+    shared = ["stage-a" * 1000, "", "stage-a" * 1000, "stage-b"]
+    own = ["", "x" * 300, "y", ""]
+    res = pool.run("tests.ckpt.cases:shared_parts", shared=shared, own=own, timeout=60)
+    for r in res:
+        assert r["got"] == [list(p) for p in zip(shared, own, strict=True)]
+        assert r["one_object_per_text"]
