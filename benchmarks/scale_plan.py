@@ -217,6 +217,7 @@ def relight_arm(config: str, world: int, manifest_out: str | None = None,
     from ckpt.plan import (
         GridPieces,
         layouts_from_parts,
+        needs_from_json,
         parse_grid_needs,
         plan_load,
         plan_save,
@@ -232,8 +233,7 @@ def relight_arm(config: str, world: int, manifest_out: str | None = None,
     with PeakRSS() as mem_load, Clock() as load:
         # What `ckpt.engine.load` runs on each rank once the exchanges are done.
         docs = parse_json_list([doc for _, doc in needs])
-        own = {r: [(n, (tuple(b[0]), tuple(b[1])), i) for n, b, i in d["data"]["needs"]]
-               for r, d in zip(ranks, docs, strict=True)}
+        own = needs_from_json([d["data"]["needs"] for d in docs], ranks)
         lplan = plan_load(own, grids=parse_grid_needs([text for text, _ in needs], ranks))
         lplan.mine(0)
     out: dict[str, Any] = {

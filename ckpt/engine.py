@@ -58,6 +58,7 @@ from ckpt.plan import (
     grid_needs_json,
     layout_digest,
     layouts_from_parts,
+    needs_from_json,
     parse_grid_needs,
     plan_load,
     plan_save,
@@ -435,11 +436,8 @@ def load(
             "asked for: "
             f"{_first([repr(n) for n in unexpected])}; load with strict=False to ignore them",
             url=store.url, tensor=unexpected[0])
-    all_needs = {
-        r: [(n, (tuple(b[0]), tuple(b[1])), i) for n, b, i in g["needs"]]
-        for r, g in zip(comm.ranks, gathered, strict=True)
-    }
-    plan: LoadPlan = plan_load(all_needs, broadcast=broadcast, grids=grids)
+    plan: LoadPlan = plan_load(needs_from_json([g["needs"] for g in gathered], comm.ranks),
+                               broadcast=broadcast, grids=grids)
     mine = plan.mine(comm.rank)
 
     # Read what this rank reads, straight into its tensors; report failures on every

@@ -32,7 +32,7 @@ __all__ = [
     "TensorLayout", "RankLayout", "PieceWrite", "TensorPlan", "SavePlan", "plan_save",
     "ReadTask", "LoadPlan", "plan_load", "layout_digest", "regular_grid", "intersect",
     "GridPieces", "layouts_from_parts", "GridRead", "GridNeed", "grid_needs_json",
-    "parse_grid_needs",
+    "parse_grid_needs", "needs_from_json",
 ]
 
 Box = tuple[tuple[int, ...], tuple[int, ...]]  # (offset, shape)
@@ -639,6 +639,16 @@ def parse_grid_needs(parts: list[bytes], ranks: tuple[int, ...]
                                  for n, s, i, g in j["grids"]], j["wanted"], [])
         got[2].append(rank)
     return list(seen.values())
+
+
+@gc_paused
+def needs_from_json(docs: list[list[Any]], ranks: tuple[int, ...]
+                    ) -> dict[int, list[tuple[str, Box, int]]]:
+    """`plan_load`'s needs from each rank's JSON list of [name, [offset, shape], itemsize]
+    (with the collector paused: at thousands of ranks its passes over the new tuples
+    cost more than building them)."""
+    return {r: [(n, (tuple(b[0]), tuple(b[1])), i) for n, b, i in doc] if doc else []
+            for r, doc in zip(ranks, docs, strict=True)}
 
 
 @gc_paused
