@@ -154,34 +154,35 @@ def relight_inputs(config: str, world: int
 
     model, mesh = MODELS[CONFIGS[config][0]], MESHES[CONFIGS[config][1]].at(world)
     grids = stage_grids(config, world)
-    blobs: dict[tuple[int, int, int], tuple[bytes, bytes]] = {}
-    loads: dict[tuple[int, int, int], tuple[bytes, bytes]] = {}
-    texts: dict[bytes, bytes] = {}
+    # The shared texts depend on the stage only: made once per stage from its first
+    # rank; the own parts (tensors without a grid) per (stage, shard, tp rank).
+    shared_of: dict[int, tuple[bytes, bytes]] = {}
+    own_of: dict[tuple[int, int, int], tuple[bytes, bytes]] = {}
     out, needs, pieces = [], [], 0
     for rank, held in rank_pieces(model, mesh):
         t = rank % mesh.tp
         f = rank // mesh.tp % mesh.fsdp
         stage = rank // (mesh.tp * mesh.fsdp) % mesh.pp
+        if stage not in shared_of:
+            tensors = [TensorLayout(name, tuple(name.split("/")), shape, "float32", "sim",
+                                    (box,), grids[(stage, name)])
+                       for name, shape, box in held
+                       if grids[(stage, name)].chunks(shape) is not None]
+            shared, _ = RankLayout(rank, tuple(tensors), ()).compact()
+            wants = [(x.name, x.shape, ITEMSIZE, x.grid) for x in tensors]
+            shared_of[stage] = (shared, grid_needs_json(wants, sorted(n for n, _, _ in held)))
         key = (stage, f, t)
-        if key not in blobs:
-            tensors = []
-            for name, shape, box in held:
-                grid = grids[(stage, name)]
-                if grid.chunks(shape) is None:
-                    grid = None
-                tensors.append(TensorLayout(name, tuple(name.split("/")), shape, "float32",
-                                            "sim", (box,), grid))
-            shared, own = RankLayout(rank, tuple(tensors), ()).compact()
-            blobs[key] = (texts.setdefault(shared, shared), own)
-            wants = [(t.name, t.shape, ITEMSIZE, t.grid) for t in tensors if t.grid]
-            text = grid_needs_json(wants, sorted(t.name for t in tensors))
+        if key not in own_of:
+            plain = [TensorLayout(name, tuple(name.split("/")), shape, "float32", "sim", (box,))
+                     for name, shape, box in held
+                     if grids[(stage, name)].chunks(shape) is None]
+            _, own = RankLayout(rank, tuple(plain), ()).compact()
             doc = {"err": None, "data": {"needs": [
-                (t.name, [list(t.pieces[0][0]), list(t.pieces[0][1])], ITEMSIZE)
-                for t in tensors if t.grid is None]}}
-            loads[key] = (texts.setdefault(text, text),
-                          json.dumps(doc, separators=(",", ":")).encode())
-        out.append(blobs[key])
-        needs.append(loads[key])
+                (x.name, [list(x.pieces[0][0]), list(x.pieces[0][1])], ITEMSIZE)
+                for x in plain]}}
+            own_of[key] = (own, json.dumps(doc, separators=(",", ":")).encode())
+        out.append((shared_of[stage][0], own_of[key][0]))
+        needs.append((shared_of[stage][1], own_of[key][1]))
         pieces += len(held)
     return out, needs, pieces
 

@@ -325,26 +325,24 @@ def plan_save(
     holders: dict[str, dict[Box, list[int]]] = {}
     grid_reports: dict[str, list[tuple[TensorLayout, list[int]]]] = {}
     value_owner: dict[str, int] = {}
+    def agreed(t: TensorLayout, rank: int) -> None:
+        seen = by_name.setdefault(t.name, t)
+        if seen.shape != t.shape or seen.dtype != t.dtype:
+            raise UnsupportedStateError(
+                f"tensor {t.name!r} has global shape {seen.shape} {seen.dtype} on one rank "
+                f"and {t.shape} {t.dtype} on rank {rank}; every rank must agree",
+                tensor=t.name)
+
     for lay, members in groups.values():
         for t in lay.tensors:
-            seen = by_name.setdefault(t.name, t)
-            if seen.shape != t.shape or seen.dtype != t.dtype:
-                raise UnsupportedStateError(
-                    f"tensor {t.name!r} has global shape {seen.shape} {seen.dtype} on one rank "
-                    f"and {t.shape} {t.dtype} on rank {members[0]}; every rank must agree",
-                    tensor=t.name)
+            agreed(t, members[0])
             if t.grid is not None:
                 grid_reports.setdefault(t.name, []).append((t, members))
             else:
                 _add_holders(holders.setdefault(t.name, {}), t.pieces, members)
-        for r, own in ((r, lays[r].own) for r in members):
-            for t in own:
-                seen = by_name.setdefault(t.name, t)
-                if seen.shape != t.shape or seen.dtype != t.dtype:
-                    raise UnsupportedStateError(
-                        f"tensor {t.name!r} has global shape {seen.shape} {seen.dtype} on one "
-                        f"rank and {t.shape} {t.dtype} on rank {r}; every rank must agree",
-                        tensor=t.name)
+        for r in members:
+            for t in lays[r].own:
+                agreed(t, r)
                 _add_holders(holders.setdefault(t.name, {}), t.pieces, [r])
         for v in lay.values:
             if v in by_name:
