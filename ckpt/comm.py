@@ -1,9 +1,10 @@
 """The few collectives the engine needs, over JSON (never pickle), with timeouts.
 
-All of them run on the calling (foreground) thread: background persist threads never
-touch a process group. Each says what it waits for: a collective that fails or times out
-raises `CollectiveError` naming the operation, the rank and the group, and that every
-rank of the group must make the same call.
+On the caller's groups they run on the calling (foreground) thread only: a background
+save thread uses a gloo group of its own (`ckpt.commit_group`). Each says what it waits
+for: a collective that fails or times out raises `CollectiveError` naming the
+operation, the rank and the group, and that every rank of the group must make the same
+call.
 """
 
 from __future__ import annotations
@@ -76,6 +77,14 @@ class Comm:
                 "are collective: calling them on rank 0 only hangs here); a rank that "
                 "skipped it, died or is stuck leaves the others waiting") from e
 
+    def _all_gather(self, out: list[torch.Tensor], buf: torch.Tensor) -> Any:
+        """Start an all-gather of `buf` into `out` (one tensor per rank); its work."""
+        return dist.all_gather(out, buf, group=self.group, async_op=True)
+
+    def _gather(self, buf: torch.Tensor, out: list[torch.Tensor] | None) -> Any:
+        """Start a gather of `buf` into `out` on the coordinator (None elsewhere)."""
+        return dist.gather(buf, out, dst=self.coordinator, group=self.group, async_op=True)
+
     def _padded(self, payload: bytes, width: int) -> torch.Tensor:
         """`payload` in a zero-padded uint8 tensor of `width` bytes on the group's device."""
         buf = torch.zeros(width, dtype=torch.uint8, device=self.device)
@@ -98,12 +107,12 @@ class Comm:
             return [payload]
         n = torch.tensor([len(payload)], dtype=torch.int64, device=self.device)
         sizes = [torch.zeros(1, dtype=torch.int64, device=self.device) for _ in range(self.size)]
-        self._wait(dist.all_gather(sizes, n, group=self.group, async_op=True), what)
+        self._wait(self._all_gather(sizes, n), what)
         lens = [int(s.item()) for s in sizes]
         width = max(lens)
         buf = self._padded(payload, width)
         out = self._buffers(width)
-        self._wait(dist.all_gather(out, buf, group=self.group, async_op=True), what)
+        self._wait(self._all_gather(out, buf), what)
         return self._unpadded(out, lens)
 
     def allgather_fixed(self, payload: bytes, width: int, what: str = GENERIC) -> list[bytes]:
@@ -114,7 +123,7 @@ class Comm:
             return [payload.ljust(width, b"\0")]
         buf = self._padded(payload, width)
         out = self._buffers(width)
-        self._wait(dist.all_gather(out, buf, group=self.group, async_op=True), what)
+        self._wait(self._all_gather(out, buf), what)
         return [bytes(o.cpu().numpy().tobytes()) for o in out]
 
     def gather_bytes(self, payload: bytes, lens: list[int],
@@ -127,8 +136,7 @@ class Comm:
         width = max(1, *lens)
         buf = self._padded(payload, width)
         out = self._buffers(width) if self.is_coordinator else None
-        self._wait(dist.gather(buf, out, dst=self.coordinator, group=self.group,
-                               async_op=True), what)
+        self._wait(self._gather(buf, out), what)
         if out is None:
             return None
         return self._unpadded(out, lens)

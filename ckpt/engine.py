@@ -38,6 +38,7 @@ import torch
 from ckpt.collective import all_or_raise
 from ckpt.comm import Comm
 from ckpt.commit import CommitHooks, exists_error
+from ckpt.commit_group import NO_GROUP, commit_group_for
 from ckpt.errors import (
     CheckpointError,
     DtypeMismatchError,
@@ -192,17 +193,24 @@ def save(
         early = stage(cached)
     failed = error is not None or (early is not None and early.error is not None)
     attempt = uuid.uuid4().hex[:16]
-    # One fixed-size all-gather per save: layout digest, attempt id, "I failed" flag.
+    group_id = (res.commit_group.handshake_id(comm.ranks) if res.commit_group is not None
+                else NO_GROUP)
+    # One fixed-size all-gather per save: layout digest, attempt id, "I failed" flag, and
+    # the commit group this rank holds (asynchronous saves commit over it).
     what = (f"the start of the save to {store.url} (step {step}; every rank of the group "
             "must call ckpt.save / CheckpointManager.save)")
-    hand = comm.allgather_fixed(f"{digest:32}{attempt}{'E' if failed else '-'}".encode(), 49,
-                                what)
-    got = [(h[:32].decode(), h[32:48].decode(), h[48:49] == b"E") for h in hand]
+    hand = comm.allgather_fixed(
+        f"{digest:32}{attempt}{'E' if failed else '-'}{group_id}".encode(), 65, what)
+    got = [(h[:32].decode(), h[32:48].decode(), h[48:49] == b"E", h[49:65].decode())
+           for h in hand]
     if any(g[2] for g in got):
         all_or_raise(comm, error or (early.error if early is not None else None), None, what,
                      url=store.url)
     assert lay is not None
     attempt = got[0][1]
+    if async_save and opts.commit_over_group:
+        res.commit_group = commit_group_for(res.commit_group, [g[3] for g in got], attempt,
+                                            comm, opts.commit_timeout_s)
     key = (tuple(g[0] for g in got), comm.ranks)
     if cached is None or cached.key != key:
         layouts = layouts_from_parts(comm.allgather_shared(*lay.compact(), what), comm.ranks)
@@ -234,7 +242,8 @@ def save(
     job = _SaveJob(store, plan, attempt, comm.rank, staged, packed_buf, values, opts,
                    dict(step=step, config=config, layout=layout), handle,
                    hooks or CommitHooks(), pre, stager if background else None,
-                   writes=my_writes)
+                   writes=my_writes,
+                   group=res.commit_group if async_save and opts.commit_over_group else None)
     if not background:
         handle.stage_s = done.seconds
         handle._mark_staged()

@@ -29,6 +29,11 @@ class SaveOptions:
     """How long the coordinator waits for every rank's index before giving up."""
     collective_timeout_s: float = 300.0
     """How long each collective of the save waits for the other ranks of the group."""
+    commit_over_group: bool = True
+    """Async saves only: the background thread gathers the ranks' indexes and shares the
+    commit over a gloo group of its own (`ckpt.commit_group`), as a synchronous save does
+    over the caller's group. False: ranks meet through storage only (the coordinator
+    reads every rank's index object; the others poll for the commit marker)."""
 
     def __post_init__(self) -> None:
         if self.compression not in (None, "zstd"):

@@ -1,7 +1,8 @@
 """What the engine keeps per process between saves and loads: one `EngineResources`
 object, reached through `resources()`.
 
-It holds the save in flight (a process runs one save at a time), the cached save plan
+It holds the save in flight (a process runs one save at a time), the commit group of
+asynchronous saves, the cached save plan
 with its reusable staging buffers, the thread pools of direct shard reads, and the
 lock that serializes chunk decoding. At interpreter exit it lets an async save still
 in flight commit (see `EngineResources.finish_at_exit`).
@@ -18,6 +19,7 @@ from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from typing import Any
 
+from ckpt.commit_group import CommitGroup
 from ckpt.handle import SaveHandle
 from ckpt.plan import PieceWrite, SavePlan, TensorPlan
 from ckpt.staging import StagingBuffers
@@ -62,6 +64,8 @@ class EngineResources:
         self.inflight: SaveHandle | None = None
         """This process's latest save (done or not)."""
         self.cached: CachedPlan | None = None
+        self.commit_group: CommitGroup | None = None
+        """The gloo group of the asynchronous saves' commits (`ckpt.commit_group`)."""
         self.crashed = False
         """The main thread died of an uncaught exception (see `note_crashes`)."""
         self._hooked = False

@@ -2,9 +2,12 @@
 commit (`ckpt.commit`).
 
 `_SaveJob.run` runs in the save's background thread (async save) or in the caller's
-(sync save). Asynchronous, it never touches a process group: ranks meet through storage
-(index objects, the commit marker). Synchronous, it may use the collectives of `comm`
-instead of polling: the ranks' indexes reach the coordinator in one gather.
+(sync save). Either way every rank writes its index object and the commit marker
+decides. Synchronous, the ranks' indexes reach the coordinator in one gather over the
+caller's group. Asynchronous, the same gather runs over the save's own gloo group
+(`ckpt.commit_group`), never the caller's; without one, or when it fails, ranks meet
+through storage: the coordinator reads every index object, the others poll for the
+marker.
 """
 
 from __future__ import annotations
@@ -30,7 +33,8 @@ from ckpt.commit import (
     write_index,
     write_index_error,
 )
-from ckpt.errors import CheckpointError, CheckpointSaveError
+from ckpt.commit_group import CommitGroup
+from ckpt.errors import CheckpointError, CheckpointSaveError, CollectiveError
 from ckpt.format import (
     CHUNK_CRCS,
     COMMIT_KEY,
@@ -97,8 +101,13 @@ class _SaveJob:
                  packed: np.ndarray | None, values: dict[str, Any], opts: SaveOptions,
                  meta: dict[str, Any], handle: SaveHandle, hooks: CommitHooks, pre: str,
                  stager: Stager | None = None, *,
-                 writes: list[tuple[TensorPlan, PieceWrite]] | None = None) -> None:
+                 writes: list[tuple[TensorPlan, PieceWrite]] | None = None,
+                 group: CommitGroup | None = None) -> None:
         self.store, self.plan, self.attempt, self.rank = store, plan, attempt, rank
+        self.group = group
+        """Async saves: the gloo group the commit goes over (None: storage only)."""
+        self.committed: BaseException | bool | None = None
+        """Coordinator: True once it committed, or why it failed to; None before."""
         self.staged, self.packed, self.values, self.opts = staged, packed, values, opts
         self.meta, self.handle, self.hooks, self.pre = meta, handle, hooks, pre
         self.stager = stager
@@ -277,7 +286,12 @@ class _SaveJob:
 
     def _run_sync(self, comm: Comm) -> None:
         """Synchronous save: the foreground thread may use collectives instead of polling."""
-        local = self._persist_and_index()
+        self._commit_over(comm, self._persist_and_index())
+
+    def _commit_over(self, comm: Comm, local: BaseException | None) -> None:
+        """The commit over `comm`'s collectives: every rank learns whether any rank
+        failed, the coordinator gathers the indexes and commits, and every rank learns
+        the outcome. A `CollectiveError` means the group failed, not the save."""
         url = self.store.url
 
         def failed(failures: dict[int, Any]) -> BaseException:
@@ -288,7 +302,7 @@ class _SaveJob:
 
         indexes = gather_or_raise(comm, local, {"values": self.values,
                                                 CHUNK_CRCS: self.chunk_crcs},
-                                  f"the synchronous save to {url} (every rank's write)",
+                                  f"the save to {url} (every rank's write)",
                                   url=url, remote=failed)
         err: BaseException | None = None
         if indexes is not None:  # the coordinator
@@ -296,6 +310,7 @@ class _SaveJob:
                 self._commit(dict(zip(comm.ranks, indexes, strict=True)))
             except BaseException as e:  # noqa: BLE001 - shared below, then raised
                 err = e
+            self.committed = err or True
 
         def not_committed(failures: dict[int, Any]) -> BaseException:
             msg = failures[comm.coordinator]["msg"]
@@ -303,18 +318,32 @@ class _SaveJob:
                 f"save to {url}: the coordinator failed to commit: {msg}", url=url,
                 failures={comm.coordinator: msg})
 
-        all_or_raise(comm, err, None, f"the commit of the synchronous save to {url}",
+        all_or_raise(comm, err, None, f"the commit of the save to {url}",
                      url=url, remote=not_committed)
 
     def _run_async(self) -> None:
         local = self._persist_and_index(check_exists=True)
+        deadline = time.monotonic() + self.opts.commit_timeout_s
+        if self.group is not None:
+            try:
+                self._commit_over(self.group.comm(), local)
+                return
+            except CollectiveError as e:
+                # The group failed (a peer gone, a timeout), not the save: storage, which
+                # holds every rank's index and decides by the commit marker, finishes it.
+                self.group.mark_broken(e)
+                logger.warning("%s the commit group failed; committing through storage",
+                               self.pre)
         if local is not None:
             raise local
-        if self.rank == self.plan.coordinator:
-            self._commit(wait_for_indexes(self.store, self.attempt, self.plan.ranks,
-                                          self.opts.commit_timeout_s))
+        left = max(0.0, deadline - time.monotonic())
+        if self.rank != self.plan.coordinator:
+            wait_for_commit(self.store, self.attempt, left)
+        elif self.committed is not None:  # it did commit (or failed to) before the group did
+            if isinstance(self.committed, BaseException):
+                raise self.committed
         else:
-            wait_for_commit(self.store, self.attempt, self.opts.commit_timeout_s)
+            self._commit(wait_for_indexes(self.store, self.attempt, self.plan.ranks, left))
 
     def run(self, comm: Comm | None = None) -> None:
         error: BaseException | None = None

@@ -404,3 +404,55 @@ def shared_parts(shared: list[str], own: list[str]) -> dict[str, Any]:
         by_text.setdefault(s, set()).add(id(s))
     return {"got": [[s.decode(), o.decode()] for s, o in got],
             "one_object_per_text": all(len(ids) == 1 for ids in by_text.values())}
+
+
+def async_commit_paths(root: str, broken_rank: int) -> dict[str, Any]:
+    """Five async saves of one manager, and how each committed: saves 0-1 over the
+    commit group (the first builds it), save 2 through storage (`commit_over_group`
+    off), save 3 with the group failing on `broken_rank` only (it falls back to storage,
+    and its abort must fail its peers' collectives so they fall back too), save 4 over a
+    new group. Per save: the coordinator's storage collections and the group's id."""
+    import ckpt.writer as writer
+    from ckpt.commit_group import CommitGroup
+    from ckpt.errors import CollectiveError
+    from ckpt.resources import resources
+
+    rank = dist.get_rank()
+    collects = [0]
+    real_wait = writer.wait_for_indexes
+
+    def counted(*a, **kw):  # noqa: ANN002, ANN003, ANN202
+        collects[0] += 1
+        return real_wait(*a, **kw)
+
+    writer.wait_for_indexes = counted
+    real_comm = CommitGroup.comm
+    tensors = [{"name": "w", "shape": [64, 48], "dtype": "float32"}]
+    mgr = ckpt.CheckpointManager(root, keep_last=5,
+                                 options=ckpt.SaveOptions(commit_timeout_s=120.0))
+    out: dict[str, Any] = {"collects": [], "groups": [], "errors": []}
+    try:
+        for step in range(5):
+            mgr.options = ckpt.SaveOptions(commit_timeout_s=120.0,
+                                           commit_over_group=step != 2)
+            if step == 3 and rank == broken_rank:
+                def fail(self):  # noqa: ANN001, ANN202
+                    self.mark_broken(CollectiveError("injected: this rank's group failed"))
+                    return real_comm(self)
+                CommitGroup.comm = fail
+            before = collects[0]
+            try:
+                mgr.save(step, build(tensors, [4], [["S0"]], step), async_save=True).wait()
+            except Exception as e:  # noqa: BLE001 - reported to the test
+                out["errors"].append(f"{step}: {type(e).__name__}: {e}")
+            CommitGroup.comm = real_comm
+            group = resources().commit_group
+            out["collects"].append(collects[0] - before)
+            out["groups"].append(None if group is None or step == 2 else group.ident)
+        sd = {"w": torch.zeros(64, 48)}
+        out["latest"] = mgr.restore(sd)
+        out["equal"] = bool(torch.equal(sd["w"], global_tensor(tensors[0], 4)))
+    finally:
+        writer.wait_for_indexes = real_wait
+        CommitGroup.comm = real_comm
+    return out

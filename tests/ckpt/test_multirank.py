@@ -198,11 +198,29 @@ def test_rank_killed_mid_save(tmp_path, victim, where) -> None:
     assert ckpt.verify(mgr.url_of(1)).ok
 
 
-def test_no_collective_from_the_background_thread(pool, tmp_path) -> None:
+def test_no_collective_on_the_callers_groups_from_the_background_thread(pool, tmp_path
+                                                                        ) -> None:
     res = pool.run("tests.ckpt.cases:collectives_stay_in_foreground", root=str(tmp_path / "r"))
     for r in res:
         assert r["latest"] == 2
         assert r["calls"] > 0 and r["threads"] == ["MainThread"], r
+
+
+@pytest.mark.parametrize("broken_rank", [0, 2], ids=["coordinator", "other"])
+def test_async_commit_goes_over_its_group_and_falls_back_to_storage(pool, tmp_path,
+                                                                     broken_rank) -> None:
+    """The coordinator of an async save reads no index object from storage while the
+    commit group serves; with the group off, or failing on one rank, the save still
+    commits through storage, and the next save builds a new group."""
+    res = pool.run("tests.ckpt.cases:async_commit_paths", root=str(tmp_path / "r"),
+                   broken_rank=broken_rank, timeout=240)
+    for rank, r in enumerate(res):
+        assert r["errors"] == [], r
+        assert r["latest"] == 4 and r["equal"], r
+        assert r["collects"] == ([0, 0, 1, 1, 0] if rank == 0 else [0] * 5), (rank, r)
+        g = r["groups"]
+        assert g[0] is not None and g[0] == g[1] == g[3] and g[4] not in (None, g[0]), r
+    assert len({json.dumps(r["groups"]) for r in res}) == 1, res  # agreed on every rank
 
 
 def test_save_on_one_rank_only_says_every_rank_must_call(pool, tmp_path) -> None:
