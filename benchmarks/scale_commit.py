@@ -40,6 +40,8 @@ class CommitConfig:
     """Threads writing the index objects (the ranks)."""
     s3: bool = True
     """Also on a SeaweedFS S3 server on loopback."""
+    group_procs: int = 8
+    """Processes of the commit group's measured collectives (`group_transfer`); 0: none."""
     manifest_for: dict[int, Path] | None = None
     """World size -> manifest file (from the planning arms) to publish and read back; a
     small one is built where none is given."""
@@ -103,19 +105,19 @@ def _one(store: Any, n: int, cfg: CommitConfig) -> dict[str, Any]:
 
 
 def sync_exchange(n: int, entries: int) -> dict[str, Any]:
-    """A synchronous save's index exchange at `n` ranks (`ckpt.collective.gather_or_raise`,
-    no process group: the messages as they cross one): the bytes each side receives and
-    the CPU seconds of parsing them. The coordinator receives every rank's index; any
-    other rank receives the all-gather of errors and sizes only. (An all-gather of the
-    indexes, which this replaced, gave every rank the coordinator's part.)"""
+    """A commit's index exchange over a process group at `n` ranks
+    (`ckpt.collective.gather_or_raise`, then `coordinator_outcome`; no process group:
+    the messages as they cross one): the bytes each side receives and the CPU seconds
+    of parsing them. The coordinator receives every rank's flag, size and index; any
+    other rank receives the coordinator's verdict and the outcome only. (An all-gather
+    of the indexes, which this replaced, gave every rank the coordinator's part.)"""
     from ckpt.comm import parse_json_list  # what the collectives parse with
 
     attempt = "0123456789abcdef"
     idx = [json.loads(_index_doc(r, attempt, entries)) for r in range(n)]
     blobs = [json.dumps({"values": d["values"], "chunk_crc32c": d["chunk_crc32c"]},
                         separators=(",", ":")).encode() for d in idx]
-    sizes = [json.dumps({"err": None, "data": len(b)}, separators=(",", ":")).encode()
-             for b in blobs]
+    heads = [b"-" + len(b).to_bytes(8, "little") for b in blobs]  # gather_or_raise's first
 
     def parse(msgs: list[bytes]) -> float:
         best = float("inf")
@@ -126,12 +128,87 @@ def sync_exchange(n: int, entries: int) -> dict[str, Any]:
             del kept
         return best
 
-    # gathers pad every message to the longest one
-    size_bytes = n * max(len(m) for m in sizes)
+    def lengths(msgs: list[bytes]) -> float:
+        t0 = time.process_time()
+        for _ in range(3):
+            assert not any(h[:1] == b"E" for h in msgs)
+            assert max(int.from_bytes(h[1:9], "little") for h in msgs) > 0
+        return (time.process_time() - t0) / 3
+
+    # gathers pad every message to the longest one; the others receive the
+    # coordinator's verdict (9 bytes) and the commit's outcome (1 byte)
     return {"ranks": n, "index_bytes": len(blobs[0]),
-            "coordinator_bytes": size_bytes + n * max(len(b) for b in blobs),
-            "coordinator_parse_s": parse(sizes) + parse(blobs),
-            "other_bytes": size_bytes, "other_parse_s": parse(sizes)}
+            "coordinator_bytes": n * len(heads[0]) + n * max(len(b) for b in blobs),
+            "coordinator_parse_s": lengths(heads) + parse(blobs),
+            "other_bytes": 10, "other_parse_s": 0.0}
+
+
+def _group_member(rank: int, procs: int, port: int, payload_bytes: int, rounds: int,
+                  out: Any) -> None:
+    """One process of `group_transfer`: a real `CommitGroup` (gloo over a TCPStore),
+    timed through the `Comm` calls a commit makes (`gather_or_raise`,
+    `coordinator_outcome`)."""
+    from datetime import timedelta
+
+    import torch.distributed as dist
+
+    from ckpt.commit_group import CommitGroup
+
+    store = dist.TCPStore("127.0.0.1", port, procs + 1, is_master=False,
+                          timeout=timedelta(seconds=120))
+    comm = CommitGroup("bench", store, tuple(range(procs)), rank, 120.0).comm()
+    head = b"-" + payload_bytes.to_bytes(8, "little")
+    blob = bytes(payload_bytes)
+    comm.allgather_fixed(b"-", 1)  # warm: every pair connected
+    times: dict[str, list[float]] = {"head_s": [], "gather_s": [], "outcome_s": []}
+    for _ in range(rounds):
+        comm.allgather_fixed(b"-", 1)  # line up
+        t0 = time.perf_counter()
+        comm.gather_fixed(head, 9)
+        decision = comm.broadcast_fixed(b"-" + payload_bytes.to_bytes(8, "little"), 9)
+        t1 = time.perf_counter()
+        got = comm.gather_bytes(blob, [int.from_bytes(decision[1:9], "little")] * procs)
+        t2 = time.perf_counter()
+        comm.broadcast_fixed(b"-", 1)
+        t3 = time.perf_counter()
+        assert got is None or sum(map(len, got)) == payload_bytes * procs
+        for k, v in zip(times, (t1 - t0, t2 - t1, t3 - t2), strict=True):
+            times[k].append(v)
+    if rank == 0:
+        out.put({k: sorted(v)[len(v) // 2] for k, v in times.items()})
+
+
+def group_transfer(total_bytes: int, procs: int = 8, rounds: int = 5) -> dict[str, Any]:
+    """A commit's collectives on `procs` real processes of this machine, one
+    `CommitGroup` each, seen from the coordinator: the gather of every rank's failure
+    flag and size with the coordinator's broadcast of the verdict (`head_s`), the gather
+    of `total_bytes` of indexes split evenly (`gather_s`: what the coordinator receives
+    at the world size that produced `total_bytes`), and the broadcast of the commit's
+    outcome (`outcome_s`). Medians of `rounds`. `procs` senders, not one per rank: the
+    per-sender cost at thousands of ranks is not measured here."""
+    import multiprocessing as mp
+    from datetime import timedelta
+
+    import torch.distributed as dist
+
+    store = dist.TCPStore("127.0.0.1", 0, procs + 1, is_master=True,
+                          timeout=timedelta(seconds=120), wait_for_workers=False)
+    ctx = mp.get_context("spawn")
+    out = ctx.Queue()
+    members = [ctx.Process(target=_group_member,
+                           args=(r, procs, store.port, total_bytes // procs, rounds, out))
+               for r in range(procs)]
+    for p in members:
+        p.start()
+    try:
+        res = out.get(timeout=600)  # spawning and importing torch in each, then the rounds
+    finally:
+        for p in members:
+            p.join(timeout=60)
+            if p.is_alive():
+                p.kill()
+    del store
+    return {"procs": procs, "total_bytes": total_bytes, **res}
 
 
 def run_commit(cfg: CommitConfig, log: Any = print) -> dict[str, list[dict[str, Any]]]:
@@ -157,10 +234,19 @@ def run_commit(cfg: CommitConfig, log: Any = print) -> dict[str, list[dict[str, 
                 log(f"commit {name} {n} ranks: collect {row['collect_s']:.3f} s, publish "
                     f"{row['publish_s']:.3f} s ({row['manifest_bytes']} B manifest)")
                 rows.append(row)
+    publish = {r["ranks"]: r["publish_s"] for r in out.get("s3", [])}
     for n in cfg.sizes:
         row = sync_exchange(n, cfg.index_entries)
-        log(f"commit sync {n} ranks: coordinator {row['coordinator_bytes']} B, "
-            f"{row['coordinator_parse_s']:.3f} s; other ranks {row['other_bytes']} B, "
-            f"{row['other_parse_s']:.4f} s")
+        if cfg.group_procs:
+            row.update(group_transfer(row["coordinator_bytes"], cfg.group_procs))
+            row["group_commit_s"] = (row["head_s"] + row["gather_s"] + row["outcome_s"]
+                                     + row["coordinator_parse_s"])
+            if n in publish:
+                row["group_commit_s3_s"] = row["group_commit_s"] + publish[n]
+        log(f"commit over a group, {n} ranks: coordinator {row['coordinator_bytes']} B, "
+            f"parse {row['coordinator_parse_s']:.3f} s; other ranks {row['other_bytes']} B"
+            + (f"; {cfg.group_procs} processes: head {row['head_s']:.4f} s, gather "
+               f"{row['gather_s']:.3f} s, outcome {row['outcome_s']:.4f} s"
+               if cfg.group_procs else ""))
         out.setdefault("sync", []).append(row)
     return out

@@ -20,7 +20,7 @@ import torch.distributed as dist
 from ckpt.errors import CollectiveError
 from ckpt.gc_pause import gc_paused
 
-__all__ = ["Comm", "parse_json_list"]
+__all__ = ["Comm", "parse_json_list", "ranks_text"]
 
 GENERIC = "a checkpoint collective"
 
@@ -31,6 +31,14 @@ def parse_json_list(blobs: list[bytes]) -> list[Any]:
     gathered at thousands of ranks parses into millions of small objects at once (4,096
     ranks' indexes: 1.19 s with the collector running, 0.59 s paused)."""
     return [json.loads(b) for b in blobs]
+
+
+def ranks_text(ranks: tuple[int, ...]) -> str:
+    """A group's ranks for a message: in full up to 16, else the first and last and how
+    many (an error at 4,096 ranks listed every one of them)."""
+    if len(ranks) <= 16:
+        return str(list(ranks))
+    return f"[{ranks[0]}, {ranks[1]}, ..., {ranks[-1]}] ({len(ranks)} ranks)"
 
 
 class Comm:
@@ -71,7 +79,7 @@ class Comm:
         except RuntimeError as e:  # gloo: "Operation timed out!"; NCCL: DistBackendError
             raise CollectiveError(
                 f"rank {self.rank}: {what} did not complete (waited up to "
-                f"{self.timeout.total_seconds():.0f} s for ranks {list(self.ranks)}): "
+                f"{self.timeout.total_seconds():.0f} s for ranks {ranks_text(self.ranks)}): "
                 f"{type(e).__name__}: {e}. Every rank of the process group must make the "
                 "same ckpt call (ckpt.save, ckpt.load, CheckpointManager.save and .restore "
                 "are collective: calling them on rank 0 only hangs here); a rank that "
@@ -84,6 +92,10 @@ class Comm:
     def _gather(self, buf: torch.Tensor, out: list[torch.Tensor] | None) -> Any:
         """Start a gather of `buf` into `out` on the coordinator (None elsewhere)."""
         return dist.gather(buf, out, dst=self.coordinator, group=self.group, async_op=True)
+
+    def _broadcast(self, buf: torch.Tensor, src: int) -> Any:
+        """Start a broadcast of `buf` from global rank `src`."""
+        return dist.broadcast(buf, src=src, group=self.group, async_op=True)
 
     def _padded(self, payload: bytes, width: int) -> torch.Tensor:
         """`payload` in a zero-padded uint8 tensor of `width` bytes on the group's device."""
@@ -126,11 +138,32 @@ class Comm:
         self._wait(self._all_gather(out, buf), what)
         return [bytes(o.cpu().numpy().tobytes()) for o in out]
 
+    def gather_fixed(self, payload: bytes, width: int,
+                     what: str = GENERIC) -> list[bytes] | None:
+        """One gather of a fixed-width payload to the coordinator (None on the others).
+        Unlike an all-gather, whose ring takes as many hops as the group has ranks, the
+        coordinator receives from every rank at once."""
+        if len(payload) > width:
+            raise ValueError(f"payload of {len(payload)} bytes exceeds width {width}")
+        return self.gather_bytes(payload.ljust(width, b"\0"), [width] * self.size, what)
+
+    def broadcast_fixed(self, payload: bytes, width: int,
+                        what: str = GENERIC) -> bytes:
+        """The coordinator's fixed-width `payload` on every rank (others pass b"")."""
+        if len(payload) > width:
+            raise ValueError(f"payload of {len(payload)} bytes exceeds width {width}")
+        if not self.active or self.size == 1:
+            return payload.ljust(width, b"\0")
+        buf = self._padded(payload if self.is_coordinator else b"", width)
+        self._wait(self._broadcast(buf, self.coordinator), what)
+        return bytes(buf.cpu().numpy().tobytes())
+
     def gather_bytes(self, payload: bytes, lens: list[int],
                      what: str = GENERIC) -> list[bytes] | None:
         """Every rank's payload, in group order, on the coordinator only (None on the
-        others). `lens` holds every rank's payload length, known to all ranks from an
-        earlier collective, so this is one gather and nothing else."""
+        others). The coordinator passes every rank's payload length, known from an
+        earlier collective; the others may pass only the longest, so this is one gather
+        and nothing else."""
         if not self.active or self.size == 1:
             return [payload]
         width = max(1, *lens)
@@ -162,8 +195,7 @@ class Comm:
                 texts[digest] = shared if mine else b""
                 continue
             buf = self._padded(shared if mine else b"", n)
-            self._wait(dist.broadcast(buf, src=self.ranks[i], group=self.group,
-                                      async_op=True), what)
+            self._wait(self._broadcast(buf, self.ranks[i]), what)
             texts[digest] = shared if mine else bytes(buf.cpu().numpy().tobytes())
         return [(texts[g[:16]], g[24:]) for g in got]
 

@@ -34,7 +34,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from ckpt.comm import Comm
+from ckpt.comm import Comm, ranks_text
 from ckpt.errors import CollectiveError
 
 logger = logging.getLogger(__name__)
@@ -67,6 +67,13 @@ class _GroupComm(Comm):
         opts.timeout = self.timeout
         return self._start(lambda: self.group.gather([out] if out is not None else [],
                                                      [buf], opts))
+
+    def _broadcast(self, buf: torch.Tensor, src: int) -> Any:
+        opts = dist.BroadcastOptions()
+        opts.rootRank = self.ranks.index(src)
+        opts.rootTensor = 0
+        opts.timeout = self.timeout
+        return self._start(lambda: self.group.broadcast([buf], opts))
 
     def _start(self, op: Callable[[], Any]) -> Any:
         """Start `op` on the group; a group that is aborted or closed raises
@@ -112,7 +119,7 @@ class CommitGroup:
                 except (RuntimeError, ValueError) as e:  # a peer never connected
                     raise CollectiveError(
                         f"rank {self.rank}: connecting the commit group {self.ident} of "
-                        f"ranks {_short(self.ranks)} failed: {type(e).__name__}: {e}") from e
+                        f"ranks {ranks_text(self.ranks)} failed: {type(e).__name__}: {e}") from e
                 self._pg = pg
                 self._comm = _GroupComm(pg, self.ranks, self.rank, self.timeout_s)
             return self._comm
@@ -121,7 +128,7 @@ class CommitGroup:
         """Stop using the group after a failed collective (see `close`)."""
         if not self.broken:
             logger.warning("ckpt: commit group %s of ranks %s dropped after: %s",
-                           self.ident, _short(self.ranks), why)
+                           self.ident, ranks_text(self.ranks), why)
         self.close()
 
     def close(self) -> None:
@@ -165,6 +172,3 @@ def commit_group_for(current: CommitGroup | None, ids: list[str], attempt: str,
         return None
     return CommitGroup(attempt, store, comm.ranks, comm.rank, timeout_s)
 
-
-def _short(ranks: tuple[int, ...]) -> str:
-    return str(list(ranks)) if len(ranks) <= 8 else f"[{ranks[0]}..{ranks[-1]}] ({len(ranks)})"

@@ -35,7 +35,7 @@ from typing import Any
 import numpy as np
 import torch
 
-from ckpt.collective import all_or_raise
+from ckpt.collective import all_or_raise, raise_if_any
 from ckpt.comm import Comm
 from ckpt.commit import CommitHooks, exists_error
 from ckpt.commit_group import NO_GROUP, commit_group_for
@@ -300,9 +300,7 @@ def _all_staged(comm: Comm, error: BaseException | None, url: str, step: int | N
     it too, so every rank raises that failure instead of a commit waiting for the rank."""
     what = (f"the end of staging of the save to {url} (step {step}; every rank copies its "
             "pieces before any persists them)")
-    flags = comm.allgather_fixed(b"E" if error is not None else b"-", 1, what)
-    if any(f == b"E" for f in flags):
-        all_or_raise(comm, error, None, what, url=url)
+    raise_if_any(comm, error, what, url=url)
 
 
 # ------------------------------------------------------------------------ load

@@ -21,7 +21,7 @@ from typing import Any
 import numpy as np
 import torch
 
-from ckpt.collective import all_or_raise, gather_or_raise
+from ckpt.collective import coordinator_outcome, gather_or_raise
 from ckpt.comm import Comm
 from ckpt.commit import (
     CommitHooks,
@@ -318,8 +318,8 @@ class _SaveJob:
                 f"save to {url}: the coordinator failed to commit: {msg}", url=url,
                 failures={comm.coordinator: msg})
 
-        all_or_raise(comm, err, None, f"the commit of the save to {url}",
-                     url=url, remote=not_committed)
+        coordinator_outcome(comm, err, f"the commit of the save to {url}", url=url,
+                            remote=not_committed)
 
     def _run_async(self) -> None:
         local = self._persist_and_index(check_exists=True)

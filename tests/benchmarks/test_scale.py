@@ -64,7 +64,7 @@ def test_harness_writes_tables_and_plots(tmp_path) -> None:
     assert "out-save-plan.png" in pngs and "out-manifest.png" in pngs
 
 
-def test_commit_part_reports_the_sync_index_exchange(tmp_path) -> None:
+def test_commit_part_reports_the_exchange_over_a_process_group(tmp_path) -> None:
     md, js = tmp_path / "out.md", tmp_path / "out.json"
     rc = scale.main(["--quick", "--parts", "commit", "--no-s3", "--commit-sizes", "8,32",
                      "--md", str(md), "--json", str(js), "--plots", str(tmp_path / "img")])
@@ -72,11 +72,16 @@ def test_commit_part_reports_the_sync_index_exchange(tmp_path) -> None:
     rows = json.loads(js.read_text())["commit"]["sync"]
     assert [r["ranks"] for r in rows] == [8, 32]
     for r in rows:
-        # the coordinator gets every index; the others only the errors and sizes
+        # the coordinator gets every index; the others only its verdict and the outcome
         assert r["coordinator_bytes"] >= r["ranks"] * r["index_bytes"] > r["other_bytes"] > 0
         assert r["coordinator_parse_s"] > 0 and r["other_parse_s"] >= 0
-    assert rows[1]["other_bytes"] > rows[0]["other_bytes"]
-    assert "### Synchronous save: the index exchange (per rank)" in md.read_text()
+        # the commit group's collectives ran on real processes, carrying those bytes
+        assert r["procs"] == 2 and r["total_bytes"] == r["coordinator_bytes"]
+        assert r["head_s"] > 0 and r["gather_s"] > 0 and r["outcome_s"] > 0
+        assert r["group_commit_s"] > r["coordinator_parse_s"]
+    assert rows[1]["other_bytes"] == rows[0]["other_bytes"]  # the same at any world size
+    assert rows[1]["coordinator_bytes"] > rows[0]["coordinator_bytes"]
+    assert "### Commit over a process group" in md.read_text()
 
 
 @pytest.mark.long  # starts etcd and two worker processes that import torch
