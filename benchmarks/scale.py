@@ -348,7 +348,11 @@ def plots(res: dict[str, Any], out_dir: Path, stem: str) -> list[Path]:
         plot(p, "commit overhead (collect + manifest + marker)", "ranks", "seconds",
              [(f"{t} {k}", [r["ranks"] for r in rows], [r[k] for r in rows])
               for t, rows in res["commit"].items() if t != "sync"
-              for k in ("collect_s", "commit_s")], 2.0)
+              for k in ("collect_s", "commit_s")]
+             + [("S3 commit over a process group",
+                 [r["ranks"] for r in over], [r["group_commit_s3_s"] for r in over])
+                for over in [[r for r in res["commit"].get("sync", [])
+                              if "group_commit_s3_s" in r]] if over], 2.0)
         made.append(p)
     if res.get("rdzv"):
         rows = res["rdzv"]
