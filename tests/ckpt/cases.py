@@ -456,3 +456,39 @@ def async_commit_paths(root: str, broken_rank: int) -> dict[str, Any]:
         writer.wait_for_indexes = real_wait
         CommitGroup.comm = real_comm
     return out
+
+
+def async_save_outlives_destroy(root: str, reinit: str) -> dict[str, Any]:
+    """A script's habit: `destroy_process_group()` right after its last async save, then
+    `wait()`. The commit group is not the script's to destroy: the save must commit.
+    The case then joins a new default group (`reinit`), so the pool serves on."""
+    from datetime import timedelta
+
+    import ckpt.writer as writer
+
+    rank, world = dist.get_rank(), dist.get_world_size()
+    mgr = ckpt.CheckpointManager(root, keep_last=3)
+    mgr.save(0, {"w": torch.full((64, 48), 0.0)}, async_save=True).wait()  # builds the group
+    collects = [0]
+    real_wait = writer.wait_for_indexes
+
+    def counted(*a, **kw):  # noqa: ANN002, ANN003, ANN202
+        collects[0] += 1
+        return real_wait(*a, **kw)
+
+    writer.wait_for_indexes = counted
+    error = None
+    try:
+        h = mgr.save(1, {"w": torch.full((64, 48), 1.0)}, async_save=True)
+        dist.destroy_process_group()
+        h.wait()
+    except Exception as e:  # noqa: BLE001 - reported to the test
+        error = f"{type(e).__name__}: {e}"
+    finally:
+        writer.wait_for_indexes = real_wait
+    dist.init_process_group("gloo", init_method=reinit, rank=rank, world_size=world,
+                            timeout=timedelta(seconds=60))
+    sd = {"w": torch.zeros(64, 48)}
+    step = ckpt.CheckpointManager(root, keep_last=3).restore(sd)
+    return {"error": error, "restored": step, "value": float(sd["w"][0, 0]),
+            "storage_collects": collects[0]}

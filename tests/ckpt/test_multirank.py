@@ -223,6 +223,15 @@ def test_async_commit_goes_over_its_group_and_falls_back_to_storage(pool, tmp_pa
     assert len({json.dumps(r["groups"]) for r in res}) == 1, res  # agreed on every rank
 
 
+def test_async_save_commits_after_the_script_destroys_its_process_group(pool, tmp_path
+                                                                       ) -> None:
+    res = pool.run("tests.ckpt.cases:async_save_outlives_destroy", root=str(tmp_path / "r"),
+                   reinit=f"file://{tmp_path}/reinit", timeout=120)
+    for r in res:
+        assert r["error"] is None and r["restored"] == 1 and r["value"] == 1.0, res
+        assert r["storage_collects"] == 0, res  # committed over the group, no fallback
+
+
 def test_save_on_one_rank_only_says_every_rank_must_call(pool, tmp_path) -> None:
     out = pool.run("tests.ckpt.cases:save_on_one_rank_only", url=str(tmp_path / "ck"),
                    timeout_s=3.0, timeout=90)
