@@ -3,12 +3,14 @@ rank of the pool; arguments and results are JSON-able."""
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import json
 import logging
 import os
 import signal
 import time
+from collections.abc import Iterator
 from typing import Any
 
 import torch
@@ -406,18 +408,12 @@ def shared_parts(shared: list[str], own: list[str]) -> dict[str, Any]:
             "one_object_per_text": all(len(ids) == 1 for ids in by_text.values())}
 
 
-def async_commit_paths(root: str, broken_rank: int) -> dict[str, Any]:
-    """Five async saves of one manager, and how each committed: saves 0-1 over the
-    commit group (the first builds it), save 2 through storage (`commit_over_group`
-    off), save 3 with the group failing on `broken_rank` only (it falls back to storage,
-    and its abort must fail its peers' collectives so they fall back too), save 4 over a
-    new group. Per save: the coordinator's storage collections and the group's id."""
+@contextlib.contextmanager
+def storage_collects() -> Iterator[list[int]]:
+    """Count the coordinator's collections of the ranks' indexes from storage (the
+    commit's storage path) while the block runs: the list's one item."""
     import ckpt.writer as writer
-    from ckpt.commit_group import CommitGroup
-    from ckpt.errors import CollectiveError
-    from ckpt.resources import resources
 
-    rank = dist.get_rank()
     collects = [0]
     real_wait = writer.wait_for_indexes
 
@@ -426,35 +422,54 @@ def async_commit_paths(root: str, broken_rank: int) -> dict[str, Any]:
         return real_wait(*a, **kw)
 
     writer.wait_for_indexes = counted
-    real_comm = CommitGroup.comm
-    tensors = [{"name": "w", "shape": [64, 48], "dtype": "float32"}]
-    mgr = ckpt.CheckpointManager(root, keep_last=5,
-                                 options=ckpt.SaveOptions(commit_timeout_s=120.0))
-    out: dict[str, Any] = {"collects": [], "groups": [], "errors": []}
     try:
-        for step in range(5):
-            mgr.options = ckpt.SaveOptions(commit_timeout_s=120.0,
-                                           commit_over_group=step != 2)
-            if step == 3 and rank == broken_rank:
-                def fail(self):  # noqa: ANN001, ANN202
-                    self.mark_broken(CollectiveError("injected: this rank's group failed"))
-                    return real_comm(self)
-                CommitGroup.comm = fail
-            before = collects[0]
-            try:
-                mgr.save(step, build(tensors, [4], [["S0"]], step), async_save=True).wait()
-            except Exception as e:  # noqa: BLE001 - reported to the test
-                out["errors"].append(f"{step}: {type(e).__name__}: {e}")
-            CommitGroup.comm = real_comm
-            group = resources().commit_group
-            out["collects"].append(collects[0] - before)
-            out["groups"].append(None if group is None or step == 2 else group.ident)
-        sd = {"w": torch.zeros(64, 48)}
-        out["latest"] = mgr.restore(sd)
-        out["equal"] = bool(torch.equal(sd["w"], global_tensor(tensors[0], 4)))
+        yield collects
     finally:
         writer.wait_for_indexes = real_wait
-        CommitGroup.comm = real_comm
+
+
+def async_commit_paths(root: str, broken_rank: int) -> dict[str, Any]:
+    """Five async saves of one manager, and how each committed: saves 0-1 over the
+    commit group (the first builds it), save 2 through storage (`commit_over_group`
+    off), save 3 with the group failing on `broken_rank` only (it falls back to storage,
+    and its abort must fail its peers' collectives so they fall back too), save 4 over a
+    new group. Per save: the coordinator's storage collections and the group's id."""
+    from ckpt.commit_group import CommitGroup
+    from ckpt.errors import CollectiveError
+    from ckpt.resources import resources
+
+    rank = dist.get_rank()
+    real_comm = CommitGroup.comm
+    tensors = [{"name": "w", "shape": [64, 48], "dtype": "float32"}]
+    mgr = ckpt.CheckpointManager(root, keep_last=5)
+    out: dict[str, Any] = {"collects": [], "groups": [], "errors": []}
+
+    def fail(self):  # noqa: ANN001, ANN202
+        self.mark_broken(CollectiveError("injected: this rank's group failed"))
+        return real_comm(self)
+
+    with storage_collects() as collects:
+        try:
+            for step in range(5):
+                mgr.options = ckpt.SaveOptions(commit_timeout_s=120.0,
+                                               commit_over_group=step != 2)
+                if step == 3 and rank == broken_rank:
+                    CommitGroup.comm = fail
+                before = collects[0]
+                try:
+                    mgr.save(step, build(tensors, [4], [["S0"]], step),
+                             async_save=True).wait()
+                except Exception as e:  # noqa: BLE001 - reported to the test
+                    out["errors"].append(f"{step}: {type(e).__name__}: {e}")
+                CommitGroup.comm = real_comm
+                group = resources().commit_group
+                out["collects"].append(collects[0] - before)
+                out["groups"].append(None if group is None or step == 2 else group.ident)
+        finally:
+            CommitGroup.comm = real_comm
+    sd = {"w": torch.zeros(64, 48)}
+    out["latest"] = mgr.restore(sd)
+    out["equal"] = bool(torch.equal(sd["w"], global_tensor(tensors[0], 4)))
     return out
 
 
@@ -464,28 +479,17 @@ def async_save_outlives_destroy(root: str, reinit: str) -> dict[str, Any]:
     The case then joins a new default group (`reinit`), so the pool serves on."""
     from datetime import timedelta
 
-    import ckpt.writer as writer
-
     rank, world = dist.get_rank(), dist.get_world_size()
     mgr = ckpt.CheckpointManager(root, keep_last=3)
     mgr.save(0, {"w": torch.full((64, 48), 0.0)}, async_save=True).wait()  # builds the group
-    collects = [0]
-    real_wait = writer.wait_for_indexes
-
-    def counted(*a, **kw):  # noqa: ANN002, ANN003, ANN202
-        collects[0] += 1
-        return real_wait(*a, **kw)
-
-    writer.wait_for_indexes = counted
     error = None
-    try:
-        h = mgr.save(1, {"w": torch.full((64, 48), 1.0)}, async_save=True)
-        dist.destroy_process_group()
-        h.wait()
-    except Exception as e:  # noqa: BLE001 - reported to the test
-        error = f"{type(e).__name__}: {e}"
-    finally:
-        writer.wait_for_indexes = real_wait
+    with storage_collects() as collects:
+        try:
+            h = mgr.save(1, {"w": torch.full((64, 48), 1.0)}, async_save=True)
+            dist.destroy_process_group()
+            h.wait()
+        except Exception as e:  # noqa: BLE001 - reported to the test
+            error = f"{type(e).__name__}: {e}"
     dist.init_process_group("gloo", init_method=reinit, rank=rank, world_size=world,
                             timeout=timedelta(seconds=60))
     sd = {"w": torch.zeros(64, 48)}
