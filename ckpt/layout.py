@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import itertools
 from dataclasses import dataclass
+from typing import Any
 
 import torch
 from torch.distributed.tensor import DTensor
@@ -190,16 +191,29 @@ def mesh_grid(t: torch.Tensor, rank: int, boxes: Boxes) -> MeshGrid | None:
         return None
     mesh = t.device_mesh
     key = (id(mesh), tuple(mesh.shape), tuple(repr(p) for p in t.placements), len(t.shape))
+    shape = tuple(t.shape)
+    # A save asks again for every tensor each time: the answer depends only on these.
+    mine_key = (key, shape, boxes, rank)
+    if mine_key in _MINE:
+        return _MINE[mine_key]
     hit = _GRIDS.get(key)
     if hit is None:
         if len(_GRIDS) > 10_000:
             _GRIDS.clear()
+            _MINE.clear()
         hit = _GRIDS[key] = _grid_of(mesh, t.placements, len(t.shape))
-    grid = hit[0]
+    if len(_MINE) > 100_000:
+        _MINE.clear()
+    got = _MINE[mine_key] = _checked(hit[0], mesh, rank, shape, boxes)
+    return got
+
+
+def _checked(grid: MeshGrid | None, mesh: Any, rank: int, shape: tuple[int, ...],
+             boxes: Boxes) -> MeshGrid | None:
+    """`grid` when it gives this rank exactly `boxes` of a tensor of `shape`, else None."""
     if grid is None:
         return None
     coord = mesh.get_coordinate()
-    shape = tuple(t.shape)
     if coord is None or grid.coord_of(rank) != tuple(coord) or grid.chunks(shape) is None:
         return None
     box = grid.box_at(tuple(coord), shape)
@@ -210,6 +224,9 @@ def mesh_grid(t: torch.Tensor, rank: int, boxes: Boxes) -> MeshGrid | None:
 
 _GRIDS: dict[tuple, tuple[MeshGrid | None, object]] = {}
 """Keyed by the mesh's id, with the mesh kept beside its grid so the id stays its own."""
+_MINE: dict[tuple, MeshGrid | None] = {}
+"""`mesh_grid`'s answers, keyed by `_GRIDS`' key (whose mesh it keeps alive), the global
+shape, this rank's boxes and its rank; cleared with it."""
 
 
 def _grid_of(mesh, placements, ndim: int) -> tuple[MeshGrid | None, object]:  # noqa: ANN001
