@@ -149,18 +149,17 @@ class CommitGroup:
         return self.ident if not self.broken and ranks == self.ranks else NO_GROUP
 
 
-def commit_group_for(current: CommitGroup | None, ids: list[str], attempt: str,
+def commit_group_for(current: CommitGroup | None, agreed: bool, attempt: str,
                      comm: Comm, timeout_s: float) -> CommitGroup | None:
-    """The commit group of an asynchronous save, from every rank's handshake `ids`:
-    `current` when every rank sent its id; otherwise a new one named by the save's
-    `attempt` (each rank drops the group it had). None when the save's group is one
-    process or torch.distributed has no default store."""
+    """The commit group of an asynchronous save: `current` when the handshake found that
+    every rank holds it (`agreed`); otherwise a new one named by the save's `attempt`
+    (each rank drops the group it had). None when the save's group is one process or
+    torch.distributed has no default store."""
     if not comm.active or comm.size == 1:
         if current is not None:
             current.close()
         return None
-    if current is not None and all(i == current.ident for i in ids) \
-            and current.handshake_id(comm.ranks) == current.ident:
+    if agreed and current is not None:
         return current
     if current is not None:
         current.close()  # not every rank of this save holds it: every rank drops its own

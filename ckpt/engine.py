@@ -3,16 +3,19 @@
 Call order of a save, on every rank of the group:
 
 1. foreground (here): flatten the state dict; wait for the previous save of this
-   process; one small all-gather (layout digest, attempt id, "already committed?"); on a
-   new layout a second all-gather of layouts and `plan_save` (cached in
+   process; the handshake (`_handshake`: every rank's layout digest, cached plan, commit
+   group and failure flag gathered to the coordinator, its verdict and the attempt id
+   broadcast); on a new layout an exchange of layouts and `plan_save` (cached in
    `ckpt.resources`); copy this rank's write pieces into reusable staging buffers. This
    is all an async save blocks on.
-2. background (or inline when synchronous), no collectives: `ckpt.writer` writes this
-   rank's objects, then its index object `index/<attempt>/r<rank>.json`.
-3. the commit protocol (`ckpt.commit`): the coordinator waits for every rank's index,
-   then writes `manifest.json`, then `COMMIT`; other ranks wait for `COMMIT` (or the
-   coordinator's abort note) so that `wait()` returns on every rank once the checkpoint
-   is committed.
+2. background (or inline when synchronous), no collectives on the caller's groups:
+   `ckpt.writer` writes this rank's objects, then its index object
+   `index/<attempt>/r<rank>.json`.
+3. the commit protocol (`ckpt.commit`): the coordinator gathers every rank's index
+   (over the caller's group when synchronous, the save's own gloo group when not, from
+   storage when that fails), then writes `manifest.json`, then `COMMIT`; every rank
+   learns the outcome, so that `wait()` returns on every rank once the checkpoint is
+   committed.
 
 A failure anywhere leaves no `COMMIT`; the handle raises it from `wait()`.
 
@@ -38,7 +41,7 @@ import torch
 from ckpt.collective import all_or_raise, raise_if_any
 from ckpt.comm import Comm
 from ckpt.commit import CommitHooks, exists_error
-from ckpt.commit_group import NO_GROUP, commit_group_for
+from ckpt.commit_group import NO_GROUP, CommitGroup, commit_group_for
 from ckpt.errors import (
     CheckpointError,
     DtypeMismatchError,
@@ -188,39 +191,30 @@ def save(
     cached = res.cached
     early: _Staging | None = None
     if (async_save and not background and error is None and cached is not None
-            and cached.key[1] == comm.ranks
-            and cached.key[0][comm.ranks.index(comm.rank)] == digest):
+            and cached.ranks == comm.ranks and cached.mine == digest):
         early = stage(cached)
     failed = error is not None or (early is not None and early.error is not None)
-    attempt = uuid.uuid4().hex[:16]
-    group_id = (res.commit_group.handshake_id(comm.ranks) if res.commit_group is not None
-                else NO_GROUP)
-    # One fixed-size all-gather per save: layout digest, attempt id, "I failed" flag, and
-    # the commit group this rank holds (asynchronous saves commit over it).
     what = (f"the start of the save to {store.url} (step {step}; every rank of the group "
             "must call ckpt.save / CheckpointManager.save)")
-    hand = comm.allgather_fixed(
-        f"{digest:32}{attempt}{'E' if failed else '-'}{group_id}".encode(), 65, what)
-    got = [(h[:32].decode(), h[32:48].decode(), h[48:49] == b"E", h[49:65].decode())
-           for h in hand]
-    if any(g[2] for g in got):
+    hand = _handshake(comm, digest, failed, cached, res.commit_group, what)
+    if hand.failed:
         all_or_raise(comm, error or (early.error if early is not None else None), None, what,
                      url=store.url)
     assert lay is not None
-    attempt = got[0][1]
+    attempt = hand.attempt
     if async_save and opts.commit_over_group:
-        res.commit_group = commit_group_for(res.commit_group, [g[3] for g in got], attempt,
+        res.commit_group = commit_group_for(res.commit_group, hand.same_group, attempt,
                                             comm, opts.commit_timeout_s)
-    key = (tuple(g[0] for g in got), comm.ranks)
-    if cached is None or cached.key != key:
+    if not hand.same_plan:
         layouts = layouts_from_parts(comm.allgather_shared(*lay.compact(), what), comm.ranks)
         plan = plan_save(layouts, comm.ranks, pack_bytes=opts.pack_bytes,
                          inner_bytes=opts.inner_bytes, packed_inner=opts.packed_inner)
-        cached = CachedPlan(key, plan)
+        cached = CachedPlan(attempt, comm.ranks, digest, hand.digests, plan)
         res.cached = cached
         logger.info("%s new save plan: %d tensors, this rank writes %d bytes", pre,
                     len(plan.tensors), plan.write_bytes_of(comm.rank))
         early = None
+    assert cached is not None  # the coordinator found that every rank holds it
     if early is not None:
         done = early
     else:
@@ -266,6 +260,49 @@ def save(
         job.run(comm)
         handle.wait()
     return handle
+
+
+NO_PLAN = "-" * 16
+"""What a rank without a cached plan for the save's ranks sends in the handshake."""
+
+
+@dataclass(frozen=True)
+class _Handshake:
+    """What the coordinator decided from every rank's handshake, on every rank."""
+
+    failed: bool
+    """Some rank failed before the save could start."""
+    same_plan: bool
+    """Every rank holds the cached plan and its layout is still the one planned."""
+    same_group: bool
+    """Every rank holds the same healthy commit group."""
+    attempt: str
+    digests: tuple[str, ...] | None
+    """Every rank's layout digest, on the coordinator; None on the others."""
+
+
+def _handshake(comm: Comm, digest: str, failed: bool, cached: CachedPlan | None,
+               group: CommitGroup | None, what: str) -> _Handshake:
+    """The start of every save: each rank sends its layout digest, the cached plan and
+    commit group it holds and whether it failed, in one gather to the coordinator; the
+    coordinator broadcasts its verdict and the attempt id. Not an all-gather: its ring
+    takes as many hops as the group has ranks, on every save's stall."""
+    plan_id = cached.ident if cached is not None and cached.ranks == comm.ranks else NO_PLAN
+    group_id = group.handshake_id(comm.ranks) if group is not None else NO_GROUP
+    head = f"{digest:32}{plan_id}{group_id}{'E' if failed else '-'}".encode()
+    heads = comm.gather_fixed(head, 65, what)
+    verdict = b""
+    digests = None
+    if heads is not None:  # the coordinator
+        digests = tuple(h[:32].decode().rstrip() for h in heads)
+        same_plan = (cached is not None and cached.digests == digests
+                     and all(h[32:48].decode() == plan_id != NO_PLAN for h in heads))
+        same_group = all(h[48:64].decode() == group_id != NO_GROUP for h in heads)
+        any_failed = any(h[64:65] == b"E" for h in heads)
+        verdict = (f"{'E' if any_failed else '-'}{'P' if same_plan else '-'}"
+                   f"{'G' if same_group else '-'}{uuid.uuid4().hex[:16]}").encode()
+    v = comm.broadcast_fixed(verdict, 19, what).decode()
+    return _Handshake(v[0] == "E", v[1] == "P", v[2] == "G", v[3:19], digests)
 
 
 def _run_when_released(released: threading.Event, run: Callable[[], None]) -> None:

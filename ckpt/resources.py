@@ -40,8 +40,15 @@ on the network, so more in flight hide latency)."""
 class CachedPlan:
     """The save plan of the last layout seen, and the staging buffers it reuses."""
 
-    key: tuple[Any, ...]
-    """Every rank's layout digest and the group's ranks: a new key means a new plan."""
+    ident: str
+    """The attempt id of the save that made it: the same on every rank that holds it."""
+    ranks: tuple[int, ...]
+    """The group's global ranks."""
+    mine: str
+    """This rank's layout digest when the plan was made."""
+    digests: tuple[str, ...] | None
+    """Every rank's layout digest then, on the coordinator (the handshake compares them);
+    None on the other ranks."""
     plan: SavePlan
     bufs: StagingBuffers = field(default_factory=StagingBuffers)
     _writes: dict[int, list[tuple[TensorPlan, PieceWrite]]] = field(default_factory=dict)

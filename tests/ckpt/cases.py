@@ -433,7 +433,8 @@ def async_commit_paths(root: str, broken_rank: int) -> dict[str, Any]:
     commit group (the first builds it), save 2 through storage (`commit_over_group`
     off), save 3 with the group failing on `broken_rank` only (it falls back to storage,
     and its abort must fail its peers' collectives so they fall back too), save 4 over a
-    new group. Per save: the coordinator's storage collections and the group's id."""
+    new group. Per save: the coordinator's storage collections, the group's id and the
+    cached plan's id (one plan serves all five: the layout never changes)."""
     from ckpt.commit_group import CommitGroup
     from ckpt.errors import CollectiveError
     from ckpt.resources import resources
@@ -442,7 +443,7 @@ def async_commit_paths(root: str, broken_rank: int) -> dict[str, Any]:
     real_comm = CommitGroup.comm
     tensors = [{"name": "w", "shape": [64, 48], "dtype": "float32"}]
     mgr = ckpt.CheckpointManager(root, keep_last=5)
-    out: dict[str, Any] = {"collects": [], "groups": [], "errors": []}
+    out: dict[str, Any] = {"collects": [], "groups": [], "errors": [], "plans": []}
 
     def fail(self):  # noqa: ANN001, ANN202
         self.mark_broken(CollectiveError("injected: this rank's group failed"))
@@ -465,6 +466,7 @@ def async_commit_paths(root: str, broken_rank: int) -> dict[str, Any]:
                 group = resources().commit_group
                 out["collects"].append(collects[0] - before)
                 out["groups"].append(None if group is None or step == 2 else group.ident)
+                out["plans"].append(resources().cached.ident)
         finally:
             CommitGroup.comm = real_comm
     sd = {"w": torch.zeros(64, 48)}

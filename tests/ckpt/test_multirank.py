@@ -221,6 +221,7 @@ def test_async_commit_goes_over_its_group_and_falls_back_to_storage(pool, tmp_pa
         g = r["groups"]
         assert g[0] is not None and g[0] == g[1] == g[3] and g[4] not in (None, g[0]), r
     assert len({json.dumps(r["groups"]) for r in res}) == 1, res  # agreed on every rank
+    assert len({p for r in res for p in r["plans"]}) == 1, res  # planned once, on every rank
 
 
 def test_async_save_commits_after_the_script_destroys_its_process_group(pool, tmp_path
