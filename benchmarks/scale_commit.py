@@ -164,8 +164,7 @@ def _group_member(rank: int, procs: int, port: int, payload_bytes: int, rounds: 
     for _ in range(rounds):
         comm.allgather_fixed(b"-", 1)  # line up
         t0 = time.perf_counter()
-        comm.gather_fixed(head, 9)
-        decision = comm.broadcast_fixed(b"-" + payload_bytes.to_bytes(8, "little"), 9)
+        decision = comm.ask_coordinator(head, 9, lambda heads: heads[0], 9)
         t1 = time.perf_counter()
         got = comm.gather_bytes(blob, [int.from_bytes(decision[1:9], "little")] * procs)
         t2 = time.perf_counter()

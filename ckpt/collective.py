@@ -89,13 +89,17 @@ def raise_if_any(comm: Comm, error: BaseException | None,
                  what: str = "a checkpoint collective", *, url: str | None = None,
                  remote: Callable[[Mapping[int, RemoteError]], BaseException] | None = None,
                  ) -> None:
-    """`all_or_raise` without payloads, for a step that seldom fails: one 1-byte
-    all-gather says whether any rank failed, and only then do the errors' texts cross
-    (`all_or_raise`). Where the group spans thousands of ranks, every all-gather is
-    thousands of hops of a ring: one instead of two for a step that succeeded."""
-    flags = comm.allgather_fixed(b"E" if error is not None else b"-", 1, what)
-    if any(f == b"E" for f in flags):
+    """`all_or_raise` without payloads, for a step that seldom fails: every rank's 1-byte
+    flag goes to the coordinator, which says whether any rank failed, and only then do
+    the errors' texts cross (`all_or_raise`)."""
+    verdict = comm.ask_coordinator(b"E" if error is not None else b"-", 1, _any_failed, 1,
+                                   what)
+    if verdict == b"E":
         all_or_raise(comm, error, None, what, url=url, remote=remote)
+
+
+def _any_failed(flags: list[bytes]) -> bytes:
+    return b"E" if any(f[:1] == b"E" for f in flags) else b"-"
 
 
 def coordinator_outcome(comm: Comm, error: BaseException | None,
@@ -131,16 +135,16 @@ def gather_or_raise(comm: Comm, error: BaseException | None, payload: Any = None
             blob = json.dumps(payload, separators=(",", ":")).encode()
         except (TypeError, ValueError) as e:
             error = e
-    heads = comm.gather_fixed(
-        (b"E" if error is not None else b"-") + len(blob).to_bytes(8, "little"), 9, what)
     lens: list[int] = []
-    decision = b""
-    if heads is not None:  # the coordinator: did any rank fail, and the longest payload
-        lens = [int.from_bytes(h[1:9], "little") for h in heads]
-        failed = any(h[:1] == b"E" for h in heads)
-        decision = (b"E" if failed else b"-") + max(lens).to_bytes(8, "little")
-    decision = comm.broadcast_fixed(decision, 9, what)
-    if decision[:1] == b"E":  # the errors' texts cross, and every rank raises
+
+    def decide(heads: list[bytes]) -> bytes:  # the coordinator: any failure, longest payload
+        lens.extend(int.from_bytes(h[1:9], "little") for h in heads)
+        return _any_failed(heads) + max(lens).to_bytes(8, "little")
+
+    verdict = comm.ask_coordinator(
+        (b"E" if error is not None else b"-") + len(blob).to_bytes(8, "little"), 9, decide,
+        9, what)
+    if verdict[:1] == b"E":  # the errors' texts cross, and every rank raises
         all_or_raise(comm, error, None, what, url=url, remote=remote)
-    blobs = comm.gather_bytes(blob, lens or [int.from_bytes(decision[1:9], "little")], what)
+    blobs = comm.gather_bytes(blob, lens or [int.from_bytes(verdict[1:9], "little")], what)
     return None if blobs is None else parse_json_list(blobs)

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import hashlib
 import json
+from collections.abc import Callable
 from datetime import timedelta
 from typing import Any
 
@@ -157,6 +158,17 @@ class Comm:
         buf = self._padded(payload if self.is_coordinator else b"", width)
         self._wait(self._broadcast(buf, self.coordinator), what)
         return bytes(buf.cpu().numpy().tobytes())
+
+    def ask_coordinator(self, payload: bytes, width: int,
+                        decide: Callable[[list[bytes]], bytes], reply_width: int,
+                        what: str = GENERIC) -> bytes:
+        """Every rank's fixed-width `payload` goes to the coordinator, which runs
+        `decide` on all of them (in group order) and broadcasts its fixed-width reply to
+        every rank: one gather and one broadcast, the way every rank learns something
+        about every other without a ring all-gather."""
+        got = self.gather_fixed(payload, width, what)
+        return self.broadcast_fixed(decide(got) if got is not None else b"", reply_width,
+                                    what)
 
     def gather_bytes(self, payload: bytes, lens: list[int],
                      what: str = GENERIC) -> list[bytes] | None:

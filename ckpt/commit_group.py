@@ -124,11 +124,12 @@ class CommitGroup:
                 self._comm = _GroupComm(pg, self.ranks, self.rank, self.timeout_s)
             return self._comm
 
-    def mark_broken(self, why: BaseException) -> None:
-        """Stop using the group after a failed collective (see `close`)."""
+    def mark_broken(self, why: BaseException, pre: str = "ckpt:") -> None:
+        """Stop using the group after a failed collective (see `close`); the save that
+        met the failure commits through storage."""
         if not self.broken:
-            logger.warning("ckpt: commit group %s of ranks %s dropped after: %s",
-                           self.ident, ranks_text(self.ranks), why)
+            logger.warning("%s commit group %s of ranks %s dropped, committing through "
+                           "storage: %s", pre, self.ident, ranks_text(self.ranks), why)
         self.close()
 
     def close(self) -> None:

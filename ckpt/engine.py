@@ -289,19 +289,20 @@ def _handshake(comm: Comm, digest: str, failed: bool, cached: CachedPlan | None,
     takes as many hops as the group has ranks, on every save's stall."""
     plan_id = cached.ident if cached is not None and cached.ranks == comm.ranks else NO_PLAN
     group_id = group.handshake_id(comm.ranks) if group is not None else NO_GROUP
-    head = f"{digest:32}{plan_id}{group_id}{'E' if failed else '-'}".encode()
-    heads = comm.gather_fixed(head, 65, what)
-    verdict = b""
-    digests = None
-    if heads is not None:  # the coordinator
+    digests: tuple[str, ...] | None = None
+
+    def decide(heads: list[bytes]) -> bytes:  # on the coordinator
+        nonlocal digests
         digests = tuple(h[:32].decode().rstrip() for h in heads)
         same_plan = (cached is not None and cached.digests == digests
                      and all(h[32:48].decode() == plan_id != NO_PLAN for h in heads))
         same_group = all(h[48:64].decode() == group_id != NO_GROUP for h in heads)
         any_failed = any(h[64:65] == b"E" for h in heads)
-        verdict = (f"{'E' if any_failed else '-'}{'P' if same_plan else '-'}"
-                   f"{'G' if same_group else '-'}{uuid.uuid4().hex[:16]}").encode()
-    v = comm.broadcast_fixed(verdict, 19, what).decode()
+        return (f"{'E' if any_failed else '-'}{'P' if same_plan else '-'}"
+                f"{'G' if same_group else '-'}{uuid.uuid4().hex[:16]}").encode()
+
+    head = f"{digest:32}{plan_id}{group_id}{'E' if failed else '-'}".encode()
+    v = comm.ask_coordinator(head, 65, decide, 19, what).decode()
     return _Handshake(v[0] == "E", v[1] == "P", v[2] == "G", v[3:19], digests)
 
 

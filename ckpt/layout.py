@@ -204,8 +204,8 @@ def mesh_grid(t: torch.Tensor, rank: int, boxes: Boxes) -> MeshGrid | None:
         hit = _GRIDS[key] = _grid_of(mesh, t.placements, len(t.shape))
     if len(_MINE) > 100_000:
         _MINE.clear()
-    got = _MINE[mine_key] = _checked(hit[0], mesh, rank, shape, boxes)
-    return got
+    _MINE[mine_key] = _checked(hit[0], mesh, rank, shape, boxes)
+    return _MINE[mine_key]
 
 
 def _checked(grid: MeshGrid | None, mesh: Any, rank: int, shape: tuple[int, ...],

@@ -331,9 +331,7 @@ class _SaveJob:
             except CollectiveError as e:
                 # The group failed (a peer gone, a timeout), not the save: storage, which
                 # holds every rank's index and decides by the commit marker, finishes it.
-                self.group.mark_broken(e)
-                logger.warning("%s the commit group failed; committing through storage",
-                               self.pre)
+                self.group.mark_broken(e, self.pre)
         if local is not None:
             raise local
         left = max(0.0, deadline - time.monotonic())
