@@ -334,8 +334,9 @@ def _all_staged(comm: Comm, error: BaseException | None, url: str, step: int | N
     pass over every byte, then the kernel's copy into the page cache) run on the cores
     and the memory bandwidth their peers' staging copies still need, and every rank's
     `save()` returns no sooner than the slowest copy anyway: the group is in step at the
-    next collective of training. One 1-byte all-gather; a rank whose copy failed makes
-    it too, so every rank raises that failure instead of a commit waiting for the rank."""
+    next collective of training. One 1-byte flag to the coordinator and its verdict
+    back; a rank whose copy failed sends it too, so every rank raises that failure
+    instead of a commit waiting for the rank."""
     what = (f"the end of staging of the save to {url} (step {step}; every rank copies its "
             "pieces before any persists them)")
     raise_if_any(comm, error, what, url=url)
