@@ -182,15 +182,19 @@ def _local_bytes(state: dict) -> list[memoryview]:
     return out
 
 
-def _floor_save(views: list[memoryview], path: str) -> None:
+def _floor_save(views: list[memoryview], path: str, direct: bool = False) -> bool:
     """What any writer of these bytes pays on this machine: one file per rank, written
-    in order, fsynced with its directory (the durability both systems give)."""
+    in order, fsynced with its directory (the durability both systems give). With
+    `direct` (one aligned buffer), written around the page cache (`storage.direct_io`);
+    returns whether the filesystem took it so."""
+    from storage.direct_io import write_file
+
     os.makedirs(os.path.dirname(path), exist_ok=True)
     fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o644)
+    went_direct = False
     try:
         for v in views:
-            while v:
-                v = v[os.write(fd, v):]
+            went_direct |= write_file(fd, v, direct)
         os.fsync(fd)
     finally:
         os.close(fd)
@@ -199,6 +203,21 @@ def _floor_save(views: list[memoryview], path: str) -> None:
         os.fsync(dfd)
     finally:
         os.close(dfd)
+    return went_direct
+
+
+def _evict(root: str) -> None:
+    """Drop every file under `root` from the page cache (its pages are clean: every
+    writer fsynced them), so the next read comes from the device, as a resumed job's
+    does on a node that did not write the checkpoint."""
+    files = [root] if os.path.isfile(root) else [
+        os.path.join(dirpath, name) for dirpath, _dirs, names in os.walk(root) for name in names]
+    for path in files:
+        fd = os.open(path, os.O_RDONLY)
+        try:
+            os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
+        finally:
+            os.close(fd)
 
 
 def _floor_load(views: list[memoryview], path: str) -> None:
@@ -220,6 +239,7 @@ def _floor_load(views: list[memoryview], path: str) -> None:
 
 def _worker(rank: int, world: int, init: str, args: dict, out_q: Any) -> None:
     os.environ.update(args["env"])
+    import numpy as np
     import torch
     import torch.distributed as dist
     import torch.distributed.checkpoint as dcp
@@ -258,7 +278,11 @@ def _worker(rank: int, world: int, init: str, args: dict, out_q: Any) -> None:
     def rec(system: str, key: str, value: float) -> None:
         results[system].setdefault(key, []).append(value)
 
-    def timed(fn, system: str) -> float:  # noqa: ANN001
+    def timed(fn, system: str, reads: str | None = None) -> float:  # noqa: ANN001
+        """Seconds of `fn` on the slowest rank. `reads`: the files a load reads, dropped
+        from the page cache first under `--load-cache cold`."""
+        if reads is not None and not s3 and args["load_cache"] == "cold" and rank == 0:
+            _evict(reads)
         dist.barrier()
         win(system, True)
         t0 = time.perf_counter()
@@ -332,11 +356,12 @@ def _worker(rank: int, world: int, init: str, args: dict, out_q: Any) -> None:
             extra.setdefault("relight_stall_staging_copy_s", []).append(
                 maxed(h_box["h"].stage_s))
             same = _state(mesh, n, rows, [Shard(0)], [Shard(0)], False)
-            rec(system, "load_s", timed(lambda: ckpt.load(same, store), system))
+            rec(system, "load_s", timed(lambda: ckpt.load(same, store), system, url + "-sync"))
             del same
             tgt = _state(mesh2, n, rows, [Shard(0), Shard(1)], [Shard(0), Replicate()], False)
             c0, s0 = _bytes_read_now(s3), store.stats.snapshot()["bytes_read"]
-            rec(system, "reshard_load_s", timed(lambda: ckpt.load(tgt, store), system))
+            rec(system, "reshard_load_s",
+                timed(lambda: ckpt.load(tgt, store), system, url + "-sync"))
             rec(system, "bytes_read_reshard", summed(_bytes_read_now(s3) - c0))
             extra.setdefault("relight_reshard_chunk_bytes", []).append(
                 summed(store.stats.snapshot()["bytes_read"] - s0))
@@ -344,9 +369,10 @@ def _worker(rank: int, world: int, init: str, args: dict, out_q: Any) -> None:
             rep = _state(mesh2, n, rows, [Replicate(), Shard(1)], [Replicate(), Replicate()],
                          False)
             extra.setdefault("relight_replicated_load_broadcast_s", []).append(
-                timed(lambda: ckpt.load(rep, store, broadcast=True), system))
+                timed(lambda: ckpt.load(rep, store, broadcast=True), system, url + "-sync"))
             extra.setdefault("relight_replicated_load_direct_s", []).append(
-                timed(lambda: ckpt.load(rep, store, broadcast=False), system))
+                timed(lambda: ckpt.load(rep, store, broadcast=False), system,
+                      url + "-sync"))
             del rep
             # Pipelined staging (after the loads, so they find the same dirty page cache as
             # DCP's loads do): save() returns once the copy is scheduled; the state may
@@ -402,7 +428,23 @@ def _worker(rank: int, world: int, init: str, args: dict, out_q: Any) -> None:
             else:
                 path = os.path.join(url, f"r{rank:05d}.bin")
                 rec(system, "save_s", timed(lambda: _floor_save(views, path), system))
-                rec(system, "load_s", timed(lambda: _floor_load(dst, path), system))
+                # The same bytes around the page cache: one aligned buffer, joined
+                # beforehand as the S3 floor's blob is.
+                from storage.direct_io import aligned_empty
+
+                blob = aligned_empty(sum(len(v) for v in views))
+                at = 0
+                for v in views:
+                    blob[at: at + len(v)] = np.frombuffer(v, dtype=np.uint8)
+                    at += len(v)
+                went = [False]
+
+                def save_direct() -> None:
+                    went[0] = _floor_save([memoryview(blob)], path + ".direct", direct=True)
+                rec(system, "save_direct_s", timed(save_direct, system))
+                extra.setdefault("floor_direct_io_taken", []).append(maxed(float(went[0])))
+                del blob
+                rec(system, "load_s", timed(lambda: _floor_load(dst, path), system, url))
             del same, dst
             staging = [torch.empty(len(v), dtype=torch.uint8) for v in views]
             srcs = [torch.frombuffer(v, dtype=torch.uint8) for v in views]
@@ -430,18 +472,18 @@ def _worker(rank: int, world: int, init: str, args: dict, out_q: Any) -> None:
             rec(system, "async_total_s", maxed(total))
             same = _state(mesh, n, rows, [Shard(0)], [Shard(0)], False)
             rec(system, "load_s", timed(lambda: dcp.load(same, storage_reader=dcp_reader(path)),
-                                        system))
+                                        system, path))
             del same
             tgt = _state(mesh2, n, rows, [Shard(0), Shard(1)], [Shard(0), Replicate()], False)
             c0 = _bytes_read_now(s3)
             rec(system, "reshard_load_s",
-                timed(lambda: dcp.load(tgt, storage_reader=dcp_reader(path)), system))
+                timed(lambda: dcp.load(tgt, storage_reader=dcp_reader(path)), system, path))
             rec(system, "bytes_read_reshard", summed(_bytes_read_now(s3) - c0))
             del tgt
             rep = _state(mesh2, n, rows, [Replicate(), Shard(1)], [Replicate(), Replicate()],
                          False)
             extra.setdefault("dcp_replicated_load_s", []).append(
-                timed(lambda: dcp.load(rep, storage_reader=dcp_reader(path)), system))
+                timed(lambda: dcp.load(rep, storage_reader=dcp_reader(path)), system, path))
             del rep
             nb = _prefix_bytes(path)[0] if rank == 0 else 0
             rec(system, "bytes_written", summed(nb))
@@ -474,6 +516,10 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--condition", choices=["kept", "fresh"], default="kept",
                    help="files: keep earlier rounds' checkpoints on disk, as a run does "
                         "(kept), or delete each system's previous round first (fresh)")
+    p.add_argument("--load-cache", choices=["cold", "as-saved"], default="cold",
+                   help="files: drop each checkpoint from the page cache before every "
+                        "load, as a resumed job on another node reads it (cold), or load "
+                        "with whatever the save left cached (as-saved)")
     p.add_argument("--json", dest="json_out", default=None)
     a = p.parse_args(argv)
     if a.ranks % 2:
@@ -493,7 +539,7 @@ def main(argv: list[str] | None = None) -> int:
     else:
         base = os.path.join(tmp, "ck")
     args = {"mb": a.mb, "storage": a.storage, "rounds": a.rounds, "base": base, "env": env,
-            "condition": a.condition,
+            "condition": a.condition, "load_cache": a.load_cache,
             "compression": None if a.compression == "none" else a.compression}
     ctx = mp.get_context("spawn")
     q = ctx.Queue()
@@ -545,12 +591,19 @@ def main(argv: list[str] | None = None) -> int:
             f"{system}_{f}": statistics.median(
                 [x / y for x, y in zip(fl[f], got["results"][system][f], strict=True) if y > 0])
             for system in ("relight", "dcp") for f in ("save_s", "load_s", "stall_s")}
+        if fl.get("save_direct_s"):  # files: the same bytes written around the page cache
+            out["floor_ratios"].update({
+                f"{system}_save_s_direct": statistics.median(
+                    [x / y for x, y in zip(fl["save_direct_s"], got["results"][system]["save_s"],
+                                           strict=True) if y > 0])
+                for system in ("relight", "dcp")})
     out["extra"] = {"ratios_per_round": per_round}
     out["extra"].update({k: statistics.median(v) for k, v in got["extra"].items()})
     out["extra"]["all_rounds"] = got["results"]
     out["config"] = {"mb": a.mb, "ranks": a.ranks, "storage": a.storage, "rounds": a.rounds,
                      "layers": got["layers"], "rows": got["rows"], "hidden": HIDDEN,
                      "compression": a.compression, "condition": a.condition,
+                     "load_cache": a.load_cache,
                      "cpus": os.cpu_count(),
                      "loadavg_after": os.getloadavg(),
                      "command": "python -m benchmarks.ckpt " + " ".join(argv or sys.argv[1:])}

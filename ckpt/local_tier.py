@@ -130,8 +130,10 @@ class LocalTier:
 
     def __init__(self, persistent: Store, local_dir: str, budget_bytes: int, writer: int) -> None:
         self.persistent = persistent
-        self.local = LocalStore(parse_url(local_dir), fsync=False)
-        self.replicas = LocalStore(parse_url(os.path.join(local_dir, REPLICA_DIR)), fsync=False)
+        # Node memory (tmpfs): its pages are the copy, so no direct I/O around them.
+        self.local = LocalStore(parse_url(local_dir), fsync=False, direct_io=False)
+        self.replicas = LocalStore(parse_url(os.path.join(local_dir, REPLICA_DIR)), fsync=False,
+                                   direct_io=False)
         """What this node holds for other nodes: when one of them dies, its objects are
         read here (no network), as the peer tier."""
         self.local_dir = local_dir

@@ -53,6 +53,7 @@ from ckpt.shardio import ShardGeometry, direct_ok, encode_shard, stored_crcs
 from ckpt.staging import Stager
 from ckpt.tsio import open_array, put_metadata, to_numpy
 from storage import Store
+from storage.direct_io import aligned_empty
 
 logger = logging.getLogger(__name__)
 
@@ -87,7 +88,7 @@ class _EncodeBuffers:
             return best
         if self.free:
             self.free.remove(max(self.free, key=lambda b: b.size))
-        return np.empty(nbytes, dtype=np.uint8)
+        return aligned_empty(nbytes)
 
     def give_back(self, buf: np.ndarray) -> None:
         self.free.append(buf)

@@ -10,6 +10,7 @@ from typing import Any
 import fsspec
 
 from storage.base import TEMP_MARKER, Store, StoreStats
+from storage.direct_io import read_range, write_file
 from storage.retry import RetryPolicy, is_missing_bucket
 from storage.settings import S3Settings
 from storage.url import StorageLocation
@@ -65,17 +66,27 @@ class LocalStore(_FsspecStore):
         retry: RetryPolicy | None = None,
         stats: StoreStats | None = None,
         fsync: bool = True,
+        direct_io: bool = True,
     ) -> None:
         super().__init__(location, retry, stats)
         self.fs = fsspec.filesystem("file")
         self.fsync = fsync
         """fsync file and directory on put, so a published object survives a power cut."""
+        self.direct_io = direct_io
+        """Write large aligned objects around the page cache (`storage.direct_io`)."""
 
     def _root_path(self) -> str:
         return self.location.root
 
+    def _get(self, path: str, start: int | None, end: int | None) -> bytes:
+        if self.direct_io:
+            data = read_range(path, start, end)
+            if data is not None:
+                return data
+        return super()._get(path, start, end)
+
     def _with_location(self, location: StorageLocation) -> Store:
-        return LocalStore(location, self.retry, self.stats, self.fsync)
+        return LocalStore(location, self.retry, self.stats, self.fsync, self.direct_io)
 
     def _write_temp(self, directory: str, data: bytes, flush: bool) -> tuple[str, list[str]]:
         """Write `data` to a fresh temp file in `directory` (fsynced if `flush` and
@@ -87,7 +98,7 @@ class LocalStore(_FsspecStore):
         for attempt in range(1, DIR_RACE_ATTEMPTS + 1):
             dirs += _make_dirs(directory)
             try:
-                handle = open(tmp, "xb")  # noqa: SIM115 - closed below
+                fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_CLOEXEC, 0o644)
                 break
             except FileNotFoundError:
                 # A concurrent delete emptied the directory and removed it between our
@@ -95,11 +106,12 @@ class LocalStore(_FsspecStore):
                 if attempt == DIR_RACE_ATTEMPTS:
                     raise
         try:
-            with handle:
-                handle.write(data)
+            try:
+                write_file(fd, data, self.direct_io)
                 if flush and self.fsync:
-                    handle.flush()
-                    os.fsync(handle.fileno())
+                    os.fsync(fd)
+            finally:
+                os.close(fd)
         except BaseException:
             _unlink_quietly(tmp)
             raise

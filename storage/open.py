@@ -12,7 +12,11 @@ from storage.retry import RetryPolicy
 from storage.settings import S3Settings
 from storage.url import parse_url
 
-__all__ = ["open_store"]
+__all__ = ["DIRECT_IO_ENV", "open_store"]
+
+DIRECT_IO_ENV = "RELIGHT_DIRECT_IO"
+"""Set to 0 to read and write local checkpoint objects through the page cache
+(`storage.direct_io`); by default large objects go around it."""
 
 
 def open_store(
@@ -23,6 +27,9 @@ def open_store(
     **s3_overrides: Any,
 ) -> Store:
     """A store for `/path`, `file:///path`, `s3://bucket/prefix` or `memory://name/prefix`.
+
+    Files: objects of 1 MiB and more are written and read around the page cache
+    (`O_DIRECT`, where the filesystem takes it) unless `RELIGHT_DIRECT_IO=0`.
 
     S3 settings come from the environment (`AWS_ENDPOINT_URL`, `AWS_REGION`, and the
     credentials) unless `s3` or overrides such as `endpoint_url=` are given. An
@@ -53,7 +60,8 @@ def open_store(
     location = parse_url(url)
     store: Store
     if location.scheme == "file":
-        store = LocalStore(location, retry)
+        direct = os.environ.get(DIRECT_IO_ENV, "1").strip().lower() not in ("0", "false", "no")
+        store = LocalStore(location, retry, direct_io=direct)
     elif location.scheme == "memory":
         # Only here: the memory store lives in tensorstore, whose import is over a
         # second of a process's start; file and S3 stores never need it.

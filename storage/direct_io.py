@@ -1,0 +1,175 @@
+"""Writing large objects around the page cache (`O_DIRECT`).
+
+A buffered write copies every byte into page-cache pages the kernel must first find:
+once earlier checkpoints fill the cache, each new page costs a reclaim, and on a
+virtual machine whose host backs guest memory lazily, a fault on the host as well.
+Measured on the 2-core VM (4 processes, 128 MiB each, files kept): buffered write +
+fsync went from 0.21 s to 0.93 s per round as the cache grew, with 1.6 s of kernel
+CPU; the same bytes with `O_DIRECT` stayed at 0.27-0.34 s with 0.02-0.04 s of kernel
+CPU. A checkpoint is read back rarely and by another process, so keeping its pages
+cached buys little.
+
+Reads of such objects go around the cache too (`read_range`): a read into the page
+cache pays the same page allocation, and reading the whole of a 512 MiB checkpoint
+from 4 processes took 0.32-0.34 s direct against 0.37-0.67 s buffered, cold.
+
+`O_DIRECT` needs the buffer's address, the file offset and each transfer's length
+aligned to the device's logical block (`ALIGN` covers 512-byte and 4 KiB devices). The
+writer sends the aligned bulk of an aligned buffer direct, then turns `O_DIRECT` off on
+the same descriptor and writes the remaining tail (under one block) through the cache;
+the caller's fsync covers both. The reader reads the aligned blocks around the range
+into a reused aligned buffer of its thread and copies the range out. Filesystems that
+refuse `O_DIRECT` (the `fcntl` that turns it on fails) get buffered I/O, as do buffers
+that are not aligned and transfers under `DIRECT_MIN_BYTES`.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import errno
+import fcntl
+import os
+import sys
+import threading
+from typing import Any
+
+import numpy as np
+
+__all__ = ["ALIGN", "DIRECT_MIN_BYTES", "aligned_empty", "new_bytes", "read_range",
+           "write_file"]
+
+ALIGN = 4096
+"""Alignment of buffer addresses, offsets and lengths for direct writes."""
+
+DIRECT_MIN_BYTES = 1 << 20
+"""Objects smaller than this are written through the page cache: a direct write waits
+for the device, which costs more than it saves on metadata-sized objects."""
+
+DIRECT_PIECE = 16 << 20
+"""Bytes per direct `write()` call (a multiple of `ALIGN`)."""
+
+_O_DIRECT = getattr(os, "O_DIRECT", 0)
+
+
+def aligned_empty(nbytes: int) -> np.ndarray:
+    """An uninitialised uint8 array of `nbytes` whose first byte is `ALIGN`-aligned."""
+    raw = np.empty(nbytes + ALIGN, dtype=np.uint8)
+    skip = -raw.ctypes.data % ALIGN
+    return raw[skip: skip + nbytes]
+
+
+def new_bytes(n: int) -> tuple[bytes | bytearray, np.ndarray]:
+    """A new `bytes` of length n and a writable uint8 view of its storage. Filling a bytes
+    object before anyone else holds it is how C code builds one
+    (PyBytes_FromStringAndSize(NULL, n)); it lets data be assembled with one copy and
+    handed on as `bytes`, which would otherwise take a second copy."""
+    if sys.implementation.name != "cpython" or n == 0:  # pragma: no cover - other interpreters
+        ba = bytearray(n)
+        return (bytes(ba) if n == 0 else ba), np.frombuffer(ba, dtype=np.uint8)
+    b = _PY_NEW_BYTES(None, n)
+    view = np.ctypeslib.as_array((ctypes.c_uint8 * n).from_address(_PY_BYTES_PTR(b)))
+    return b, view
+
+
+if sys.implementation.name == "cpython":
+    _PY_NEW_BYTES = ctypes.pythonapi.PyBytes_FromStringAndSize
+    _PY_NEW_BYTES.restype, _PY_NEW_BYTES.argtypes = ctypes.py_object, (ctypes.c_void_p,
+                                                                       ctypes.c_ssize_t)
+    _PY_BYTES_PTR = ctypes.pythonapi.PyBytes_AsString
+    _PY_BYTES_PTR.restype, _PY_BYTES_PTR.argtypes = ctypes.c_void_p, (ctypes.py_object,)
+
+
+def _address(data: Any) -> int | None:
+    """The address of `data`'s first byte, or None for objects without one we can see."""
+    try:
+        return int(np.frombuffer(data, dtype=np.uint8).ctypes.data)
+    except (TypeError, ValueError):
+        return None
+
+
+def _set_direct(fd: int, on: bool) -> bool:
+    """Turn O_DIRECT on or off for `fd`; False if the filesystem refuses it."""
+    flags = fcntl.fcntl(fd, fcntl.F_GETFL)
+    try:
+        fcntl.fcntl(fd, fcntl.F_SETFL, flags | _O_DIRECT if on else flags & ~_O_DIRECT)
+    except OSError as e:
+        if e.errno in (errno.EINVAL, errno.EOPNOTSUPP, errno.ENOTSUP):
+            return False
+        raise
+    return True
+
+
+def write_file(fd: int, data: Any, direct: bool) -> bool:
+    """Write all of `data` (a bytes-like object) at `fd`'s current offset, which must be
+    0 for the direct part. With `direct`, an aligned buffer of at least
+    `DIRECT_MIN_BYTES` goes mostly around the page cache. Returns whether any byte was
+    written direct (False: the filesystem refused, or the buffer did not qualify)."""
+    view = memoryview(data).cast("B")
+    size = len(view)
+    at = 0
+    went_direct = False
+    bulk = size - size % ALIGN
+    address = _address(view)
+    if (direct and _O_DIRECT and size >= DIRECT_MIN_BYTES
+            and address is not None and address % ALIGN == 0 and _set_direct(fd, True)):
+        try:
+            while at < bulk:
+                try:
+                    at += os.write(fd, view[at: min(bulk, at + DIRECT_PIECE)])
+                except OSError as e:
+                    # A device with a larger logical block than ALIGN: the rest buffered.
+                    if e.errno != errno.EINVAL:
+                        raise
+                    break
+                went_direct = True
+                if at % ALIGN:  # a short write left the offset unaligned
+                    break
+        finally:
+            _set_direct(fd, False)
+    while at < size:
+        at += os.write(fd, view[at:])
+    return went_direct
+
+
+_BOUNCE = threading.local()
+"""Each reading thread's aligned buffer, reused by its later direct reads."""
+
+
+def _bounce(nbytes: int) -> np.ndarray:
+    buf = getattr(_BOUNCE, "buf", None)
+    if buf is None or buf.size < nbytes:
+        buf = _BOUNCE.buf = aligned_empty(nbytes)
+    return buf
+
+
+def read_range(path: str, start: int | None, end: int | None) -> bytes | None:
+    """Bytes [start, end) of the file at `path` (to its end when `end` is None; a range
+    past the end comes back short, as a buffered read's would), read around the page
+    cache; None when the range is under `DIRECT_MIN_BYTES` or the filesystem refuses
+    `O_DIRECT` (read it buffered then). Raises what `open` raises for a missing file."""
+    if not _O_DIRECT or (end is not None and end - (start or 0) < DIRECT_MIN_BYTES):
+        return None
+    start = start or 0
+    fd = os.open(path, os.O_RDONLY | os.O_CLOEXEC)
+    try:
+        size = os.fstat(fd).st_size
+        end = size if end is None else min(end, size)
+        if end - start < DIRECT_MIN_BYTES or not _set_direct(fd, True):
+            return None
+        out, view = new_bytes(end - start)
+        at = start - start % ALIGN
+        while at < end:
+            span = min(DIRECT_PIECE, end - at + (-(end - at) % ALIGN))
+            bounce = _bounce(span)
+            got = os.preadv(fd, [bounce[:span]], at)
+            if got <= 0:
+                raise OSError(errno.EIO, f"{path}: the file ended at {at} while {size} "
+                              "bytes were read")
+            lo, hi = max(at, start), min(at + got, end)
+            view[lo - start: hi - start] = bounce[lo - at: hi - at]
+            at += got
+            if at % ALIGN and at < end:  # a short read: the rest through the cache
+                _set_direct(fd, False)
+        return out
+    finally:
+        os.close(fd)
