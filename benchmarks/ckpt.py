@@ -29,10 +29,17 @@ systems (ABBA order over `--rounds`), and each figure is the median over rounds:
   returns (the state may change; no compute in between) / until durable; their ratios
   are against DCP's stall_s and async_total_s (`stall_s_vs_pipelined_return_s`, ...).
 
+- on files, `--load-cache cold` (the default) drops every checkpoint from the page cache
+  before each of its loads (every system's, and the floor's), as a job resumed on
+  another node reads it; `as-saved` loads with whatever the save left cached (a
+  writer through the page cache leaves all of it, Relight's direct writes none);
 - floor: what the machine itself allows for the same bytes, in the same rounds: save_s =
-  one object per rank (a file written and fsynced; on S3 one PUT), load_s = that object
-  read back into the tensors, stall_s = a copy into preallocated buffers; "floor_ratios" are
-  floor / system (1.0: the system runs at the floor, so no format could beat it by more).
+  one object per rank (a file written and fsynced; on S3 one PUT), save_direct_s (files)
+  = the same file written around the page cache (`O_DIRECT`) from one aligned buffer
+  joined beforehand, load_s = that object read back into the tensors, stall_s = a copy
+  into preallocated buffers; "floor_ratios" are floor / system (1.0: the system runs at
+  the floor, so no format could beat it by more); `*_save_s_direct` against the direct
+  write.
 
 The "extra" section has supporting figures (direct vs broadcast reads
 of replicated regions, staging buffer size, objects per checkpoint).

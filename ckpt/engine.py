@@ -514,6 +514,7 @@ def load(
         # before raising, or they land after a retry (restore's fallback to an older step).
         for _, r in readers:
             r.drain()
+    resources().read_buffers.clear()  # the load's reads are done: no fetch memory kept
     all_or_raise(comm, error, None, f"the reads of the load of {store.url}", url=store.url)
 
     sends, recvs, copies = [], [], []

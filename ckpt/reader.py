@@ -175,7 +175,7 @@ class RegionReader:
         fut = res.read_pool(self.store).submit(
             read_shard_region, self.store, key, geo, src, view, url=self.store.url,
             tensor=self.name, cpu=res.decode_lock, expect=self.m.chunk_crcs(key),
-            compression=comp)
+            compression=comp, buffers=res.read_buffers)
         self.parts.append((fut, dst, None, key))
 
     def _ts(self, src: Any, dst: tuple[slice, ...], obj: str) -> None:

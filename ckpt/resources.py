@@ -24,6 +24,7 @@ from ckpt.handle import SaveHandle
 from ckpt.plan import PieceWrite, SavePlan, TensorPlan
 from ckpt.staging import StagingBuffers
 from storage import Store
+from storage.direct_io import BufferPool
 
 logger = logging.getLogger(__name__)
 
@@ -80,6 +81,9 @@ class EngineResources:
         self._read_pools: dict[bool, ThreadPoolExecutor] = {}
         self.decode_lock = threading.Lock()
         """One thread per process checks and copies fetched chunks (CPU); fetches overlap."""
+        self.read_buffers = BufferPool()
+        """What the read threads fetch shard bytes into, reused within a load and dropped
+        when it ends (`ckpt.engine.load`)."""
 
     def read_pool(self, store: Store) -> ThreadPoolExecutor:
         """Threads for direct shard reads, shared by every load of this process."""

@@ -54,7 +54,7 @@ import zstandard
 from ckpt.errors import ChecksumMismatchError, CorruptCheckpointError, MissingChunkError
 from storage import ObjectNotFoundError, ObjectTruncatedError, Store
 from storage.checksum import crc32c
-from storage.direct_io import new_bytes
+from storage.direct_io import BufferPool, new_bytes, scratch_bytes
 
 __all__ = ["ShardGeometry", "direct_ok", "direct_read_ok", "grid_geometry", "encode_shard",
            "read_shard_region", "stored_crcs"]
@@ -201,9 +201,16 @@ def encode_shard(arr: np.ndarray, geo: ShardGeometry, crcs: list[int | None] | N
 
 
 def _get(store: Store, key: str, start: int | None, end: int | None, url: str, tensor: str,
-         what: str) -> np.ndarray:
-    """Bytes [start, end) of `key`, as uint8."""
+         what: str, buffers: BufferPool | None = None,
+         taken: list[np.ndarray] | None = None) -> np.ndarray:
+    """Bytes [start, end) of `key`, as uint8: a view of a buffer from `buffers` (noted
+    in `taken`, to be given back once the bytes are used) when given and the range is
+    known, else a new array."""
     try:
+        if buffers is not None and taken is not None and end is not None:
+            scratch = buffers.take(scratch_bytes(start or 0, end))
+            taken.append(scratch)
+            return np.frombuffer(store.get_view(key, start or 0, end, scratch), np.uint8)
         return np.frombuffer(store.get(key, start, end), np.uint8)
     except ObjectNotFoundError as e:
         raise MissingChunkError(
@@ -310,14 +317,17 @@ def read_shard_region(store: Store, key: str, geo: ShardGeometry, region: tuple[
                       out: np.ndarray, *, url: str, tensor: str,
                       cpu: AbstractContextManager[Any] | None = None,
                       expect: list[int | None] | None = None,
-                      compression: str | None = None) -> int:
+                      compression: str | None = None,
+                      buffers: BufferPool | None = None) -> int:
     """Fill `out` (shape of `region`, the dtype stored) with `region` of the shard object
     at `key`. Returns the bytes fetched: the whole object in one get when every inner
     chunk is needed, else the index and then only the inner chunks `region` overlaps
     (adjacent ones in one ranged get). `cpu` (e.g. a lock shared by reader threads) is
     held while fetched bytes are checked and copied, not while fetching. `expect`: the
     crc32c the manifest records for each inner chunk (storage order), checked for every
-    chunk read (`ChecksumMismatchError` naming the chunk on a mismatch)."""
+    chunk read (`ChecksumMismatchError` naming the chunk on a mismatch). `buffers`: where
+    the fetched bytes go (`Store.get_view`), reused by the reads that follow; without
+    it each fetch is a new `bytes`."""
     if expect is not None and len(expect) != geo.n_chunks:
         raise CorruptCheckpointError(
             f"tensor {tensor!r}, object {url}/{key}: the manifest records {len(expect)} "
@@ -330,8 +340,9 @@ def read_shard_region(store: Store, key: str, geo: ShardGeometry, region: tuple[
     data_end = end - geo.index_bytes
     cells = geo.overlapping(region)
     whole = len(cells) == geo.n_stored
+    taken: list[np.ndarray] = []
     if whole:
-        blob = _get(store, key, 0, end, url, tensor, "the shard")
+        blob = _get(store, key, 0, end, url, tensor, "the shard", buffers, taken)
         raw = blob[data_end:]
     else:
         raw = _get(store, key, data_end, end, url, tensor, "the shard index")
@@ -354,15 +365,23 @@ def read_shard_region(store: Store, key: str, geo: ShardGeometry, region: tuple[
         if whole:
             run, base = blob, 0
         else:
-            run = _get(store, key, lo, hi, url, tensor, "an inner chunk")
+            run = _get(store, key, lo, hi, url, tensor, "an inner chunk", buffers, taken)
             base = lo
             fetched += hi - lo
         with cpu or nullcontext():
             for off, _nb, lin, cell in spans[i:j]:
                 _decode(run, off - base, geo, lin, cell, region, out, url, key, tensor,
                         expect)
+        if not whole:
+            _give_back(buffers, taken)
         i = j
+    _give_back(buffers, taken)
     return fetched
+
+
+def _give_back(buffers: BufferPool | None, taken: list[np.ndarray]) -> None:
+    while buffers is not None and taken:
+        buffers.give_back(taken.pop())
 
 
 def _read_compressed(store: Store, key: str, geo: ShardGeometry, region: tuple[slice, ...],

@@ -53,7 +53,7 @@ from ckpt.shardio import ShardGeometry, direct_ok, encode_shard, stored_crcs
 from ckpt.staging import Stager
 from ckpt.tsio import open_array, put_metadata, to_numpy
 from storage import Store
-from storage.direct_io import aligned_empty
+from storage.direct_io import BufferPool
 
 logger = logging.getLogger(__name__)
 
@@ -64,34 +64,6 @@ PERSIST_THREADS = 8
 one thread per rank: ranks share a host's cores, and more CPU-bound threads than cores
 only add switching (measured: 4 ranks x 8 encoding threads on 2 cores made sync saves
 several times slower than one encoder per rank)."""
-
-
-class _EncodeBuffers:
-    """The buffers one persist encodes its shard objects into: at most PERSIST_THREADS
-    live at once (the puts in flight and the one being filled; `take` drops a free
-    buffer too small for the next object before it allocates another),
-    each reused once its put has returned, so the pages of an object are faulted in
-    and zeroed by the kernel once per buffer rather than once per object. Freed with
-    the persist: a rank holds no encode memory between saves."""
-
-    def __init__(self) -> None:
-        self.free: list[np.ndarray] = []
-
-    def take(self, nbytes: int) -> np.ndarray:
-        """A free buffer of at least `nbytes` (the smallest that fits), else a new one
-        of exactly `nbytes`, dropping the largest free one that is too small (so the
-        number of live buffers stays bounded)."""
-        fits = [b for b in self.free if b.size >= nbytes]
-        if fits:
-            best = min(fits, key=lambda b: b.size)
-            self.free.remove(best)
-            return best
-        if self.free:
-            self.free.remove(max(self.free, key=lambda b: b.size))
-        return aligned_empty(nbytes)
-
-    def give_back(self, buf: np.ndarray) -> None:
-        self.free.append(buf)
 
 
 class _SaveJob:
@@ -198,7 +170,9 @@ class _SaveJob:
         # them all durable with one sync: the rank's index, put after this returns,
         # never names an object a power cut could lose.
         batch = self.store.deferred()
-        buffers = _EncodeBuffers()
+        # Encoded objects go into at most PERSIST_THREADS aligned buffers (the puts in
+        # flight and the one being filled), each reused once its put has returned.
+        buffers = BufferPool()
         with ThreadPoolExecutor(max_workers=PERSIST_THREADS,
                                 thread_name_prefix="ckpt-put") as pool:
             done = [pool.submit(put_metadata, batch, path, meta) for path, meta in metas]

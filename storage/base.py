@@ -140,13 +140,25 @@ class Store(ABC):
         object raises `ObjectTruncatedError` (a truncated chunk must never look whole)."""
         path = self._path(key)
         data = self._retry(lambda: self._get(path, start, end), key, "get")
-        if end is not None and len(data) != end - (start or 0):
+        self._got(key, start, end, len(data))
+        return data
+
+    def get_view(self, key: str, start: int, end: int, scratch: Any) -> memoryview:
+        """Bytes [start, end) of the object as a read-only view: of `scratch` (an aligned
+        uint8 buffer of at least `storage.direct_io.scratch_bytes(start, end)` bytes)
+        where the store reads into it without a copy of its own (`LocalStore`'s direct
+        reads), else of a new `bytes`. Valid until the caller reuses `scratch`. Raises
+        what `get` raises."""
+        return memoryview(self.get(key, start, end))
+
+    def _got(self, key: str, start: int | None, end: int | None, n: int) -> None:
+        """Count a read of `n` bytes of [start, end); a short one raises."""
+        if end is not None and n != end - (start or 0):
             raise ObjectTruncatedError(
-                f"{self.url_of(key)}: asked for bytes [{start or 0}, {end}), got {len(data)}",
+                f"{self.url_of(key)}: asked for bytes [{start or 0}, {end}), got {n}",
                 url=self.url_of(key),
             )
-        self.stats.record_read(len(data))
-        return data
+        self.stats.record_read(n)
 
     def size(self, key: str) -> int:
         path = self._path(key)

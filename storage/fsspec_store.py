@@ -10,7 +10,7 @@ from typing import Any
 import fsspec
 
 from storage.base import TEMP_MARKER, Store, StoreStats
-from storage.direct_io import read_range, write_file
+from storage.direct_io import read_aligned, write_file
 from storage.retry import RetryPolicy, is_missing_bucket
 from storage.settings import S3Settings
 from storage.url import StorageLocation
@@ -78,12 +78,14 @@ class LocalStore(_FsspecStore):
     def _root_path(self) -> str:
         return self.location.root
 
-    def _get(self, path: str, start: int | None, end: int | None) -> bytes:
+    def get_view(self, key: str, start: int, end: int, scratch: Any) -> memoryview:
         if self.direct_io:
-            data = read_range(path, start, end)
-            if data is not None:
-                return data
-        return super()._get(path, start, end)
+            path = self._path(key)
+            view = self._retry(lambda: read_aligned(path, start, end, scratch), key, "get")
+            if view is not None:
+                self._got(key, start, end, len(view))
+                return memoryview(view).toreadonly()
+        return super().get_view(key, start, end, scratch)
 
     def _with_location(self, location: StorageLocation) -> Store:
         return LocalStore(location, self.retry, self.stats, self.fsync, self.direct_io)

@@ -144,3 +144,40 @@ def test_encode_into_a_buffer_too_small_or_not_bytes_is_refused() -> None:
                 np.empty((2, geo.object_bytes), np.uint8)):
         with pytest.raises(ValueError, match="cannot hold shard"):
             encode_shard(x, geo, into=bad)
+
+
+def test_reads_with_a_buffer_pool_reuse_its_buffers_and_check_every_chunk(tmp_path) -> None:
+    """Reads into pooled buffers (`Store.get_view`): the same bytes as fresh reads, the
+    pool's buffers come back after each read, a bit flip is still caught, and a load
+    keeps no fetch memory once it returns."""
+    from ckpt.errors import ChecksumMismatchError
+    from ckpt.resources import resources
+    from storage.direct_io import BufferPool
+
+    store = storage.open_store(tmp_path / "s")
+    geo = ShardGeometry((512, 1024), (256, 512), 4)  # 2 MiB objects: read direct
+    pool = BufferPool()
+    xs = [np.random.default_rng(i).standard_normal((512, 1024)).astype(np.float32)
+          for i in range(3)]
+    for i, x in enumerate(xs):
+        store.put(f"k{i}", encode_shard(x, geo))
+    for i, x in enumerate(xs):
+        for region in ((slice(0, 512), slice(0, 1024)), (slice(0, 512), slice(600, 1000))):
+            out = np.empty((512, region[1].stop - region[1].start), np.float32)
+            read_shard_region(store, f"k{i}", geo, region, out, url=store.url, tensor="t",
+                              buffers=pool)
+            np.testing.assert_array_equal(out, x[region])
+            assert len(pool.free) >= 1, "the read gave its buffer back"
+    assert len(pool.free) <= 2, "later reads reused the buffers instead of taking new ones"
+    _flip(store, "k1", 5)
+    with pytest.raises(ChecksumMismatchError):
+        read_shard_region(store, "k1", geo, (slice(0, 512), slice(0, 1024)),
+                          np.empty((512, 1024), np.float32), url=store.url, tensor="t",
+                          buffers=pool)
+
+    w = torch.randn(1024, 1024)
+    ckpt.save({"w": w}, tmp_path / "c")
+    got = {"w": torch.zeros(1024, 1024)}
+    ckpt.load(got, tmp_path / "c")
+    assert torch.equal(got["w"], w)
+    assert resources().read_buffers.free == []

@@ -1,6 +1,7 @@
 """Objects written and read around the page cache (`storage.direct_io`): the bytes are
 exact whatever the size, offset, alignment or range; filesystems and buffers that do
-not qualify fall back to buffered I/O; a large put leaves no page of the object cached."""
+not qualify fall back to buffered I/O; a large put or view read leaves no page of the
+object cached."""
 
 from __future__ import annotations
 
@@ -17,7 +18,15 @@ from hypothesis import strategies as st
 
 import storage
 from storage import direct_io
-from storage.direct_io import ALIGN, DIRECT_MIN_BYTES, aligned_empty, read_range, write_file
+from storage.direct_io import (
+    ALIGN,
+    DIRECT_MIN_BYTES,
+    BufferPool,
+    aligned_empty,
+    read_aligned,
+    scratch_bytes,
+    write_file,
+)
 from storage.fsspec_store import LocalStore
 
 MiB = 1 << 20
@@ -79,13 +88,20 @@ def test_bytes_round_trip_at_any_size_offset_and_range(tmp_path, size, skew, lo,
     with open(path, "rb") as f:
         assert f.read() == data.tobytes()
     start, end = sorted((int(lo * size), int(hi * size)))
-    for rng in ((start, end), (start, None), (None, None), (start, size + 9000)):
-        got = read_range(path, *rng)
-        want = data.tobytes()[rng[0] or 0: rng[1]]
+    for a_, b_ in ((start, end), (0, size), (start, size + 9000)):
+        scratch = aligned_empty(scratch_bytes(a_, b_))
+        got = read_aligned(path, a_, b_, scratch)
+        want = data.tobytes()[a_: b_]
         if got is None:  # the caller reads it buffered
-            assert len(want) < DIRECT_MIN_BYTES or not takes
+            assert b_ - a_ < DIRECT_MIN_BYTES or not takes
         else:
-            assert type(got) is bytes and got == want
+            assert got.tobytes() == want
+            assert got.ctypes.data >= scratch.ctypes.data, "the bytes are read into scratch"
+    store = LocalStore(storage.parse_url(str(tmp_path)))
+    key = os.path.basename(path)
+    pool = BufferPool()
+    scratch = pool.take(scratch_bytes(start, end))
+    assert store.get_view(key, start, end, scratch) == data.tobytes()[start:end]
     os.unlink(path)
 
 
@@ -95,10 +111,11 @@ def test_large_aligned_put_goes_around_the_page_cache(direct_dir):
     blob = _data(5 * MiB + 123)[: 5 * MiB + 123]
     store.put("a/b.bin", memoryview(blob))
     path = str(direct_dir / "s" / "a" / "b.bin")
-    assert store.get("a/b.bin") == blob.tobytes()
-    assert store.get("a/b.bin", 4097, 3 * MiB) == blob.tobytes()[4097: 3 * MiB]
+    scratch = aligned_empty(scratch_bytes(4097, 5 * MiB))
+    view = store.get_view("a/b.bin", 4097, 5 * MiB, scratch)
+    assert view == blob.tobytes()[4097: 5 * MiB] and view.readonly
     cached = _resident_pages(path)
-    # Only the tail under one block goes through the cache; reads do not add pages.
+    # Only the tail under one block goes through the cache; view reads add no pages.
     assert cached <= 1, f"{cached} pages of the object are in the page cache"
 
     buffered = LocalStore(storage.parse_url(str(direct_dir / "b")), direct_io=False)
@@ -135,9 +152,10 @@ def test_a_filesystem_that_refuses_o_direct_gets_buffered_io(tmp_path, monkeypat
     blob = _data(2 * MiB)[: 2 * MiB]
     store = LocalStore(storage.parse_url(str(tmp_path)))
     store.put("x", memoryview(blob))
-    assert read_range(str(tmp_path / "x"), 0, 2 * MiB) is None
+    scratch = aligned_empty(scratch_bytes(10, 2 * MiB - 10))
+    assert read_aligned(str(tmp_path / "x"), 10, 2 * MiB - 10, scratch) is None
+    assert store.get_view("x", 10, 2 * MiB - 10, scratch) == blob.tobytes()[10: 2 * MiB - 10]
     assert store.get("x") == blob.tobytes()
-    assert store.get("x", 10, 2 * MiB - 10) == blob.tobytes()[10: 2 * MiB - 10]
 
 
 def test_a_device_with_larger_blocks_finishes_the_write_buffered(direct_dir, monkeypatch):
@@ -178,19 +196,37 @@ def test_a_short_direct_read_finishes_through_the_cache(direct_dir, monkeypatch)
         return got
 
     monkeypatch.setattr(direct_io.os, "preadv", short)
-    assert read_range(path, 5, 3 * MiB) == blob.tobytes()[5:]
+    scratch = aligned_empty(scratch_bytes(5, 3 * MiB))
+    assert read_aligned(path, 5, 3 * MiB, scratch).tobytes() == blob.tobytes()[5:]
 
 
 def test_missing_and_truncated_objects_raise_what_the_store_promises(direct_dir):
     store = LocalStore(storage.parse_url(str(direct_dir)))
+    scratch = aligned_empty(scratch_bytes(0, 3 * MiB))
     with pytest.raises(FileNotFoundError):
-        read_range(str(direct_dir / "nope"), 0, 2 * MiB)
+        read_aligned(str(direct_dir / "nope"), 0, 2 * MiB, scratch)
     with pytest.raises(storage.ObjectNotFoundError):
-        store.get("nope", 0, 2 * MiB)
+        store.get_view("nope", 0, 2 * MiB, scratch)
     blob = _data(2 * MiB)[: 2 * MiB]
     store.put("t", memoryview(blob))
     with pytest.raises(storage.ObjectTruncatedError):
-        store.get("t", 0, 3 * MiB)
+        store.get_view("t", 0, 3 * MiB, scratch)
+    with pytest.raises(ValueError, match="cannot hold"):
+        read_aligned(str(direct_dir / "t"), 1, 2 * MiB, scratch[1:])
+
+
+def test_buffer_pool_reuses_and_bounds_its_buffers():
+    pool = BufferPool()
+    a, b = pool.take(3 * MiB), pool.take(MiB)
+    assert a.ctypes.data % ALIGN == 0 and b.ctypes.data % ALIGN == 0
+    pool.give_back(a)
+    pool.give_back(b)
+    assert pool.take(MiB) is b, "the smallest free buffer that fits"
+    c = pool.take(4 * MiB)  # none fits: the largest free one (a) is dropped first
+    assert c.size == 4 * MiB and pool.free == []
+    pool.give_back(c)
+    pool.clear()
+    assert pool.free == []
 
 
 def test_the_environment_turns_direct_io_off(monkeypatch, tmp_path):
