@@ -41,6 +41,7 @@ uses against the manifest's record (`direct_read_ok`); only writes keep the narr
 
 from __future__ import annotations
 
+import ctypes
 import itertools
 import struct
 import sys
@@ -54,7 +55,7 @@ import zstandard
 from ckpt.errors import ChecksumMismatchError, CorruptCheckpointError, MissingChunkError
 from storage import ObjectNotFoundError, ObjectTruncatedError, Store
 from storage.checksum import crc32c
-from storage.direct_io import BufferPool, new_bytes, scratch_bytes
+from storage.direct_io import BufferPool, scratch_bytes
 
 __all__ = ["ShardGeometry", "direct_ok", "direct_read_ok", "grid_geometry", "encode_shard",
            "read_shard_region", "stored_crcs"]
@@ -149,6 +150,27 @@ def crc32c_of(buf: np.ndarray, lo: int, hi: int) -> int:
     return crc32c(buf[lo:hi])
 
 
+def _new_bytes(n: int) -> tuple[bytes | bytearray, np.ndarray]:
+    """A new `bytes` of length n and a writable uint8 view of its storage. Filling a bytes
+    object before anyone else holds it is how C code builds one
+    (PyBytes_FromStringAndSize(NULL, n)); it lets the shard be assembled with one copy
+    and handed to `Store.put`, which would copy anything that is not `bytes`."""
+    if sys.implementation.name != "cpython":  # pragma: no cover - other interpreters
+        ba = bytearray(n)
+        return ba, np.frombuffer(ba, dtype=np.uint8)
+    b = _PY_NEW_BYTES(None, n)
+    view = np.ctypeslib.as_array((ctypes.c_uint8 * n).from_address(_PY_BYTES_PTR(b)))
+    return b, view
+
+
+if sys.implementation.name == "cpython":
+    _PY_NEW_BYTES = ctypes.pythonapi.PyBytes_FromStringAndSize
+    _PY_NEW_BYTES.restype, _PY_NEW_BYTES.argtypes = ctypes.py_object, (ctypes.c_void_p,
+                                                                       ctypes.c_ssize_t)
+    _PY_BYTES_PTR = ctypes.pythonapi.PyBytes_AsString
+    _PY_BYTES_PTR.restype, _PY_BYTES_PTR.argtypes = ctypes.c_void_p, (ctypes.py_object,)
+
+
 def _as_bytes_grid(arr: np.ndarray) -> np.ndarray:
     """`arr` as uint8 with the last dim widened by the item size (a view when the last
     dim is contiguous), so tiles copy as raw bytes whatever the dtype."""
@@ -174,7 +196,7 @@ def encode_shard(arr: np.ndarray, geo: ShardGeometry, crcs: list[int | None] | N
     n = geo.n_chunks
     out: bytes | bytearray | memoryview
     if into is None:
-        out, buf = new_bytes(geo.object_bytes)
+        out, buf = _new_bytes(geo.object_bytes)
     else:
         if into.dtype != np.uint8 or into.ndim != 1 or into.size < geo.object_bytes:
             raise ValueError(f"buffer {into.shape} {into.dtype} cannot hold shard {geo}")

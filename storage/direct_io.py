@@ -26,21 +26,19 @@ that are not aligned and transfers under `DIRECT_MIN_BYTES`.
 
 from __future__ import annotations
 
-import ctypes
 import errno
 import fcntl
 import os
-import sys
 import threading
 from typing import Any
 
 import numpy as np
 
-__all__ = ["ALIGN", "DIRECT_MIN_BYTES", "BufferPool", "aligned_empty", "new_bytes",
-           "read_aligned", "scratch_bytes", "write_file"]
+__all__ = ["ALIGN", "DIRECT_MIN_BYTES", "BufferPool", "aligned_empty", "read_aligned",
+           "scratch_bytes", "write_file"]
 
 ALIGN = 4096
-"""Alignment of buffer addresses, offsets and lengths for direct writes."""
+"""Alignment of buffer addresses, file offsets and lengths for direct I/O."""
 
 DIRECT_MIN_BYTES = 1 << 20
 """Objects smaller than this are written through the page cache: a direct write waits
@@ -91,27 +89,6 @@ class BufferPool:
         """Drop the free buffers (those taken stay with their holders)."""
         with self._lock:
             self.free.clear()
-
-
-def new_bytes(n: int) -> tuple[bytes | bytearray, np.ndarray]:
-    """A new `bytes` of length n and a writable uint8 view of its storage. Filling a bytes
-    object before anyone else holds it is how C code builds one
-    (PyBytes_FromStringAndSize(NULL, n)); it lets data be assembled with one copy and
-    handed on as `bytes`, which would otherwise take a second copy."""
-    if sys.implementation.name != "cpython" or n == 0:  # pragma: no cover - other interpreters
-        ba = bytearray(n)
-        return (bytes(ba) if n == 0 else ba), np.frombuffer(ba, dtype=np.uint8)
-    b = _PY_NEW_BYTES(None, n)
-    view = np.ctypeslib.as_array((ctypes.c_uint8 * n).from_address(_PY_BYTES_PTR(b)))
-    return b, view
-
-
-if sys.implementation.name == "cpython":
-    _PY_NEW_BYTES = ctypes.pythonapi.PyBytes_FromStringAndSize
-    _PY_NEW_BYTES.restype, _PY_NEW_BYTES.argtypes = ctypes.py_object, (ctypes.c_void_p,
-                                                                       ctypes.c_ssize_t)
-    _PY_BYTES_PTR = ctypes.pythonapi.PyBytes_AsString
-    _PY_BYTES_PTR.restype, _PY_BYTES_PTR.argtypes = ctypes.c_void_p, (ctypes.py_object,)
 
 
 def _address(data: Any) -> int | None:

@@ -1,0 +1,30 @@
+"""The checkpoint benchmark at a tiny size: every arm runs and reports (not a timing
+test): Relight, DCP and both floors, with loads from a dropped page cache."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from benchmarks import ckpt as ckpt_bench
+
+
+@pytest.mark.long  # two ranks that import torch, and DCP
+def test_the_file_benchmark_reports_every_arm_with_cold_loads(tmp_path, capsys) -> None:
+    out = tmp_path / "out.json"
+    assert ckpt_bench.main(["--mb", "16", "--ranks", "2", "--rounds", "2", "--dir",
+                            str(tmp_path), "--json", str(out)]) == 0
+    got = json.loads(out.read_text())
+    assert got["config"]["load_cache"] == "cold" and got["config"]["condition"] == "kept"
+    rounds = got["extra"]["all_rounds"]
+    for system in ("relight", "dcp"):
+        for field in ("save_s", "stall_s", "load_s", "reshard_load_s"):
+            assert len(rounds[system][field]) == 2 and min(rounds[system][field]) > 0
+        assert got[system]["bytes_written"] > 15 << 20  # the state: ~16 MiB
+    assert len(rounds["floor"]["save_direct_s"]) == 2 and min(rounds["floor"]["save_direct_s"]) > 0
+    assert {"relight_save_s_direct", "dcp_save_s_direct"} <= set(got["floor_ratios"])
+    assert got["extra"]["floor_direct_io_taken"] in (0.0, 1.0)
+    # The resharded load reads about the bytes it needs (half of each rank's columns of
+    # every tensor), DCP's reader whole files.
+    assert got["relight"]["bytes_read_reshard"] < 0.6 * got["dcp"]["bytes_read_reshard"]
