@@ -25,6 +25,6 @@ def test_the_file_benchmark_reports_every_arm_with_cold_loads(tmp_path, capsys) 
     assert len(rounds["floor"]["save_direct_s"]) == 2 and min(rounds["floor"]["save_direct_s"]) > 0
     assert {"relight_save_s_direct", "dcp_save_s_direct"} <= set(got["floor_ratios"])
     assert got["extra"]["floor_direct_io_taken"] in (0.0, 1.0)
-    # The resharded load reads about the bytes it needs (half of each rank's columns of
-    # every tensor), DCP's reader whole files.
-    assert got["relight"]["bytes_read_reshard"] < 0.6 * got["dcp"]["bytes_read_reshard"]
+    # At 2 ranks the reshard target is dp2 x tp1: each rank needs half the rows, so the
+    # ranks together read about the state once.
+    assert got["relight"]["bytes_read_reshard"] <= 1.1 * got["relight"]["bytes_written"]
