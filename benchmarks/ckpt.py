@@ -8,8 +8,8 @@ systems (ABBA order over `--rounds`), and each figure is the median over rounds:
 
 - save_s: synchronous save, barrier to barrier, slowest rank;
 - stall_s / async_total_s: async save, until the call returns / until it is durable;
-- load_s: load into the same layout; reshard_load_s: load into dp2 x tp2
-  (Shard(0), Shard(1)) DTensors;
+- load_s: load of the newest checkpoint (the async save's) into the same layout;
+  reshard_load_s: the same into dp2 x tp2 (Shard(0), Shard(1)) DTensors;
 - bytes_written: bytes of the objects under the checkpoint prefix after the save;
 - bytes_read_reshard: bytes the ranks read during the reshard load, summed over ranks:
   on files the /proc/self/io rchar delta (read()/pread() syscalls, page cache included);
@@ -31,8 +31,10 @@ systems (ABBA order over `--rounds`), and each figure is the median over rounds:
 
 - on files, `--load-cache cold` (the default) drops every checkpoint from the page cache
   before each of its loads (every system's, and the floor's), as a job resumed on
-  another node reads it; `as-saved` loads with whatever the save left cached (a
-  writer through the page cache leaves all of it, Relight's direct writes none);
+  another node reads it; `as-saved` loads with whatever the saves left cached, as a
+  process restarted on the same node does (writes through the page cache leave their
+  pages there, Relight's with `RELIGHT_DIRECT_IO=1` none); extra
+  `relight_load_cached_share` is the share of Relight's load the cache served;
 - floor: what the machine itself allows for the same bytes, in the same rounds: save_s =
   one object per rank (a file written and fsynced; on S3 one PUT), save_direct_s (files)
   = the same file written around the page cache (`O_DIRECT`) from one aligned buffer
@@ -363,12 +365,18 @@ def _worker(rank: int, world: int, init: str, args: dict, out_q: Any) -> None:
             extra.setdefault("relight_stall_staging_copy_s", []).append(
                 maxed(h_box["h"].stage_s))
             same = _state(mesh, n, rows, [Shard(0)], [Shard(0)], False)
-            rec(system, "load_s", timed(lambda: ckpt.load(same, store), system, url + "-sync"))
+            store = storage.open_store(url + "-async")  # the loads read the newest checkpoint
+            before = store.stats.snapshot()
+            rec(system, "load_s", timed(lambda: ckpt.load(same, store), system, url + "-async"))
+            after = store.stats.snapshot()
+            extra.setdefault("relight_load_cached_share", []).append(
+                summed(after["bytes_read_cached"] - before["bytes_read_cached"])
+                / max(1.0, summed(after["bytes_read"] - before["bytes_read"])))
             del same
             tgt = _state(mesh2, n, rows, [Shard(0), Shard(1)], [Shard(0), Replicate()], False)
             c0, s0 = _bytes_read_now(s3), store.stats.snapshot()["bytes_read"]
             rec(system, "reshard_load_s",
-                timed(lambda: ckpt.load(tgt, store), system, url + "-sync"))
+                timed(lambda: ckpt.load(tgt, store), system, url + "-async"))
             rec(system, "bytes_read_reshard", summed(_bytes_read_now(s3) - c0))
             extra.setdefault("relight_reshard_chunk_bytes", []).append(
                 summed(store.stats.snapshot()["bytes_read"] - s0))
@@ -376,10 +384,10 @@ def _worker(rank: int, world: int, init: str, args: dict, out_q: Any) -> None:
             rep = _state(mesh2, n, rows, [Replicate(), Shard(1)], [Replicate(), Replicate()],
                          False)
             extra.setdefault("relight_replicated_load_broadcast_s", []).append(
-                timed(lambda: ckpt.load(rep, store, broadcast=True), system, url + "-sync"))
+                timed(lambda: ckpt.load(rep, store, broadcast=True), system, url + "-async"))
             extra.setdefault("relight_replicated_load_direct_s", []).append(
                 timed(lambda: ckpt.load(rep, store, broadcast=False), system,
-                      url + "-sync"))
+                      url + "-async"))
             del rep
             # Pipelined staging (after the loads, so they find the same dirty page cache as
             # DCP's loads do): save() returns once the copy is scheduled; the state may
@@ -463,9 +471,9 @@ def _worker(rank: int, world: int, init: str, args: dict, out_q: Any) -> None:
             rec(system, "stall_s", timed(copy, system))
             del staging, srcs
         else:
-            path = url + "-sync"
-            rec(system, "save_s", timed(lambda: dcp.save(src, storage_writer=dcp_writer(path)),
-                                        system))
+            rec(system, "save_s", timed(
+                lambda: dcp.save(src, storage_writer=dcp_writer(url + "-sync")), system))
+            path = url + "-async"  # the loads read the newest checkpoint
             dist.barrier()
             win(system, True)
             t0 = time.perf_counter()

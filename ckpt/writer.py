@@ -49,6 +49,7 @@ from ckpt.handle import SaveHandle
 from ckpt.manifest import Manifest
 from ckpt.options import SaveOptions
 from ckpt.plan import PieceWrite, SavePlan, TensorPlan
+from ckpt.resources import resources
 from ckpt.shardio import ShardGeometry, direct_ok, encode_shard, stored_crcs
 from ckpt.staging import Stager
 from ckpt.tsio import open_array, put_metadata, to_numpy
@@ -173,6 +174,8 @@ class _SaveJob:
         # Encoded objects go into at most PERSIST_THREADS aligned buffers (the puts in
         # flight and the one being filled), each reused once its put has returned.
         buffers = BufferPool()
+        recycler = resources().recycler
+        recycler.begin_save()
         with ThreadPoolExecutor(max_workers=PERSIST_THREADS,
                                 thread_name_prefix="ckpt-put") as pool:
             done = [pool.submit(put_metadata, batch, path, meta) for path, meta in metas]
@@ -186,6 +189,7 @@ class _SaveJob:
                 # A store that copies what it is given gets a fresh `bytes` instead.
                 buf = None if batch.copies_put_buffers else buffers.take(geo.object_bytes)
                 blob = encode_shard(a, geo, self.chunk_crcs.setdefault(key, []), into=buf)
+                recycler.make_room(self.store, key, len(blob))
                 pending.append((pool.submit(batch.put, key, blob), buf))
             for f in futures:
                 f.result()

@@ -51,6 +51,8 @@ class StoreStats:
     lists: int = 0
     deletes: int = 0
     retries: int = 0
+    bytes_read_cached: int = 0
+    """Of `bytes_read`, those the page cache served whole (`LocalStore` ranges of 1 MiB+)."""
     _lock: threading.Lock = field(default_factory=threading.Lock, repr=False, compare=False)
 
     def record_read(self, nbytes: int, ops: int = 1) -> None:
@@ -72,7 +74,7 @@ class StoreStats:
             return {
                 k: getattr(self, k)
                 for k in ("bytes_read", "bytes_written", "reads", "writes", "lists", "deletes",
-                          "retries")
+                          "retries", "bytes_read_cached")
             }
 
 
@@ -190,6 +192,12 @@ class Store(ABC):
             self.delete(key)
         return len(keys)
 
+    def drop_cached(self, key: str) -> None:
+        """Let go of this machine's cached copy of the object (the page cache's, for
+        files), so that its memory serves the writes that follow; the object itself is
+        unchanged, a missing one is not an error. Stores that cache nothing ignore it."""
+        self._drop_cached(self._path(key))
+
     def child(self, sub: str) -> Store:
         """A store rooted at `sub` below this one, sharing settings and counters."""
         return self._with_location(self.location.child(sub))
@@ -276,6 +284,10 @@ class Store(ABC):
     @abstractmethod
     def _delete(self, path: str) -> None: ...
 
+    def _drop_cached(self, path: str) -> None:
+        """Drop the machine's cached copy of the object (nothing by default)."""
+        return None
+
 
 TEMP_MARKER = ".relight-tmp-"
 
@@ -321,6 +333,9 @@ class ForwardedPrimitives:
 
     def _delete(self, path: str) -> None:
         self._wrapped._delete(path)
+
+    def _drop_cached(self, path: str) -> None:
+        self._wrapped._drop_cached(path)
 
 
 class _Batch:

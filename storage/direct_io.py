@@ -26,16 +26,19 @@ that are not aligned and transfers under `DIRECT_MIN_BYTES`.
 
 from __future__ import annotations
 
+import ctypes
 import errno
 import fcntl
 import os
+import platform
+import sys
 import threading
 from typing import Any
 
 import numpy as np
 
-__all__ = ["ALIGN", "DIRECT_MIN_BYTES", "BufferPool", "aligned_empty", "read_aligned",
-           "scratch_bytes", "write_file"]
+__all__ = ["ALIGN", "DIRECT_MIN_BYTES", "BufferPool", "aligned_empty", "cached_pages",
+           "drop_cached", "read_aligned", "scratch_bytes", "write_file"]
 
 ALIGN = 4096
 """Alignment of buffer addresses, file offsets and lengths for direct I/O."""
@@ -49,6 +52,7 @@ DIRECT_PIECE = 16 << 20
 """Bytes per direct `write()` call (a multiple of `ALIGN`)."""
 
 _O_DIRECT = getattr(os, "O_DIRECT", 0)
+PAGE = os.sysconf("SC_PAGE_SIZE") if hasattr(os, "sysconf") else ALIGN
 
 
 def aligned_empty(nbytes: int) -> np.ndarray:
@@ -149,11 +153,46 @@ def scratch_bytes(start: int, end: int) -> int:
     return (end + -end % ALIGN) - (start - start % ALIGN)
 
 
-def read_aligned(path: str, start: int, end: int, scratch: np.ndarray) -> np.ndarray | None:
-    """Bytes [start, end) of the file at `path`, read around the page cache into
-    `scratch` (an `ALIGN`-aligned uint8 buffer of at least `scratch_bytes(start, end)`,
-    which gets the whole blocks around the range); returns the view of `scratch` that
-    holds them, shorter when the file ends first. None when the range is under
+class _CacheRange(ctypes.Structure):
+    _fields_ = [("off", ctypes.c_uint64), ("len", ctypes.c_uint64)]
+
+
+class _CacheStat(ctypes.Structure):
+    _fields_ = [(name, ctypes.c_uint64) for name in
+                ("nr_cache", "nr_dirty", "nr_writeback", "nr_evicted", "nr_recently_evicted")]
+
+
+_CACHESTAT = 451
+"""cachestat(2) (Linux 6.5+), the same number in the generic and the x86-64 tables."""
+_libc = ctypes.CDLL(None, use_errno=True) if sys.platform == "linux" else None
+_has_cachestat = _libc is not None and platform.machine() in ("x86_64", "aarch64")
+
+
+def cached_pages(fd: int, start: int, length: int) -> int | None:
+    """How many pages of bytes [start, start + length) of `fd` the page cache holds
+    (`cachestat(2)`: it counts without touching them, where a `RWF_NOWAIT` read that
+    misses starts readahead of the very range, 8 MiB here). None where the kernel lacks
+    the call."""
+    global _has_cachestat
+    if not _has_cachestat or length <= 0:
+        return None
+    rng, stat = _CacheRange(start, length), _CacheStat()
+    assert _libc is not None
+    if _libc.syscall(_CACHESTAT, fd, ctypes.byref(rng), ctypes.byref(stat), 0) != 0:
+        if ctypes.get_errno() == errno.ENOSYS:
+            _has_cachestat = False
+        return None
+    return int(stat.nr_cache)
+
+
+def read_aligned(path: str, start: int, end: int,
+                 scratch: np.ndarray) -> tuple[np.ndarray, bool] | None:
+    """Bytes [start, end) of the file at `path`, read into `scratch` (an `ALIGN`-aligned
+    uint8 buffer of at least `scratch_bytes(start, end)`, which gets the whole blocks
+    around the range): through the page cache when it holds every page of the range,
+    else around it (`O_DIRECT`), so a cold read allocates no cache pages and a warm one
+    waits for no device. Returns the view of `scratch` that holds the range (shorter when
+    the file ends first) and whether the cache served it. None when the range is under
     `DIRECT_MIN_BYTES` or the filesystem refuses `O_DIRECT` (read it buffered then).
     Raises what `open` raises for a missing file."""
     if not _O_DIRECT or end - start < DIRECT_MIN_BYTES:
@@ -165,7 +204,8 @@ def read_aligned(path: str, start: int, end: int, scratch: np.ndarray) -> np.nda
                          f"{span} aligned bytes around [{start}, {end})")
     fd = os.open(path, os.O_RDONLY | os.O_CLOEXEC)
     try:
-        if not _set_direct(fd, True):
+        warm = cached_pages(fd, lo, span) == (lo + span - 1) // PAGE - lo // PAGE + 1
+        if not warm and not _set_direct(fd, True):
             return None
         got = 0
         while lo + got < end:
@@ -173,8 +213,22 @@ def read_aligned(path: str, start: int, end: int, scratch: np.ndarray) -> np.nda
             if n <= 0:  # the file ended
                 break
             got += n
-            if got % ALIGN and lo + got < end:  # a short read: the rest through the cache
+            if got % ALIGN and lo + got < end and not warm:  # short: the rest buffered
                 _set_direct(fd, False)
-        return scratch[start - lo: max(start - lo, min(end, lo + got) - lo)]
+        return scratch[start - lo: max(start - lo, min(end, lo + got) - lo)], warm
+    finally:
+        os.close(fd)
+
+
+def drop_cached(path: str) -> None:
+    """Drop the file's clean pages from the page cache (`POSIX_FADV_DONTNEED`); the file
+    is unchanged. Its pages go back to the kernel's free lists, where the next page-cache
+    allocation takes them first. A missing file has none: nothing happens."""
+    try:
+        fd = os.open(path, os.O_RDONLY | os.O_CLOEXEC)
+    except FileNotFoundError:
+        return
+    try:
+        os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
     finally:
         os.close(fd)

@@ -188,6 +188,9 @@ class FaultyStore(Store):
         self._enter("delete", path)
         self.inner._delete(path)
 
+    def _drop_cached(self, path: str) -> None:  # a hint, never faulted
+        self.inner._drop_cached(path)
+
     def sync(self) -> None:
         self.inner.sync()  # a wrapped deferred view keeps its batch
 

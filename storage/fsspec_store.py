@@ -10,7 +10,7 @@ from typing import Any
 import fsspec
 
 from storage.base import TEMP_MARKER, Store, StoreStats
-from storage.direct_io import read_aligned, write_file
+from storage.direct_io import drop_cached, read_aligned, write_file
 from storage.retry import RetryPolicy, is_missing_bucket
 from storage.settings import S3Settings
 from storage.url import StorageLocation
@@ -66,26 +66,32 @@ class LocalStore(_FsspecStore):
         retry: RetryPolicy | None = None,
         stats: StoreStats | None = None,
         fsync: bool = True,
-        direct_io: bool = True,
+        direct_io: bool = False,
     ) -> None:
         super().__init__(location, retry, stats)
         self.fs = fsspec.filesystem("file")
         self.fsync = fsync
         """fsync file and directory on put, so a published object survives a power cut."""
         self.direct_io = direct_io
-        """Write large aligned objects around the page cache (`storage.direct_io`)."""
+        """Write large aligned objects around the page cache (`storage.direct_io`), not
+        through it. Reads of large ranges take the cache when it holds them, either way."""
 
     def _root_path(self) -> str:
         return self.location.root
 
     def get_view(self, key: str, start: int, end: int, scratch: Any) -> memoryview:
-        if self.direct_io:
-            path = self._path(key)
-            view = self._retry(lambda: read_aligned(path, start, end, scratch), key, "get")
-            if view is not None:
-                self._got(key, start, end, len(view))
-                return memoryview(view).toreadonly()
-        return super().get_view(key, start, end, scratch)
+        path = self._path(key)
+        got = self._retry(lambda: read_aligned(path, start, end, scratch), key, "get")
+        if got is None:
+            return super().get_view(key, start, end, scratch)
+        view, warm = got
+        self._got(key, start, end, len(view))
+        if warm:
+            self.stats.record("bytes_read_cached", len(view))
+        return memoryview(view).toreadonly()
+
+    def _drop_cached(self, path: str) -> None:
+        drop_cached(path)
 
     def _with_location(self, location: StorageLocation) -> Store:
         return LocalStore(location, self.retry, self.stats, self.fsync, self.direct_io)

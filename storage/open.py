@@ -15,8 +15,8 @@ from storage.url import parse_url
 __all__ = ["DIRECT_IO_ENV", "open_store"]
 
 DIRECT_IO_ENV = "RELIGHT_DIRECT_IO"
-"""Set to 0 to read and write local checkpoint objects through the page cache
-(`storage.direct_io`); by default large objects go around it."""
+"""Set to 1 to write large local objects around the page cache (`O_DIRECT`,
+`storage.direct_io`); by default they are written through it."""
 
 
 def open_store(
@@ -28,8 +28,9 @@ def open_store(
 ) -> Store:
     """A store for `/path`, `file:///path`, `s3://bucket/prefix` or `memory://name/prefix`.
 
-    Files: objects of 1 MiB and more are written and read around the page cache
-    (`O_DIRECT`, where the filesystem takes it) unless `RELIGHT_DIRECT_IO=0`.
+    Files: ranges of 1 MiB and more are read from the page cache when it holds them
+    whole, else around it (`O_DIRECT`, where the filesystem takes it); objects are
+    written through the cache, or around it with `RELIGHT_DIRECT_IO=1`.
 
     S3 settings come from the environment (`AWS_ENDPOINT_URL`, `AWS_REGION`, and the
     credentials) unless `s3` or overrides such as `endpoint_url=` are given. An
@@ -60,7 +61,7 @@ def open_store(
     location = parse_url(url)
     store: Store
     if location.scheme == "file":
-        direct = os.environ.get(DIRECT_IO_ENV, "1").strip().lower() not in ("0", "false", "no")
+        direct = os.environ.get(DIRECT_IO_ENV, "0").strip().lower() in ("1", "true", "yes")
         store = LocalStore(location, retry, direct_io=direct)
     elif location.scheme == "memory":
         # Only here: the memory store lives in tensorstore, whose import is over a

@@ -1,7 +1,7 @@
 """Objects written and read around the page cache (`storage.direct_io`): the bytes are
-exact whatever the size, offset, alignment or range; filesystems and buffers that do
-not qualify fall back to buffered I/O; a large put or view read leaves no page of the
-object cached."""
+exact whatever the size, offset, alignment, range or cache state; filesystems and
+buffers that do not qualify fall back to buffered I/O; a direct put and a cold view read
+leave no page of the object cached; a warm view read is served by the cache."""
 
 from __future__ import annotations
 
@@ -23,6 +23,8 @@ from storage.direct_io import (
     DIRECT_MIN_BYTES,
     BufferPool,
     aligned_empty,
+    cached_pages,
+    drop_cached,
     read_aligned,
     scratch_bytes,
     write_file,
@@ -88,15 +90,22 @@ def test_bytes_round_trip_at_any_size_offset_and_range(tmp_path, size, skew, lo,
     with open(path, "rb") as f:
         assert f.read() == data.tobytes()
     start, end = sorted((int(lo * size), int(hi * size)))
-    for a_, b_ in ((start, end), (0, size), (start, size + 9000)):
-        scratch = aligned_empty(scratch_bytes(a_, b_))
-        got = read_aligned(path, a_, b_, scratch)
-        want = data.tobytes()[a_: b_]
-        if got is None:  # the caller reads it buffered
-            assert b_ - a_ < DIRECT_MIN_BYTES or not takes
-        else:
-            assert got.tobytes() == want
-            assert got.ctypes.data >= scratch.ctypes.data, "the bytes are read into scratch"
+    counts = _cache_counts(path)
+    for state in ("warm", "cold"):  # the read above left every page cached
+        if state == "cold":
+            drop_cached(path)
+        for a_, b_ in ((start, end), (0, size), (start, size + 9000)):
+            scratch = aligned_empty(scratch_bytes(a_, b_))
+            got = read_aligned(path, a_, b_, scratch)
+            want = data.tobytes()[a_: b_]
+            if got is None:  # the caller reads it buffered
+                assert b_ - a_ < DIRECT_MIN_BYTES or (not takes and state == "cold")
+                continue
+            view, warm = got
+            assert view.tobytes() == want
+            assert view.ctypes.data >= scratch.ctypes.data, "the bytes are read into scratch"
+            if counts and b_ <= size:
+                assert warm == (state == "warm"), (state, a_, b_)
     store = LocalStore(storage.parse_url(str(tmp_path)))
     key = os.path.basename(path)
     pool = BufferPool()
@@ -105,9 +114,18 @@ def test_bytes_round_trip_at_any_size_offset_and_range(tmp_path, size, skew, lo,
     os.unlink(path)
 
 
+def _cache_counts(path: str) -> bool:
+    """Whether this kernel counts a file's cached pages (`cachestat(2)`, Linux 6.5+)."""
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        return cached_pages(fd, 0, 1) is not None
+    finally:
+        os.close(fd)
+
+
 def test_large_aligned_put_goes_around_the_page_cache(direct_dir):
     """What direct I/O is for: the put's pages are not left in the cache (mincore)."""
-    store = LocalStore(storage.parse_url(str(direct_dir / "s")))
+    store = LocalStore(storage.parse_url(str(direct_dir / "s")), direct_io=True)
     blob = _data(5 * MiB + 123)[: 5 * MiB + 123]
     store.put("a/b.bin", memoryview(blob))
     path = str(direct_dir / "s" / "a" / "b.bin")
@@ -118,10 +136,34 @@ def test_large_aligned_put_goes_around_the_page_cache(direct_dir):
     # Only the tail under one block goes through the cache; view reads add no pages.
     assert cached <= 1, f"{cached} pages of the object are in the page cache"
 
-    buffered = LocalStore(storage.parse_url(str(direct_dir / "b")), direct_io=False)
+    buffered = LocalStore(storage.parse_url(str(direct_dir / "b")))
     buffered.put("a/b.bin", memoryview(blob))
     assert _resident_pages(str(direct_dir / "b" / "a" / "b.bin")) > 1000, (
         "the check cannot see cached pages: it would pass whatever the put did")
+
+
+def test_view_reads_take_the_cache_when_it_holds_the_range_and_go_around_it_else(direct_dir):
+    """A buffered put leaves the object cached: a view read is served from there (and
+    counted as such). Once `drop_cached` has let its pages go, a view read comes from the
+    device without putting them back."""
+    store = LocalStore(storage.parse_url(str(direct_dir)))
+    blob = _data(5 * MiB + 123)[: 5 * MiB + 123]
+    store.put("o", memoryview(blob))
+    path = str(direct_dir / "o")
+    if not _cache_counts(path):
+        pytest.skip("this kernel lacks cachestat(2): every view read goes around the cache")
+    pages = _resident_pages(path)
+    assert pages > 1000
+    scratch = aligned_empty(scratch_bytes(0, len(blob)))
+    assert store.get_view("o", 7, len(blob), scratch) == blob.tobytes()[7:]
+    assert store.stats.bytes_read_cached == len(blob) - 7
+
+    store.drop_cached("o")
+    assert _resident_pages(path) == 0
+    assert store.get_view("o", 7, len(blob), scratch) == blob.tobytes()[7:]
+    assert store.stats.bytes_read_cached == len(blob) - 7, "the cold read was not the cache's"
+    assert _resident_pages(path) == 0, "a cold view read put the object into the cache"
+    store.drop_cached("missing")  # nothing to drop: no error
 
 
 def _resident_pages(path: str) -> int:
@@ -150,8 +192,9 @@ def test_a_filesystem_that_refuses_o_direct_gets_buffered_io(tmp_path, monkeypat
 
     monkeypatch.setattr(direct_io.fcntl, "fcntl", refuse)
     blob = _data(2 * MiB)[: 2 * MiB]
-    store = LocalStore(storage.parse_url(str(tmp_path)))
+    store = LocalStore(storage.parse_url(str(tmp_path)), direct_io=True)
     store.put("x", memoryview(blob))
+    drop_cached(str(tmp_path / "x"))
     scratch = aligned_empty(scratch_bytes(10, 2 * MiB - 10))
     assert read_aligned(str(tmp_path / "x"), 10, 2 * MiB - 10, scratch) is None
     assert store.get_view("x", 10, 2 * MiB - 10, scratch) == blob.tobytes()[10: 2 * MiB - 10]
@@ -197,7 +240,8 @@ def test_a_short_direct_read_finishes_through_the_cache(direct_dir, monkeypatch)
 
     monkeypatch.setattr(direct_io.os, "preadv", short)
     scratch = aligned_empty(scratch_bytes(5, 3 * MiB))
-    assert read_aligned(path, 5, 3 * MiB, scratch).tobytes() == blob.tobytes()[5:]
+    view, warm = read_aligned(path, 5, 3 * MiB, scratch)
+    assert view.tobytes() == blob.tobytes()[5:] and not warm
 
 
 def test_missing_and_truncated_objects_raise_what_the_store_promises(direct_dir):
@@ -229,7 +273,7 @@ def test_buffer_pool_reuses_and_bounds_its_buffers():
     assert pool.free == []
 
 
-def test_the_environment_turns_direct_io_off(monkeypatch, tmp_path):
-    assert storage.open_store(str(tmp_path)).direct_io
-    monkeypatch.setenv(storage.open.DIRECT_IO_ENV, "0")
+def test_the_environment_turns_direct_writes_on(monkeypatch, tmp_path):
     assert not storage.open_store(str(tmp_path)).direct_io
+    monkeypatch.setenv(storage.open.DIRECT_IO_ENV, "1")
+    assert storage.open_store(str(tmp_path)).direct_io
