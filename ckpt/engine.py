@@ -28,10 +28,9 @@ from __future__ import annotations
 
 import logging
 import os
-import threading
 import time
 import uuid
-from collections.abc import Callable, Mapping
+from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -52,7 +51,7 @@ from ckpt.errors import (
 from ckpt.flatten import FlatState, flatten_state, name_of, set_value
 from ckpt.format import COMMIT_KEY, dtype_name, numel
 from ckpt.handle import SaveHandle
-from ckpt.layout import Piece, local_pieces, local_view, mesh_grid, rank_layout
+from ckpt.layout import Piece, local_pieces, local_view, mesh_grid
 from ckpt.manifest import Manifest, read_manifest
 from ckpt.options import SaveOptions
 from ckpt.plan import (
@@ -60,7 +59,6 @@ from ckpt.plan import (
     LoadPlan,
     RankLayout,
     grid_needs_json,
-    layout_digest,
     layouts_from_parts,
     needs_from_json,
     parse_grid_needs,
@@ -148,9 +146,8 @@ def save(
     lay: RankLayout | None = None
     pieces_of: dict[str, list[Piece]] = {}
     try:
-        lay, pieces_of = rank_layout(flat, comm.rank, grids=True)
-        digest = layout_digest(lay, [comm.ranks, opts.pack_bytes, opts.inner_bytes,
-                                     opts.packed_inner])
+        lay, pieces_of, digest = res.layouts.of(
+            flat, comm.rank, [comm.ranks, opts.pack_bytes, opts.inner_bytes, opts.packed_inner])
         # Async saves check in the background thread (every rank, before writing): on S3
         # the request would otherwise hold every rank in the handshake.
         if not async_save and comm.is_coordinator and store.exists(COMMIT_KEY):
@@ -250,14 +247,10 @@ def save(
     res.inflight = handle
     if async_save:
         res.note_crashes()
-        released = threading.Event()
-        th = threading.Thread(target=_run_when_released, args=(released, job.run),
-                              name=f"ckpt-save-{step}", daemon=True)
-        handle._thread = th
-        th.start()
-        released.set()
+        res.save_worker.submit(job.run, handle._tail)
     else:
         job.run(comm)
+        handle._tail.set()
         handle.wait()
     return handle
 
@@ -304,14 +297,6 @@ def _handshake(comm: Comm, digest: str, failed: bool, cached: CachedPlan | None,
     head = f"{digest:32}{plan_id}{group_id}{'E' if failed else '-'}".encode()
     v = comm.ask_coordinator(head, 65, decide, 19, what).decode()
     return _Handshake(v[0] == "E", v[1] == "P", v[2] == "G", v[3:19], digests)
-
-
-def _run_when_released(released: threading.Event, run: Callable[[], None]) -> None:
-    """The save thread's body: it waits until `save()` is on its way out. Started
-    running at once, it holds the GIL for up to the switch interval (5 ms) while the
-    caller, woken from `Thread.start()`, waits for it before `save()` can return."""
-    released.wait()
-    run()
 
 
 @dataclass

@@ -37,7 +37,9 @@ class SaveHandle(Future):
         self.waited_s = 0.0
         self.total_s = 0.0
         self.bytes_written = 0
-        self._thread: threading.Thread | None = None
+        self._tail = threading.Event()
+        """Set once the save's thread has let go of the save (buffers freed, callbacks
+        run), after `_done`."""
         self._exit_wait_s = 600.0
         """How long interpreter exit waits for this save if it is still running."""
 

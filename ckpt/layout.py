@@ -22,7 +22,7 @@ from ckpt.errors import UnsupportedStateError
 from ckpt.flatten import FlatState
 from ckpt.format import dtype_name
 from ckpt.grid import MeshGrid
-from ckpt.plan import RankLayout, TensorLayout
+from ckpt.plan import RankLayout, TensorLayout, layout_digest
 
 try:  # private in torch; present in 2.4+ under this name
     from torch.distributed.tensor._utils import _get_shard_size_and_offsets
@@ -31,7 +31,8 @@ except ImportError:  # pragma: no cover - older torch
     _get_shard_size_and_offsets = None
     _StridedShard = Shard
 
-__all__ = ["Piece", "local_pieces", "local_view", "describe_placements", "rank_layout",
+__all__ = ["LayoutMemo", "Piece", "local_pieces", "local_view", "describe_placements",
+           "rank_layout",
            "mesh_grid"]
 
 
@@ -177,6 +178,41 @@ def rank_layout(flat: FlatState, rank: int, grids: bool = False
             name, ref.path, shape, dtype_name(ref.tensor.dtype, name),
             describe_placements(ref.tensor), boxes, grid))
     return RankLayout(rank, tuple(tensors), tuple(sorted(flat.values))), pieces_of
+
+
+class LayoutMemo:
+    """This rank's layout, its pieces and its digest from the last save, handed back
+    while the state keeps its structure (names, shapes, dtypes, placements, meshes, local
+    shapes): every save of a training run asks again, and building the layout and the
+    sha256 of its JSON is 1-1.5 ms of an async save's stall at 60 tensors (4 ranks on 2
+    cores), where comparing the structure is about a tenth of it."""
+
+    def __init__(self) -> None:
+        self._key: tuple[Any, ...] | None = None
+        self._meshes: tuple[Any, ...] = ()
+        """The meshes the key names by id, held so no other mesh can take their id."""
+        self._got: tuple[RankLayout, dict[str, list[Piece]], str] | None = None
+
+    def of(self, flat: FlatState, rank: int, extra: Any
+           ) -> tuple[RankLayout, dict[str, list[Piece]], str]:
+        """`rank_layout(flat, rank, grids=True)` and `layout_digest` of it with `extra`
+        (JSON), from the memo when the structure and `extra` are the last call's."""
+        parts: list[tuple[Any, ...]] = []
+        meshes: list[Any] = []
+        for name, ref in flat.tensors.items():
+            t = ref.tensor
+            if isinstance(t, DTensor):
+                meshes.append(t.device_mesh)
+                parts.append((name, ref.path, t.shape, t.dtype, id(t.device_mesh),
+                              t.placements, t._local_tensor.shape))
+            else:
+                parts.append((name, ref.path, t.shape, t.dtype, type(t)))
+        key = (rank, repr(extra), tuple(parts), tuple(flat.values))
+        if self._got is None or key != self._key:
+            lay, pieces = rank_layout(flat, rank, grids=True)
+            self._key, self._meshes = key, tuple(meshes)
+            self._got = (lay, pieces, layout_digest(lay, extra))
+        return self._got
 
 
 Boxes = tuple[tuple[tuple[int, ...], tuple[int, ...]], ...]
