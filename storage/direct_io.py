@@ -1,27 +1,27 @@
-"""Writing large objects around the page cache (`O_DIRECT`).
+"""Large local objects and the page cache: reads that take it only when it holds the
+range, writes that can go around it, and letting an object's pages go.
 
-A buffered write copies every byte into page-cache pages the kernel must first find:
-once earlier checkpoints fill the cache, each new page costs a reclaim, and on a
-virtual machine whose host backs guest memory lazily, a fault on the host as well.
-Measured on the 2-core VM (4 processes, 128 MiB each, files kept): buffered write +
-fsync went from 0.21 s to 0.93 s per round as the cache grew, with 1.6 s of kernel
-CPU; the same bytes with `O_DIRECT` stayed at 0.27-0.34 s with 0.02-0.04 s of kernel
-CPU. A checkpoint is read back rarely and by another process, so keeping its pages
-cached buys little.
-
-Checkpoint shard reads go around the cache too (`read_aligned`, into buffers a load
-reuses): a read into the page cache pays the same page allocation, and reading the
-whole of a 512 MiB checkpoint from 4 processes took 0.32-0.34 s direct against
-0.37-0.67 s buffered, cold.
+- `read_aligned`: a range of 1 MiB or more is read through the page cache when the cache
+  holds every page of it (counted with `cachestat(2)`, which touches nothing), else with
+  `O_DIRECT`, so a cold read allocates no cache pages. A read through the cache into a
+  page the kernel must first find is what costs: with earlier checkpoints kept, a reclaim
+  per page, and on a virtual machine whose host backs guest memory lazily, a fault on
+  the host as well. Reading a 512 MiB checkpoint from 4 processes, cold, took 0.32-0.34 s
+  direct against 0.37-0.67 s buffered (2-core VM). A `RWF_NOWAIT` read does not serve as
+  the test: on a miss the kernel starts readahead of the range (8 MiB here) before it
+  says EAGAIN.
+- `write_file(..., direct=True)`: the aligned bulk of an aligned buffer goes out with
+  `O_DIRECT`; the remaining tail (under one block) through the cache on the same
+  descriptor, after `fcntl` turns the flag off; the caller's fsync covers both.
+  `LocalStore` writes through the cache by default: the checkpoint writer keeps the
+  newest checkpoint cached and writes each save into the pages of the one before
+  (`ckpt.page_recycle`), which costs about what `O_DIRECT` does.
+- `drop_cached`: `POSIX_FADV_DONTNEED` on a file's clean pages.
 
 `O_DIRECT` needs the buffer's address, the file offset and each transfer's length
-aligned to the device's logical block (`ALIGN` covers 512-byte and 4 KiB devices). The
-writer sends the aligned bulk of an aligned buffer direct, then turns `O_DIRECT` off on
-the same descriptor and writes the remaining tail (under one block) through the cache;
-the caller's fsync covers both. The reader reads the aligned blocks around the range
-into the caller's aligned buffer and hands back the view of the range. Filesystems that
-refuse `O_DIRECT` (the `fcntl` that turns it on fails) get buffered I/O, as do buffers
-that are not aligned and transfers under `DIRECT_MIN_BYTES`.
+aligned to the device's logical block (`ALIGN` covers 512-byte and 4 KiB devices).
+Filesystems that refuse it (the `fcntl` that turns it on fails) get buffered I/O, as do
+buffers that are not aligned and transfers under `DIRECT_MIN_BYTES`.
 """
 
 from __future__ import annotations
