@@ -365,28 +365,28 @@ def _worker(rank: int, world: int, init: str, args: dict, out_q: Any) -> None:
             extra.setdefault("relight_stall_staging_copy_s", []).append(
                 maxed(h_box["h"].stage_s))
             same = _state(mesh, n, rows, [Shard(0)], [Shard(0)], False)
-            store = storage.open_store(url + "-async")  # the loads read the newest checkpoint
-            before = store.stats.snapshot()
-            rec(system, "load_s", timed(lambda: ckpt.load(same, store), system, url + "-async"))
-            after = store.stats.snapshot()
+            newest = storage.open_store(url + "-async")  # the loads read the newest checkpoint
+            before = newest.stats.snapshot()
+            rec(system, "load_s", timed(lambda: ckpt.load(same, newest), system, url + "-async"))
+            after = newest.stats.snapshot()
             extra.setdefault("relight_load_cached_share", []).append(
                 summed(after["bytes_read_cached"] - before["bytes_read_cached"])
                 / max(1.0, summed(after["bytes_read"] - before["bytes_read"])))
             del same
             tgt = _state(mesh2, n, rows, [Shard(0), Shard(1)], [Shard(0), Replicate()], False)
-            c0, s0 = _bytes_read_now(s3), store.stats.snapshot()["bytes_read"]
+            c0, s0 = _bytes_read_now(s3), newest.stats.snapshot()["bytes_read"]
             rec(system, "reshard_load_s",
-                timed(lambda: ckpt.load(tgt, store), system, url + "-async"))
+                timed(lambda: ckpt.load(tgt, newest), system, url + "-async"))
             rec(system, "bytes_read_reshard", summed(_bytes_read_now(s3) - c0))
             extra.setdefault("relight_reshard_chunk_bytes", []).append(
-                summed(store.stats.snapshot()["bytes_read"] - s0))
+                summed(newest.stats.snapshot()["bytes_read"] - s0))
             del tgt
             rep = _state(mesh2, n, rows, [Replicate(), Shard(1)], [Replicate(), Replicate()],
                          False)
             extra.setdefault("relight_replicated_load_broadcast_s", []).append(
-                timed(lambda: ckpt.load(rep, store, broadcast=True), system, url + "-async"))
+                timed(lambda: ckpt.load(rep, newest, broadcast=True), system, url + "-async"))
             extra.setdefault("relight_replicated_load_direct_s", []).append(
-                timed(lambda: ckpt.load(rep, store, broadcast=False), system,
+                timed(lambda: ckpt.load(rep, newest, broadcast=False), system,
                       url + "-async"))
             del rep
             # Pipelined staging (after the loads, so they find the same dirty page cache as

@@ -53,7 +53,7 @@ DIRECT_PIECE = 16 << 20
 """Bytes per direct `write()` call (a multiple of `ALIGN`)."""
 
 _O_DIRECT = getattr(os, "O_DIRECT", 0)
-PAGE = os.sysconf("SC_PAGE_SIZE") if hasattr(os, "sysconf") else ALIGN
+_PAGE = os.sysconf("SC_PAGE_SIZE") if hasattr(os, "sysconf") else ALIGN
 
 
 def aligned_empty(nbytes: int) -> np.ndarray:
@@ -205,7 +205,7 @@ def read_aligned(path: str, start: int, end: int,
                          f"{span} aligned bytes around [{start}, {end})")
     fd = os.open(path, os.O_RDONLY | os.O_CLOEXEC)
     try:
-        warm = cached_pages(fd, lo, span) == (lo + span - 1) // PAGE - lo // PAGE + 1
+        warm = cached_pages(fd, lo, span) == (lo + span - 1) // _PAGE - lo // _PAGE + 1
         if not warm and not _set_direct(fd, True):
             return None
         got = 0
