@@ -19,10 +19,18 @@ systems (ABBA order over `--rounds`), and each figure is the median over rounds:
 - peak_rss_mb: extra host memory: the largest rise of a rank's RSS during any timed
   phase of that system (targets are allocated before a phase starts), sampled every 5 ms;
 - on files, `--condition kept` (the default) leaves every system's earlier rounds on
-  disk, as a run that keeps its last 3 checkpoints does (rounds older than that are
-  deleted), so saves meet a page cache full of earlier checkpoints; `--condition fresh`
+  disk, as a run that keeps its last 3 checkpoints does: a system's round 3 back is
+  deleted once its saves of this round are done, as retention runs right after a
+  commit; saves meet a page cache full of earlier checkpoints. `--condition fresh`
   deletes each system's previous round before its next one, so every save finds the
   page cache in the same state;
+- `--train-gap-s` (default 5): after every arm (one system's saves and loads of a
+  round, or the floor's) all ranks idle that long, standing in for the training
+  between a run's saves. It matters where the kernel hands freed pages back to a
+  hypervisor (virtio-balloon free page reporting, after about 2 s): a page taken
+  again from there costs a fault on the host, one freed an instant before does not.
+  With 0, a system's save may write into pages the arm before it just freed, which a
+  run's save, minutes after its retention ran, never finds;
 - ratios: dcp/relight per round (the systems ran back to back), median over rounds;
 - pipelined_return_s / pipelined_staged_s / pipelined_total_s: Relight's async save with
   `SaveOptions(pipelined_staging=True)`: until save() returns / until `wait_staged()`
@@ -328,13 +336,7 @@ def _worker(rank: int, world: int, init: str, args: dict, out_q: Any) -> None:
                                                      ["AWS_ENDPOINT_URL"]})
         return dcp.FileSystemReader(path)
 
-    def run_system(system: str, r: int) -> None:
-        url = f"{base}/{system}-{r}"
-        # fresh: each system's saves start from the same page cache: its previous
-        # round's checkpoints are removed first (their pages freed); a save's time then
-        # depends on the writer, not on how many earlier pages the kernel must reclaim.
-        # kept: as a run keeps them (`keep_last`), the last KEPT_ROUNDS stay.
-        gone = r - 1 if args["condition"] == "fresh" else r - KEPT_ROUNDS
+    def remove_round(system: str, gone: int) -> None:
         if not s3 and gone >= 0:
             if rank == 0:
                 import glob
@@ -343,6 +345,27 @@ def _worker(rank: int, world: int, init: str, args: dict, out_q: Any) -> None:
                 for old in glob.glob(f"{base}/{system}-{gone}*"):
                     shutil.rmtree(old, ignore_errors=True)
             dist.barrier()
+
+    def run_arm(system: str, r: int) -> None:
+        # fresh: each system's saves start from the same page cache: its previous
+        # round's checkpoints are removed first (their pages freed); a save's time then
+        # depends on the writer, not on how many earlier pages the kernel must reclaim.
+        # kept: as a run's retention does (`keep_last=3` right after a commit), the
+        # round KEPT_ROUNDS back goes once this round's saves are done.
+        if args["condition"] == "fresh":
+            remove_round(system, r - 1)
+        run_system(system, r)
+        if args["condition"] == "kept":
+            remove_round(system, r - KEPT_ROUNDS)
+        # The training between a run's saves: no checkpoint I/O for train_gap_s, so
+        # what this arm freed is back in the free pool when the next arm starts, as
+        # it is when a run's next save comes (see the module docstring).
+        dist.barrier()
+        time.sleep(args["train_gap_s"])
+        dist.barrier()
+
+    def run_system(system: str, r: int) -> None:
+        url = f"{base}/{system}-{r}"
         if system == "relight":
             opts = ckpt.SaveOptions(compression=args["compression"])
             store = storage.open_store(url + "-sync")
@@ -507,7 +530,7 @@ def _worker(rank: int, world: int, init: str, args: dict, out_q: Any) -> None:
         order = ["dcp", "relight"] if r % 2 == 0 else ["relight", "dcp"]
         order.append("floor")
         for system in order:
-            run_system(system, r)
+            run_arm(system, r)
             if rank == 0:
                 print(f"round {r} {system}: " + ", ".join(
                     f"{k}={v[-1]:.3f}" for k, v in results[system].items()), flush=True)
@@ -535,6 +558,9 @@ def main(argv: list[str] | None = None) -> int:
                    help="files: drop each checkpoint from the page cache before every "
                         "load, as a resumed job on another node reads it (cold), or load "
                         "with whatever the save left cached (as-saved)")
+    p.add_argument("--train-gap-s", type=float, default=5.0,
+                   help="seconds without checkpoint I/O after every arm, standing in for "
+                        "the training between a run's saves (0: arms back to back)")
     p.add_argument("--json", dest="json_out", default=None)
     a = p.parse_args(argv)
     if a.ranks % 2:
@@ -555,6 +581,7 @@ def main(argv: list[str] | None = None) -> int:
         base = os.path.join(tmp, "ck")
     args = {"mb": a.mb, "storage": a.storage, "rounds": a.rounds, "base": base, "env": env,
             "condition": a.condition, "load_cache": a.load_cache,
+            "train_gap_s": a.train_gap_s,
             "compression": None if a.compression == "none" else a.compression}
     ctx = mp.get_context("spawn")
     q = ctx.Queue()
@@ -618,7 +645,7 @@ def main(argv: list[str] | None = None) -> int:
     out["config"] = {"mb": a.mb, "ranks": a.ranks, "storage": a.storage, "rounds": a.rounds,
                      "layers": got["layers"], "rows": got["rows"], "hidden": HIDDEN,
                      "compression": a.compression, "condition": a.condition,
-                     "load_cache": a.load_cache,
+                     "load_cache": a.load_cache, "train_gap_s": a.train_gap_s,
                      "cpus": os.cpu_count(),
                      "loadavg_after": os.getloadavg(),
                      "command": "python -m benchmarks.ckpt " + " ".join(argv or sys.argv[1:])}
