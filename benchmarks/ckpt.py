@@ -39,7 +39,10 @@ systems (ABBA order over `--rounds`), and each figure is the median over rounds:
 
 - on files, `--load-cache cold` (the default) drops every checkpoint from the page cache
   before each of its loads (every system's, and the floor's), as a job resumed on
-  another node reads it; `as-saved` loads with whatever the saves left cached, as a
+  another node reads it, and waits `--cold-settle-s` (default 5) before the load: the
+  dropped pages go back to the free pool (and, on a VM with free page reporting, to
+  the host) as a resumed job's node holds no pages freed a moment before; `as-saved`
+  loads with whatever the saves left cached, as a
   process restarted on the same node does (writes through the page cache leave their
   pages there, Relight's with `RELIGHT_DIRECT_IO=1` none); extra
   `relight_load_cached_share` is the share of Relight's load the cache served;
@@ -300,8 +303,14 @@ def _worker(rank: int, world: int, init: str, args: dict, out_q: Any) -> None:
     def timed(fn, system: str, reads: str | None = None) -> float:  # noqa: ANN001
         """Seconds of `fn` on the slowest rank. `reads`: the files a load reads, dropped
         from the page cache first under `--load-cache cold`."""
-        if reads is not None and not s3 and args["load_cache"] == "cold" and rank == 0:
-            _evict(reads)
+        if reads is not None and not s3 and args["load_cache"] == "cold":
+            if rank == 0:
+                _evict(reads)
+            # A job resumed on another node finds neither the checkpoint's pages nor
+            # pages freed a moment ago: the evicted pages get cold_settle_s to go back
+            # to the free pool before the load (see the module docstring).
+            dist.barrier()
+            time.sleep(args["cold_settle_s"])
         dist.barrier()
         win(system, True)
         t0 = time.perf_counter()
@@ -567,6 +576,9 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--train-gap-s", type=float, default=5.0,
                    help="seconds without checkpoint I/O after every arm, standing in for "
                         "the training between a run's saves (0: arms back to back)")
+    p.add_argument("--cold-settle-s", type=float, default=5.0,
+                   help="files, cold loads: seconds between dropping a checkpoint from the "
+                        "page cache and loading it (0: load at once)")
     p.add_argument("--json", dest="json_out", default=None)
     a = p.parse_args(argv)
     if a.ranks % 2:
@@ -587,7 +599,7 @@ def main(argv: list[str] | None = None) -> int:
         base = os.path.join(tmp, "ck")
     args = {"mb": a.mb, "storage": a.storage, "rounds": a.rounds, "base": base, "env": env,
             "condition": a.condition, "load_cache": a.load_cache,
-            "train_gap_s": a.train_gap_s,
+            "train_gap_s": a.train_gap_s, "cold_settle_s": a.cold_settle_s,
             "compression": None if a.compression == "none" else a.compression}
     ctx = mp.get_context("spawn")
     q = ctx.Queue()
@@ -652,6 +664,7 @@ def main(argv: list[str] | None = None) -> int:
                      "layers": got["layers"], "rows": got["rows"], "hidden": HIDDEN,
                      "compression": a.compression, "condition": a.condition,
                      "load_cache": a.load_cache, "train_gap_s": a.train_gap_s,
+                     "cold_settle_s": a.cold_settle_s,
                      "cpus": os.cpu_count(),
                      "loadavg_after": os.getloadavg(),
                      "command": "python -m benchmarks.ckpt " + " ".join(argv or sys.argv[1:])}

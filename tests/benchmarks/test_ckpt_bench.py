@@ -13,12 +13,14 @@ from benchmarks import ckpt as ckpt_bench
 @pytest.mark.long  # two ranks that import torch, and DCP
 def test_the_file_benchmark_reports_every_arm_with_cold_loads(tmp_path, capsys) -> None:
     out = tmp_path / "out.json"
-    # No pause between arms: the pause stands in for training, which a test need not wait out.
+    # No pauses: they stand in for training and for a node's idle memory, which a test
+    # need not wait out.
     assert ckpt_bench.main(["--mb", "16", "--ranks", "2", "--rounds", "2", "--train-gap-s", "0",
-                            "--dir", str(tmp_path), "--json", str(out)]) == 0
+                            "--cold-settle-s", "0", "--dir", str(tmp_path),
+                            "--json", str(out)]) == 0
     got = json.loads(out.read_text())
     assert got["config"]["load_cache"] == "cold" and got["config"]["condition"] == "kept"
-    assert got["config"]["train_gap_s"] == 0
+    assert got["config"]["train_gap_s"] == 0 and got["config"]["cold_settle_s"] == 0
     rounds = got["extra"]["all_rounds"]
     for system in ("relight", "dcp"):
         for field in ("save_s", "stall_s", "load_s", "reshard_load_s"):
