@@ -302,7 +302,7 @@ def _worker(rank: int, world: int, init: str, args: dict, out_q: Any) -> None:
 
     def timed(fn, system: str, reads: str | None = None) -> float:  # noqa: ANN001
         """Seconds of `fn` on the slowest rank. `reads`: the files a load reads, dropped
-        from the page cache first under `--load-cache cold`."""
+        from the page cache first under `--load-cache cold` (then `--cold-settle-s`)."""
         if reads is not None and not s3 and args["load_cache"] == "cold":
             if rank == 0:
                 _evict(reads)

@@ -15,8 +15,8 @@ range, writes that can go around it, and letting an object's pages go.
   descriptor, after `fcntl` turns the flag off; the caller's fsync covers both.
   `LocalStore` writes through the cache by default: the checkpoint writer keeps the
   newest checkpoint cached and writes each save into the pages of the one before
-  (`ckpt.page_recycle`). The benchmark's sync save (4 ranks, 512 MiB, kept checkpoints),
-  per-run medians: 0.35-0.42 s so, 0.32-0.38 s with `O_DIRECT` writes.
+  (`ckpt.page_recycle`); docs/design/ckpt-write-path.md has what that and `O_DIRECT`
+  writes cost.
 - `drop_cached`: `POSIX_FADV_DONTNEED` on a file's clean pages.
 
 `O_DIRECT` needs the buffer's address, the file offset and each transfer's length

@@ -15,7 +15,7 @@ from ckpt.page_recycle import PageRecycler
 from ckpt.resources import resources
 from storage.direct_io import cached_pages
 from storage.memory_store import MemoryStore
-from tests.storage.filesystems import MEMORY_FILESYSTEMS, fstype
+from tests.storage.filesystems import on_memory_filesystem
 
 
 def _cached(path: str) -> int | None:
@@ -38,7 +38,7 @@ def _state(seed: int) -> dict:
 
 
 def test_a_save_writes_into_the_pages_of_the_previous_one(tmp_path):
-    if fstype(str(tmp_path)) in MEMORY_FILESYSTEMS:
+    if on_memory_filesystem(str(tmp_path)):
         pytest.skip(f"{tmp_path} is on a memory filesystem: its pages are the file")
     resources().recycler.forget()
     first, second = _state(1), _state(2)

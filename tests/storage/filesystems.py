@@ -6,6 +6,11 @@ MEMORY_FILESYSTEMS = ("tmpfs", "ramfs")
 """Filesystems whose pages are the file: `drop_cached` cannot drop them."""
 
 
+def on_memory_filesystem(path: str) -> bool:
+    """Whether `path` lies on a filesystem whose pages are the file."""
+    return fstype(path) in MEMORY_FILESYSTEMS
+
+
 def fstype(path: str) -> str:
     """The type of the filesystem holding `path` (longest mount point that contains it)."""
     best, kind = "", ""

@@ -30,7 +30,7 @@ from storage.direct_io import (
     write_file,
 )
 from storage.fsspec_store import LocalStore
-from tests.storage.filesystems import MEMORY_FILESYSTEMS, fstype
+from tests.storage.filesystems import fstype, on_memory_filesystem
 
 MiB = 1 << 20
 
@@ -63,7 +63,7 @@ def _takes_direct(directory) -> bool:  # noqa: ANN001
 def direct_dir(tmp_path):
     """A directory on a disk filesystem that takes O_DIRECT (skip elsewhere: on a memory
     filesystem the pages are the file, so no write or read goes around them)."""
-    if fstype(str(tmp_path)) in MEMORY_FILESYSTEMS:
+    if on_memory_filesystem(str(tmp_path)):
         pytest.skip(f"{tmp_path} is on a memory filesystem ({fstype(str(tmp_path))})")
     if not _takes_direct(tmp_path):
         pytest.skip(f"the filesystem of {tmp_path} ({fstype(str(tmp_path))}) refuses O_DIRECT")
@@ -84,7 +84,7 @@ def test_bytes_round_trip_at_any_size_offset_and_range(tmp_path, size, skew, lo,
         assert f.read() == data.tobytes()
     start, end = sorted((int(lo * size), int(hi * size)))
     # Memory filesystems (tmpfs) keep their pages whatever `drop_cached` says.
-    counts = _cache_counts(path) and fstype(str(tmp_path)) not in MEMORY_FILESYSTEMS
+    counts = _cache_counts(path) and not on_memory_filesystem(str(tmp_path))
     for state in ("warm", "cold"):  # the read above left every page cached
         if state == "cold":
             drop_cached(path)
