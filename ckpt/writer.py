@@ -238,7 +238,7 @@ class _SaveJob:
         assert self.stager is not None
         t0 = time.perf_counter()
         try:
-            self.staged, self.packed = self.stager.run()
+            self.staged, self.packed = resources().save_worker.run_staging(self.stager.run)
         finally:
             self.handle.stage_s = time.perf_counter() - t0
             self.handle._mark_staged()
