@@ -8,6 +8,10 @@ systems (ABBA order over `--rounds`), and each figure is the median over rounds:
 
 - save_s: synchronous save, barrier to barrier, slowest rank;
 - stall_s / async_total_s: async save, until the call returns / until it is durable;
+- step_s: a stand-in for the training step that follows an async save: `--step-iters`
+  single-threaded 256x256 fp32 matmuls per rank, run as soon as the async save returns
+  (so async_total_s is the save's time with the training running beside it); the
+  floor's step_s is the same step with no save running (`--step-iters 0`: no step);
 - load_s: load of the newest checkpoint (the async save's) into the same layout;
   reshard_load_s: the same into dp2 x tp2 (Shard(0), Shard(1)) DTensors;
 - bytes_written: bytes of the objects under the checkpoint prefix after the save;
@@ -321,6 +325,15 @@ def _worker(rank: int, world: int, init: str, args: dict, out_q: Any) -> None:
         dist.all_reduce(t, op=dist.ReduceOp.MAX)
         return float(t)
 
+    step_a = torch.randn(256, 256)
+
+    def train_step() -> float:
+        """The training-step stand-in (see step_s in the module docstring): seconds."""
+        t0 = time.perf_counter()
+        for _ in range(args["step_iters"]):
+            torch.mm(step_a, step_a)
+        return time.perf_counter() - t0
+
     def maxed(x: float) -> float:
         t = torch.tensor([x])
         dist.all_reduce(t, op=dist.ReduceOp.MAX)
@@ -390,12 +403,15 @@ def _worker(rank: int, world: int, init: str, args: dict, out_q: Any) -> None:
             t0 = time.perf_counter()
             start()
             stall = time.perf_counter() - t0
+            step = train_step()
             h_box["h"].wait()
             dist.barrier()
             total = time.perf_counter() - t0
             win(system, False)
             rec(system, "stall_s", maxed(stall))
             rec(system, "async_total_s", maxed(total))
+            if args["step_iters"]:
+                rec(system, "step_s", maxed(step))
             extra.setdefault("relight_stall_staging_copy_s", []).append(
                 maxed(h_box["h"].stage_s))
             same = _state(mesh, n, rows, [Shard(0)], [Shard(0)], False)
@@ -505,6 +521,9 @@ def _worker(rank: int, world: int, init: str, args: dict, out_q: Any) -> None:
                 del blob
                 rec(system, "load_s", timed(lambda: _floor_load(dst, path), system, url))
             del same, dst
+            if args["step_iters"]:  # the training step with no save beside it
+                dist.barrier()
+                rec(system, "step_s", maxed(train_step()))
             # The same copy after the loads, away from any write (supporting figure).
             extra.setdefault("floor_copy_after_loads_s", []).append(timed(copy, system))
             del staging, srcs
@@ -517,12 +536,15 @@ def _worker(rank: int, world: int, init: str, args: dict, out_q: Any) -> None:
             t0 = time.perf_counter()
             fut = dcp.async_save(src, storage_writer=dcp_writer(url + "-async"))
             stall = time.perf_counter() - t0
+            step = train_step()
             (fut.upload_completion if hasattr(fut, "upload_completion") else fut).result()
             dist.barrier()
             total = time.perf_counter() - t0
             win(system, False)
             rec(system, "stall_s", maxed(stall))
             rec(system, "async_total_s", maxed(total))
+            if args["step_iters"]:
+                rec(system, "step_s", maxed(step))
             same = _state(mesh, n, rows, [Shard(0)], [Shard(0)], False)
             rec(system, "load_s", timed(lambda: dcp.load(same, storage_reader=dcp_reader(path)),
                                         system, path))
@@ -579,6 +601,9 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--cold-settle-s", type=float, default=5.0,
                    help="files, cold loads: seconds between dropping a checkpoint from the "
                         "page cache and loading it (0: load at once)")
+    p.add_argument("--step-iters", type=int, default=200,
+                   help="matmuls of the training-step stand-in run right after each async "
+                        "save returns (0: none)")
     p.add_argument("--json", dest="json_out", default=None)
     a = p.parse_args(argv)
     if a.ranks % 2:
@@ -600,6 +625,7 @@ def main(argv: list[str] | None = None) -> int:
     args = {"mb": a.mb, "storage": a.storage, "rounds": a.rounds, "base": base, "env": env,
             "condition": a.condition, "load_cache": a.load_cache,
             "train_gap_s": a.train_gap_s, "cold_settle_s": a.cold_settle_s,
+            "step_iters": a.step_iters,
             "compression": None if a.compression == "none" else a.compression}
     ctx = mp.get_context("spawn")
     q = ctx.Queue()
@@ -623,6 +649,8 @@ def main(argv: list[str] | None = None) -> int:
         shutil.rmtree(tmp, ignore_errors=True)
     fields = ["stall_s", "async_total_s", "save_s", "load_s", "reshard_load_s",
               "bytes_written", "bytes_read_reshard", "peak_rss_mb"]
+    if a.step_iters:
+        fields.append("step_s")
     out: dict[str, Any] = {}
     for system in ("relight", "dcp"):
         out[system] = {f: statistics.median(got["results"][system][f]) for f in fields}
@@ -650,7 +678,8 @@ def main(argv: list[str] | None = None) -> int:
         out["floor_ratios"] = {
             f"{system}_{f}": statistics.median(
                 [x / y for x, y in zip(fl[f], got["results"][system][f], strict=True) if y > 0])
-            for system in ("relight", "dcp") for f in ("save_s", "load_s", "stall_s")}
+            for system in ("relight", "dcp") for f in ("save_s", "load_s", "stall_s", "step_s")
+            if fl.get(f)}
         if fl.get("save_direct_s"):  # files: the same bytes written around the page cache
             out["floor_ratios"].update({
                 f"{system}_save_s_direct": statistics.median(
@@ -664,7 +693,7 @@ def main(argv: list[str] | None = None) -> int:
                      "layers": got["layers"], "rows": got["rows"], "hidden": HIDDEN,
                      "compression": a.compression, "condition": a.condition,
                      "load_cache": a.load_cache, "train_gap_s": a.train_gap_s,
-                     "cold_settle_s": a.cold_settle_s,
+                     "cold_settle_s": a.cold_settle_s, "step_iters": a.step_iters,
                      "cpus": os.cpu_count(),
                      "loadavg_after": os.getloadavg(),
                      "command": "python -m benchmarks.ckpt " + " ".join(argv or sys.argv[1:])}

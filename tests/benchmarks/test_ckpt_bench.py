@@ -21,9 +21,13 @@ def test_the_file_benchmark_reports_every_arm_with_cold_loads(tmp_path, capsys) 
     got = json.loads(out.read_text())
     assert got["config"]["load_cache"] == "cold" and got["config"]["condition"] == "kept"
     assert got["config"]["train_gap_s"] == 0 and got["config"]["cold_settle_s"] == 0
+    assert got["config"]["step_iters"] == 200  # the training step beside the async saves
     rounds = got["extra"]["all_rounds"]
+    assert len(rounds["floor"]["step_s"]) == 2 and min(rounds["floor"]["step_s"]) > 0
+    assert {"relight_step_s", "dcp_step_s"} <= set(got["floor_ratios"])
+    assert "step_s" in got["ratios"]
     for system in ("relight", "dcp"):
-        for field in ("save_s", "stall_s", "load_s", "reshard_load_s"):
+        for field in ("save_s", "stall_s", "load_s", "reshard_load_s", "step_s"):
             assert len(rounds[system][field]) == 2 and min(rounds[system][field]) > 0
         assert got[system]["bytes_written"] > 15 << 20  # the state: ~16 MiB
     assert len(rounds["floor"]["save_direct_s"]) == 2 and min(rounds["floor"]["save_direct_s"]) > 0
