@@ -35,8 +35,8 @@ logger = logging.getLogger(__name__)
 
 T = TypeVar("T")
 
-__all__ = ["CachedPlan", "EngineResources", "READ_THREADS", "SAVE_WORKER_NICE", "SaveWorker",
-           "resources", "wait_inflight", "wait_staged"]
+__all__ = ["CachedPlan", "EngineResources", "READ_THREADS", "SAVE_WORKER_NICE",
+           "SAVE_WORKER_NICE_ENV", "SaveWorker", "resources", "wait_inflight", "wait_staged"]
 
 READ_THREADS = {"memory": 2, "direct": 8, "remote": 8}
 """Shard-read threads per process: a read from memory (`memory`) is a copy, CPU work on
@@ -47,15 +47,36 @@ cache, 8 loads of each kind alternated between 8 and 2 threads: resharded loads
 0.33-0.38 s with 8 against 0.31-0.49 s with 2; same-layout loads 0.26-0.59 s against
 0.27-0.38 s (one slow round with 8)."""
 
-SAVE_WORKER_NICE = 10
+SAVE_WORKER_NICE_ENV = "RELIGHT_SAVE_WORKER_NICE"
+
+
+def _nice_from_env() -> int:
+    raw = os.environ.get(SAVE_WORKER_NICE_ENV, "").strip()
+    if not raw:
+        return 10
+    try:
+        nice = int(raw)
+    except ValueError:
+        nice = -1
+    if not 0 <= nice <= 19:
+        raise ValueError(f"{SAVE_WORKER_NICE_ENV} must be an integer from 0 to 19 (how many "
+                         f"nice levels below the training the save worker runs), got {raw!r}")
+    return nice
+
+
+SAVE_WORKER_NICE = _nice_from_env()
 """How much lower than the thread that saves the save worker runs (Linux nice values are
 per thread; the threads it starts to write inherit it). An asynchronous save hands the
 worker its job and returns, and the worker encodes and writes while the training goes
-on: with more busy threads than cores, the training then shared its cores with the save.
-4 ranks on 2 cores, a CPU-bound step run right after each async save returned (medians
-of 8 saves, 5 runs each): the step took 0.24-0.34 s against 0.36-0.49 s at the same
-priority, and 0.13-0.16 s with no save running; the save was durable 0.51-0.68 s after
-it started, against 0.46-0.59 s. 0 runs the worker at the caller's priority."""
+on: with more busy threads than cores, the training then shared its cores with the
+save. 4 ranks on 2 cores, a CPU-bound step run right after each async save returned
+(medians of 8 saves, 7 runs each): the step took 0.24-0.34 s against 0.34-0.49 s at
+the same priority (0.36-0.37 s at nice 5, two runs), and 0.11-0.16 s (one run 0.24 s)
+with no save running; the save was durable 0.51-0.68 s after it started, against 0.45-0.59 s.
+
+Read from `RELIGHT_SAVE_WORKER_NICE` (0-19, default 10) when the module loads. 0 runs
+the worker at the caller's priority: for a node whose other CPU-bound work (data-loader
+processes at the training's priority) would otherwise starve the saves."""
 
 
 @dataclass
@@ -84,7 +105,8 @@ class CachedPlan:
         return got
 
 
-Job = tuple[Callable[[], None], threading.Event]
+Job = tuple[Callable[[], None], threading.Event] | None
+"""A job and the event set once it has returned; None ends the thread."""
 
 
 class SaveWorker:
@@ -102,7 +124,6 @@ class SaveWorker:
         self._jobs: queue.SimpleQueue[Job] = queue.SimpleQueue()
         self._stagings: queue.SimpleQueue[Job] = queue.SimpleQueue()
         self._thread: threading.Thread | None = None
-        self._stager: threading.Thread | None = None
         self._lock = threading.Lock()
 
     def submit(self, job: Callable[[], None], tail: threading.Event) -> None:
@@ -111,12 +132,21 @@ class SaveWorker:
         with self._lock:
             if self._thread is None or not self._thread.is_alive():  # first, or forked
                 self._jobs, self._stagings = queue.SimpleQueue(), queue.SimpleQueue()
-                self._stager = _start(self._stagings, "ckpt-stage", 0)
+                _start(self._stagings, "ckpt-stage", 0)
                 self._thread = _start(self._jobs, "ckpt-save-worker", SAVE_WORKER_NICE)
             self._jobs.put((job, tail))
 
     def is_worker(self) -> bool:
         return threading.current_thread() is self._thread
+
+    def close(self) -> None:
+        """End both threads once the jobs handed over before have run (a process keeps
+        its worker; an instance made on the side, in a test, lets go of its threads)."""
+        with self._lock:
+            if self._thread is not None:
+                self._jobs.put(None)
+                self._stagings.put(None)
+                self._thread = None
 
     def run_staging(self, copy: Callable[[], T]) -> T:
         """`copy()` on the staging thread (the caller's priority): its result, or its
@@ -148,7 +178,10 @@ def _start(jobs: queue.SimpleQueue[Job], name: str, nice: int) -> threading.Thre
 def _run_jobs(jobs: queue.SimpleQueue[Job], nice: int) -> None:
     _lower_priority(nice)
     while True:
-        job, tail = jobs.get()
+        item = jobs.get()
+        if item is None:
+            return
+        job, tail = item
         try:
             job()
         except BaseException:  # noqa: BLE001 - a job reports through its handle

@@ -34,7 +34,10 @@ def _priorities_seen_by_a_job(worker: SaveWorker) -> tuple[int, int]:
 
     tail = threading.Event()
     worker.submit(job, tail)
-    assert tail.wait(60), "the save worker did not run the job within 60 s"
+    try:
+        assert tail.wait(60), "the save worker did not run the job within 60 s"
+    finally:
+        worker.close()
     return seen["worker"], seen["child"]
 
 
@@ -44,6 +47,21 @@ def test_worker_and_its_threads_run_below_the_caller() -> None:
     assert res_mod.SAVE_WORKER_NICE > 0
     assert _priorities_seen_by_a_job(SaveWorker()) == (want, want)
     assert _nice() == caller
+
+
+def test_closed_worker_lets_go_of_its_threads() -> None:
+    def mine() -> list[threading.Thread]:
+        return [t for t in threading.enumerate() if t not in before]
+    before = set(threading.enumerate())
+    worker = SaveWorker()
+    tail = threading.Event()
+    worker.submit(lambda: None, tail)
+    assert tail.wait(60)
+    assert sorted(t.name for t in mine()) == ["ckpt-save-worker", "ckpt-stage"]
+    worker.close()
+    for t in mine():
+        t.join(60)  # each ends at the None its queue gets next
+    assert mine() == []
 
 
 def test_zero_keeps_the_process_priority(monkeypatch) -> None:
@@ -106,3 +124,16 @@ def test_failed_pipelined_staging_fails_the_save(tmp_path, monkeypatch) -> None:
     err = h.exception(timeout=60)
     assert isinstance(err, ckpt.CheckpointSaveError) and "staging copy failed" in str(err)
     assert not (tmp_path / "ck").exists() or not ckpt.verify(tmp_path / "ck").ok
+
+
+@pytest.mark.parametrize(("raw", "want"), [("", 10), ("0", 0), (" 19 ", 19), ("3", 3)])
+def test_nice_from_the_environment(monkeypatch, raw: str, want: int) -> None:
+    monkeypatch.setenv(res_mod.SAVE_WORKER_NICE_ENV, raw)
+    assert res_mod._nice_from_env() == want
+
+
+@pytest.mark.parametrize("raw", ["-1", "20", "ten", "1.5"])
+def test_bad_nice_in_the_environment_names_the_variable(monkeypatch, raw: str) -> None:
+    monkeypatch.setenv(res_mod.SAVE_WORKER_NICE_ENV, raw)
+    with pytest.raises(ValueError, match=f"RELIGHT_SAVE_WORKER_NICE .*0 to 19.*{raw!r}"):
+        res_mod._nice_from_env()
