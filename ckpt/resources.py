@@ -177,11 +177,9 @@ def _start(jobs: queue.SimpleQueue[Job], name: str, nice: int) -> threading.Thre
 
 def _run_jobs(jobs: queue.SimpleQueue[Job], nice: int) -> None:
     _lower_priority(nice)
-    while True:
-        item = jobs.get()
-        if item is None:
-            return
+    while (item := jobs.get()) is not None:
         job, tail = item
+        del item  # `del job` below must leave the job unreferenced
         try:
             job()
         except BaseException:  # noqa: BLE001 - a job reports through its handle

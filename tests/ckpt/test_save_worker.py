@@ -64,6 +64,29 @@ def test_closed_worker_lets_go_of_its_threads() -> None:
     assert mine() == []
 
 
+class _Job:
+    def __call__(self) -> None:
+        self.ran = True
+
+
+def test_worker_lets_go_of_a_job_before_its_tail() -> None:
+    """A done save's buffers are freed before exit stops waiting for it (`_join_tail`):
+    a daemon thread freeing tensors while the interpreter finalizes aborts the process."""
+    import weakref
+
+    worker = SaveWorker()
+    try:
+        for _ in range(3):
+            job, tail = _Job(), threading.Event()
+            gone = weakref.ref(job)
+            worker.submit(job, tail)
+            del job
+            assert tail.wait(60), "the save worker did not run the job within 60 s"
+            assert gone() is None, "the worker still holds the job after its tail was set"
+    finally:
+        worker.close()
+
+
 def test_zero_keeps_the_process_priority(monkeypatch) -> None:
     monkeypatch.setattr(res_mod, "SAVE_WORKER_NICE", 0)
     caller = _nice()
