@@ -124,6 +124,7 @@ class SaveWorker:
         self._jobs: queue.SimpleQueue[Job] = queue.SimpleQueue()
         self._stagings: queue.SimpleQueue[Job] = queue.SimpleQueue()
         self._thread: threading.Thread | None = None
+        self._stager: threading.Thread | None = None
         self._lock = threading.Lock()
 
     def submit(self, job: Callable[[], None], tail: threading.Event) -> None:
@@ -132,21 +133,26 @@ class SaveWorker:
         with self._lock:
             if self._thread is None or not self._thread.is_alive():  # first, or forked
                 self._jobs, self._stagings = queue.SimpleQueue(), queue.SimpleQueue()
-                _start(self._stagings, "ckpt-stage", 0)
+                self._stager = _start(self._stagings, "ckpt-stage", 0)
                 self._thread = _start(self._jobs, "ckpt-save-worker", SAVE_WORKER_NICE)
             self._jobs.put((job, tail))
 
     def is_worker(self) -> bool:
         return threading.current_thread() is self._thread
 
-    def close(self) -> None:
-        """End both threads once the jobs handed over before have run (a process keeps
-        its worker; an instance made on the side, in a test, lets go of its threads)."""
+    def close(self, join_s: float = 0.0) -> None:
+        """End both threads once the jobs handed over before have run, waiting up to
+        `join_s` for each (at interpreter exit; an instance made on the side, in a test,
+        lets go of its threads). A later `submit` starts new ones."""
         with self._lock:
-            if self._thread is not None:
+            threads = [t for t in (self._thread, self._stager) if t is not None]
+            if threads:
                 self._jobs.put(None)
                 self._stagings.put(None)
-                self._thread = None
+                self._thread = self._stager = None
+        for t in threads:
+            if t is not threading.current_thread():
+                t.join(join_s)
 
     def run_staging(self, copy: Callable[[], T]) -> T:
         """`copy()` on the staging thread (the caller's priority): its result, or its
@@ -303,12 +309,15 @@ _TAIL_JOIN_S = 60.0
 
 def _join_tail(h: SaveHandle) -> None:
     """Wait for the save worker to let go of a finished save, not only for its handle to
-    be done: the worker is a daemon, and one still freeing the save's buffers or calling
-    back when the interpreter finalizes is stopped by a forced unwind that aborts the
-    process inside torch's C++ ("terminate called without an active exception"), after
-    the commit, with exit status 134. An idle worker waits in a queue, which is safe."""
-    if not _RESOURCES.save_worker.is_worker():
+    be done, then end the worker's threads: they are daemons, and one still running
+    (freeing the save's buffers, calling back, or, below the caller's priority, not yet
+    back in its queue) when the interpreter finalizes is stopped by a forced unwind that
+    can abort the process inside torch's C++ ("terminate called without an active
+    exception"), after the commit, with exit status 134."""
+    worker = _RESOURCES.save_worker
+    if not worker.is_worker():
         h._tail.wait(_TAIL_JOIN_S)
+        worker.close(join_s=_TAIL_JOIN_S)
 
 
 _RESOURCES = EngineResources()

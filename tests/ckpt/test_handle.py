@@ -56,8 +56,12 @@ def test_failed_save_is_the_futures_exception(tmp_path) -> None:
 
 
 SCRIPT = textwrap.dedent("""
-    import sys, torch, ckpt, storage
+    import atexit, sys, threading, torch, ckpt, storage
     from storage.testing import FaultPlan, FaultyStore
+    # atexit runs after the engine's exit hook (threading's run first): what is left then
+    # runs while the interpreter finalizes.
+    atexit.register(lambda: print("left at exit:", sorted(
+        t.name for t in threading.enumerate() if t.name.startswith("ckpt-")), flush=True))
     root = storage.open_store(sys.argv[1])
     # Each index put sleeps: the save is surely still running when the script ends.
     slow = FaultyStore(root, FaultPlan(latency_s=0.5, ops=("put",), key_contains="index/"))
@@ -78,6 +82,7 @@ def test_async_save_in_flight_at_exit_commits_and_warns(tmp_path) -> None:
     assert "returned" in out.stdout
     assert "still running at interpreter exit" in out.stderr, out.stderr
     assert "call CheckpointManager.wait()" in out.stderr
+    assert "left at exit: []" in out.stdout  # the save worker's threads ended
     mgr = ckpt.CheckpointManager(root)
     assert mgr.latest_step() == 1
     sd = {"w": torch.zeros(16)}
