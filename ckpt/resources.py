@@ -18,7 +18,7 @@ import sys
 import threading
 import time
 from collections.abc import Callable
-from concurrent.futures import ThreadPoolExecutor
+from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass, field
 from typing import Any, TypeVar
 
@@ -159,20 +159,15 @@ class SaveWorker:
         error raised here. Called by a job; run in place off the worker."""
         if not self.is_worker():
             return copy()
-        box: list[Any] = []
+        staged: Future[T] = Future()
 
         def job() -> None:
             try:
-                box.append((True, copy()))
+                staged.set_result(copy())
             except BaseException as e:  # noqa: BLE001 - raised in the worker below
-                box.append((False, e))
-        done = threading.Event()
-        self._stagings.put((job, done))
-        done.wait()
-        ok, got = box[0]
-        if not ok:
-            raise got
-        return got
+                staged.set_exception(e)
+        self._stagings.put((job, threading.Event()))
+        return staged.result()
 
 
 def _start(jobs: queue.SimpleQueue[Job], name: str, nice: int) -> threading.Thread:
