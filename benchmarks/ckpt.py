@@ -1,6 +1,6 @@
 """Checkpoint benchmark: Relight's ckpt vs torch.distributed.checkpoint (DCP), side by side.
 
-    python -m benchmarks.ckpt --mb 512 --ranks 4 --storage file|s3 --json OUT.json
+    python -m relight.benchmarks.ckpt --mb 512 --ranks 4 --storage file|s3 --json OUT.json
 
 Both systems get the same state on the same gloo ranks: fp32 parameters plus two Adam
 moments, FSDP-style Shard(0) DTensors over `--ranks`. Phases alternate between the two
@@ -189,7 +189,7 @@ def _state(mesh: Any, n: int, rows: int, placements: Any, bias_pl: Any, fill: bo
 
 
 def _prefix_bytes(url: str) -> tuple[int, int]:
-    import storage
+    from relight import storage
 
     store = storage.open_store(url)
     keys = store.list()
@@ -198,7 +198,7 @@ def _prefix_bytes(url: str) -> tuple[int, int]:
 
 def _local_bytes(state: dict) -> list[memoryview]:
     """This rank's shard of every tensor of `state`, as raw bytes views (no copy)."""
-    from ckpt.flatten import flatten_state
+    from relight.ckpt.flatten import flatten_state
 
     out = []
     for leaf in flatten_state(state).tensors.values():
@@ -213,7 +213,7 @@ def _floor_save(views: list[memoryview], path: str, direct: bool = False) -> boo
     in order, fsynced with its directory (the durability both systems give). With
     `direct` (one aligned buffer), written around the page cache (`storage.direct_io`);
     returns whether the filesystem took it so."""
-    from storage.direct_io import write_file
+    from relight.storage.direct_io import write_file
 
     os.makedirs(os.path.dirname(path), exist_ok=True)
     fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o644)
@@ -272,8 +272,7 @@ def _worker(rank: int, world: int, init: str, args: dict, out_q: Any) -> None:
     from torch.distributed.device_mesh import DeviceMesh
     from torch.distributed.tensor import Replicate, Shard
 
-    import ckpt
-    import storage
+    from relight import ckpt, storage
 
     torch.set_num_threads(max(1, (os.cpu_count() or 2) // world))
     dist.init_process_group("gloo", init_method=init, rank=rank, world_size=world,
@@ -463,7 +462,7 @@ def _worker(rank: int, world: int, init: str, args: dict, out_q: Any) -> None:
             else:
                 nb = 0
             rec(system, "bytes_written", summed(nb))
-            from ckpt.resources import resources
+            from relight.ckpt.resources import resources
 
             bufs = resources().cached.bufs
             staged = bufs.staging.numel() if bufs.staging is not None else 0
@@ -505,7 +504,7 @@ def _worker(rank: int, world: int, init: str, args: dict, out_q: Any) -> None:
                 rec(system, "stall_s", timed(copy, system))
                 # The same bytes around the page cache: one aligned buffer, joined
                 # beforehand as the S3 floor's blob is.
-                from storage.direct_io import aligned_empty
+                from relight.storage.direct_io import aligned_empty
 
                 blob = aligned_empty(sum(len(v) for v in views))
                 at = 0
@@ -614,7 +613,7 @@ def main(argv: list[str] | None = None) -> int:
     env: dict[str, str] = {}
     tmp = tempfile.mkdtemp(prefix="bench-ckpt-", dir=a.dir)
     if a.storage == "s3":
-        from chaos.s3_server import S3Server
+        from relight.chaos.s3_server import S3Server
 
         server = S3Server(os.path.join(tmp, "s3")).start()
         env = server.env()
@@ -696,7 +695,8 @@ def main(argv: list[str] | None = None) -> int:
                      "cold_settle_s": a.cold_settle_s, "step_iters": a.step_iters,
                      "cpus": os.cpu_count(),
                      "loadavg_after": os.getloadavg(),
-                     "command": "python -m benchmarks.ckpt " + " ".join(argv or sys.argv[1:])}
+                     "command": "python -m relight.benchmarks.ckpt "
+                     + " ".join(argv or sys.argv[1:])}
     text = json.dumps(out, indent=1)
     if a.json_out:
         with open(a.json_out, "w") as f:

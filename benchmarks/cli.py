@@ -39,11 +39,11 @@ def main(argv: list[str] | None = None) -> int:
             lines.insert(0, f"relight bench: unknown benchmark {args[0]!r}")
         print("\n".join(lines), file=sys.stdout if known else sys.stderr)
         return 0 if args and known else 2
-    module = importlib.import_module(f"benchmarks.{args[0]}")
+    module = importlib.import_module(f"{__package__}.{args[0]}")
     rest = args[1:]
     if any(a in ("-h", "--help") for a in rest):
         return int(module.main(rest) or 0)
-    from ckpt.cli import ProgressBar
+    from relight.ckpt.cli import ProgressBar
 
     with ProgressBar(f"bench {args[0]}", enabled=True, unit="items"):
         return int(module.main(rest) or 0)

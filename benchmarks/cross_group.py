@@ -59,11 +59,11 @@ def _worker(rank: int, port: int, cfg: dict[str, Any], out: Any) -> None:
     import torch
     import torch.distributed as dist
 
-    from ckpt.layout import Piece
-    from ckpt.plan import RankLayout, TensorLayout
-    from elastic import regions
-    from elastic.heal import transfer_state
-    from elastic.regions import copy_regions, plan_copy, plan_sum, sum_regions
+    from relight.ckpt.layout import Piece
+    from relight.ckpt.plan import RankLayout, TensorLayout
+    from relight.elastic import regions
+    from relight.elastic.heal import transfer_state
+    from relight.elastic.regions import copy_regions, plan_copy, plan_sum, sum_regions
 
     if cfg.get("message_mb"):
         regions.MESSAGE_BYTES = int(cfg["message_mb"] * 2**20)

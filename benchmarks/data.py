@@ -38,7 +38,7 @@ def _stdlib_files(max_bytes: int) -> list[str]:
 
 
 def bench_prepare(max_mb: float, vocab: int, workers: int) -> list[dict[str, Any]]:
-    from runtime.prepare import prepare
+    from relight.runtime.prepare import prepare
 
     files = _stdlib_files(int(max_mb * 1e6))
     rows = []
@@ -57,9 +57,9 @@ def bench_prepare(max_mb: float, vocab: int, workers: int) -> list[dict[str, Any
 
 
 def bench_loader(config: str, steps: int, overrides: list[str]) -> dict[str, Any]:
-    from runtime.config import load_config
-    from runtime.data import DataLoader
-    from runtime.train import Trainer
+    from relight.runtime.config import load_config
+    from relight.runtime.data import DataLoader
+    from relight.runtime.train import Trainer
 
     cfg = load_config(config, [f"--train.steps={steps}", *overrides])
     trainer = Trainer(cfg)

@@ -35,8 +35,8 @@ import torch.distributed as dist  # noqa: E402
 import torch.distributed.checkpoint as dcp  # noqa: E402
 from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict  # noqa: E402
 
-from runtime.config import load_config  # noqa: E402
-from runtime.train import Trainer  # noqa: E402
+from relight.runtime.config import load_config  # noqa: E402
+from relight.runtime.train import Trainer  # noqa: E402
 
 KEEP = 3
 """Checkpoints kept, as the other arms keep theirs."""

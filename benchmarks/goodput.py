@@ -53,7 +53,7 @@ from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any
 
-from benchmarks.goodput_metrics import (
+from relight.benchmarks.goodput_metrics import (
     fleet_goodput,
     heal_times,
     live_fraction,
@@ -63,8 +63,8 @@ from benchmarks.goodput_metrics import (
     steps_in_window,
     window_start,
 )
-from chaos.faults import FaultKind, draw_mtbf_schedule
-from runtime.config import parse_value
+from relight.chaos.faults import FaultKind, draw_mtbf_schedule
+from relight.runtime.config import parse_value
 
 ROOT = Path(__file__).resolve().parents[1]
 ARMS = ("heal", "restart", "torchrun", "torchft")
@@ -181,8 +181,8 @@ def _records(metrics: Path, replica: bool, ranks: int) -> list[dict[str, Any]]:
 
 def _harness_arm(arm: str, times: list[float], cfg: GoodputConfig, out: Path
                  ) -> dict[str, Any]:
-    from chaos.runner import run_scenario
-    from chaos.scenario import parse_scenario
+    from relight.chaos.runner import run_scenario
+    from relight.chaos.scenario import parse_scenario
 
     result = run_scenario(parse_scenario(_scenario(arm, times, cfg)), out)
     rep = result.report

@@ -20,6 +20,8 @@ from collections.abc import Collection, Hashable, Iterable, Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
+from relight.errors import RelightError
+
 __all__ = ["MetricsError", "fleet_goodput", "heal_times", "kept_steps", "live_fraction",
            "outage_pause", "pauses", "read_records", "steps_in_window", "window_start"]
 
@@ -27,7 +29,7 @@ Record = Mapping[str, Any]
 _FIELDS = ("group", "step", "time", "step_time_s", "participants")
 
 
-class MetricsError(ValueError):
+class MetricsError(RelightError, ValueError):
     """A record lacks a field the figures need, or a figure's input is out of range."""
 
 

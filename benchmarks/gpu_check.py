@@ -1,6 +1,6 @@
 """The device check: everything of Relight that needs a GPU, run once, one JSON of figures.
 
-    python -m benchmarks.gpu_check --out gpu-check.json [--dry-run] [--budget-s 450]
+    python -m relight.benchmarks.gpu_check --out gpu-check.json [--dry-run] [--budget-s 450]
 
 (`scripts/gpu-check.sh` wraps it under a hard time limit.) Each part runs in its own
 process with its own time limit, so one that hangs or crashes costs only its budget;
@@ -62,7 +62,7 @@ def _digest(sd: dict[str, Any]) -> dict[str, str]:
     import torch
     from torch.distributed.tensor import DTensor
 
-    from runtime.state import flat_names
+    from relight.runtime.state import flat_names
 
     out = {}
     for name, v in sorted(flat_names(sd).items()):
@@ -94,8 +94,8 @@ def part_train(a: argparse.Namespace) -> dict[str, Any]:
     """Train (and, with --notice-at, get a notice at that step); digest the final state."""
     import torch
 
-    from runtime.config import load_config
-    from runtime.train import Trainer
+    from relight.runtime.config import load_config
+    from relight.runtime.train import Trainer
 
     cfg = load_config(ROOT / "configs/tiny.toml", _overrides(a))
     t0 = time.perf_counter()
@@ -131,8 +131,8 @@ def part_restore(a: argparse.Namespace) -> dict[str, Any]:
     """Restore the newest committed checkpoint into a CPU trainer; digest it."""
     import torch
 
-    from runtime.config import load_config
-    from runtime.train import Trainer
+    from relight.runtime.config import load_config
+    from relight.runtime.train import Trainer
 
     if torch.cuda.is_available():
         raise RuntimeError("the restore must run where no GPU is visible "
@@ -170,10 +170,11 @@ class Report:
 
 def _child(argv: list[str], timeout: float, env: dict[str, str] | None = None
            ) -> dict[str, Any]:
-    """Run `python -m benchmarks.gpu_check <part> ...`; its result JSON, or what went wrong."""
+    """Run `python -m relight.benchmarks.gpu_check <part> ...`; its result JSON, or what
+    went wrong."""
     with tempfile.NamedTemporaryFile(suffix=".json", delete=False) as f:
         result = f.name
-    cmd = [sys.executable, "-m", "benchmarks.gpu_check", *argv, "--result", result]
+    cmd = [sys.executable, "-m", "relight.benchmarks.gpu_check", *argv, "--result", result]
     t0 = time.monotonic()
     try:
         proc = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True,
@@ -349,7 +350,7 @@ def main(argv: list[str] | None = None) -> int:
         if "bench" not in skip:
             left = deadline - time.monotonic() - 15.0  # margin: start-up, teardown
             bench_json = work / "bench.json"
-            cmd = [sys.executable, "-m", "benchmarks.gpu_ckpt", "--device", device,
+            cmd = [sys.executable, "-m", "relight.benchmarks.gpu_ckpt", "--device", device,
                    "--sizes-mib", sizes, "--dir", str(work), "--budget-s", str(left - 20.0),
                    "--json", str(bench_json)]
             try:

@@ -1,6 +1,6 @@
 """The checkpoint benchmark on accelerator tensors: Relight beside DCP's `async_save`.
 
-    python -m benchmarks.gpu_ckpt --sizes-mib 1024,8192,32768 --json OUT.json [--dir DIR]
+    python -m relight.benchmarks.gpu_ckpt --sizes-mib 1024,8192,32768 --json OUT.json [--dir DIR]
 
 One process (world 1; on CUDA a ``cpu:gloo,cuda:nccl`` group, since DCP's `async_save`
 needs a CPU backend), the same state for every system: fp32 weights plus two Adam
@@ -128,7 +128,7 @@ def _free_host_bytes() -> int:
 
 
 def floor_arm(state: dict[str, Any], clock: _Clock, rounds: int = 3) -> dict[str, Any]:
-    from ckpt.staging import host_buffer
+    from relight.ckpt.staging import host_buffer
 
     leaves = _leaves(state)
     pin = None if clock.device.type == "cpu" else clock.device.type
@@ -159,8 +159,8 @@ def floor_arm(state: dict[str, Any], clock: _Clock, rounds: int = 3) -> dict[str
 
 def relight_arm(state: dict[str, Any], base: str, clock: _Clock,
                 pipelined: bool) -> dict[str, Any]:
-    import ckpt
-    from ckpt.resources import resources
+    from relight import ckpt
+    from relight.ckpt.resources import resources
 
     nb = _nbytes(state)
     out: dict[str, Any] = {}
@@ -368,13 +368,13 @@ def init_world1(device: torch.device) -> None:
     async_save refuses a group without a CPU backend)."""
     import torch.distributed as dist
 
-    from runtime.device import Device, init_process_group
+    from relight.runtime.device import Device, init_process_group
 
     if device.type == "cpu":
         init_process_group(Device("cpu"), 600, store=dist.HashStore(), rank=0, world_size=1)
         return
     torch.cuda.set_device(device)
-    from runtime.device import apply_nccl_env
+    from relight.runtime.device import apply_nccl_env
 
     apply_nccl_env()
     dist.init_process_group("cpu:gloo,cuda:nccl", store=dist.HashStore(), rank=0,
@@ -393,7 +393,7 @@ def main(argv: list[str] | None = None) -> int:
     a = p.parse_args(argv)
     import torch.distributed as dist
 
-    from runtime.device import resolve_device
+    from relight.runtime.device import resolve_device
 
     device = resolve_device(a.device).torch
     init_world1(device)

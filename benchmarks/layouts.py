@@ -1,4 +1,4 @@
-"""Layouts side by side on 4 ranks: ``python -m benchmarks.layouts --json OUT.json``.
+"""Layouts side by side on 4 ranks: ``python -m relight.benchmarks.layouts --json OUT.json``.
 
 Every layout trains the same model on the same global batch; "dp4" (plain replicated data
 parallelism) is the "just add devices" baseline. Per layout it measures, on every rank:
@@ -171,8 +171,8 @@ def _rank_main(rank: int, world: int, port: int, overrides: list[str], steps: in
         torch.set_num_threads(1)
         dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank,
                                 world_size=world, timeout=timedelta(seconds=600))
-        from runtime.config import load_config
-        from runtime.train import Trainer
+        from relight.runtime.config import load_config
+        from relight.runtime.train import Trainer
 
         base_rss = _rss_mb()
         cfg = load_config(None, overrides + ["--train.watchdog_timeout_s=0",
@@ -273,7 +273,7 @@ def _table(rows: list[dict], tokens: dict[str, int]) -> str:
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog="python -m benchmarks.layouts")
+    parser = argparse.ArgumentParser(prog="python -m relight.benchmarks.layouts")
     parser.add_argument("--json", required=True, help="write the results here")
     parser.add_argument("--steps", type=int, default=3, help="timed steps per layout")
     parser.add_argument("--world", type=int, default=4)

@@ -1,6 +1,6 @@
 """Recovery benchmark: kill one worker, time until the job completes a step again.
 
-    python -m benchmarks.recovery --json OUT.json [--state-mib 256] [--kills 3]
+    python -m relight.benchmarks.recovery --json OUT.json [--state-mib 256] [--kills 3]
 
 Two arms run the same job side by side in one invocation (the same state,
 the same step, the same kill schedule):
@@ -120,13 +120,13 @@ def worker(args: argparse.Namespace, t_top: float) -> None:
             pending = dcp.async_save(state, storage_writer=writer, process_group=ckpt_group)
             return pending
     else:
-        import ckpt
+        from relight import ckpt
 
         store: Any = ckpt_root
         if os.environ.get(LOCAL_TIER_ENV):  # benchmarks/tiers.py: the node-local tier on
-            from ckpt.local_tier import local_tier_dir
-            from ckpt.tiered import TieredStore
-            from storage import open_store
+            from relight.ckpt.local_tier import local_tier_dir
+            from relight.ckpt.tiered import TieredStore
+            from relight.storage import open_store
 
             store = open_store(ckpt_root)
             store = TieredStore(store, local_tier_dir(os.environ[LOCAL_TIER_ENV], store.url),
@@ -207,7 +207,7 @@ def _kill_all(agent: subprocess.Popen, out: Path) -> None:
 
 def run_arm(arm: str, args: argparse.Namespace, work: Path, s3_env: dict[str, str],
             ckpt_url: str) -> dict[str, Any]:
-    from elastic.etcd_server import EtcdServer, free_port
+    from relight.elastic.etcd_server import EtcdServer, free_port
 
     out = work / arm
     shutil.rmtree(out, ignore_errors=True)
@@ -219,7 +219,7 @@ def run_arm(arm: str, args: argparse.Namespace, work: Path, s3_env: dict[str, st
         etcd = EtcdServer(out / "etcd" / "data").start()
         rdzv = ["--rdzv-backend=relight-etcd", f"--rdzv-endpoint={etcd.endpoint}",
                 "--rdzv-conf=lease_ttl=5,last_call_timeout=1"]
-    worker = ["-m", "benchmarks.recovery", "--worker",
+    worker = ["-m", "relight.benchmarks.recovery", "--worker",
               "--arm", arm, "--out", str(out), "--state-mib", str(args.state_mib),
               "--ckpt-every", str(args.ckpt_every), "--step-sleep", str(args.step_sleep),
               "--ckpt-url", ckpt_url]
@@ -227,11 +227,11 @@ def run_arm(arm: str, args: argparse.Namespace, work: Path, s3_env: dict[str, st
            "RELIGHT_EVENTS_FILE": str(out / "events.jsonl")}
     warm = None
     if arm != "baseline" and args.warm:
-        from elastic.warm import DEFAULT_PRELOAD, WarmServer, client_command
+        from relight.elastic.warm import DEFAULT_PRELOAD, WarmServer, client_command
 
         sock = Path(tempfile.mkdtemp(prefix="relight-warm-")) / "s.sock"
         # The worker's own imports besides a Relight worker's: s3fs, this module.
-        preload = [*DEFAULT_PRELOAD, "s3fs", "benchmarks.recovery"]
+        preload = [*DEFAULT_PRELOAD, "s3fs", "relight.benchmarks.recovery"]
         warm = WarmServer(sock, preload, log_path=out / "warm.log", env=env).start()
         launch = ["--no-python", *client_command(str(sock), worker)]
     else:
@@ -401,7 +401,7 @@ def job_argument_parser(prog: str, doc: str | None, arms: str) -> argparse.Argum
 
 def main(argv: list[str] | None = None) -> int:
     t_top = time.time()
-    p = job_argument_parser("python -m benchmarks.recovery", __doc__, "baseline,relight")
+    p = job_argument_parser("python -m relight.benchmarks.recovery", __doc__, "baseline,relight")
     p.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)
     p.add_argument("--arm", help=argparse.SUPPRESS)
     p.add_argument("--out", help=argparse.SUPPRESS)
@@ -410,7 +410,7 @@ def main(argv: list[str] | None = None) -> int:
     if args.worker:
         worker(args, t_top)
         return 0
-    from chaos.s3_server import S3Server
+    from relight.chaos.s3_server import S3Server
 
     work = Path(args.workdir or tempfile.mkdtemp(prefix="relight-recovery-"))
     results: dict[str, Any] = {

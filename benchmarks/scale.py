@@ -34,10 +34,10 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from benchmarks.scale_commit import CommitConfig, run_commit
-from benchmarks.scale_rdzv import RdzvConfig, run_rendezvous
-from benchmarks.scale_report import fmt, growth_exponent, plot
-from benchmarks.scale_state import CONFIGS, MESHES, MODELS, state_bytes
+from relight.benchmarks.scale_commit import CommitConfig, run_commit
+from relight.benchmarks.scale_rdzv import RdzvConfig, run_rendezvous
+from relight.benchmarks.scale_report import fmt, growth_exponent, plot
+from relight.benchmarks.scale_state import CONFIGS, MESHES, MODELS, state_bytes
 
 __all__ = ["ScaleConfig", "run", "main"]
 
@@ -81,7 +81,7 @@ def _arms(config: str, system: str, worlds: list[int], cap_s: float,
     """Run one worker over `worlds`; a world whose timed part passes `cap_s` (or whose
     inputs take longer than that to build) ends the worker: it and the larger worlds
     are reported over the cap."""
-    cmd = [sys.executable, "-m", "benchmarks.scale_plan", "--system", system, "--config",
+    cmd = [sys.executable, "-m", "relight.benchmarks.scale_plan", "--system", system, "--config",
            config, "--worlds", ",".join(map(str, worlds))]
     if manifest_dir:
         cmd += ["--manifest-dir", manifest_dir]

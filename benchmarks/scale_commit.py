@@ -55,8 +55,8 @@ def _index_doc(rank: int, attempt: str, entries: int) -> bytes:
 
 
 def _small_manifest(world: int) -> tuple[bytes, bytes]:
-    from benchmarks.scale_plan import relight_manifest
-    from ckpt.plan import RankLayout, TensorLayout, plan_save
+    from relight.benchmarks.scale_plan import relight_manifest
+    from relight.ckpt.plan import RankLayout, TensorLayout, plan_save
 
     lay = [RankLayout(r, (TensorLayout("w", ("w",), (world, 1024), "float32", "sim",
                                        (((r, 0), (1, 1024)),)),), ()) for r in range(world)]
@@ -65,10 +65,10 @@ def _small_manifest(world: int) -> tuple[bytes, bytes]:
 
 
 def _one(store: Any, n: int, cfg: CommitConfig) -> dict[str, Any]:
-    from benchmarks.scale_plan import table_path
-    from ckpt.commit import collect_indexes, index_key, publish_commit
-    from ckpt.crc_table import TABLE_FIELD
-    from ckpt.manifest import crc32c, read_manifest
+    from relight.benchmarks.scale_plan import table_path
+    from relight.ckpt.commit import collect_indexes, index_key, publish_commit
+    from relight.ckpt.crc_table import TABLE_FIELD
+    from relight.ckpt.manifest import crc32c, read_manifest
 
     attempt = uuid.uuid4().hex[:16]
     ranks = tuple(range(n))
@@ -111,7 +111,7 @@ def sync_exchange(n: int, entries: int) -> dict[str, Any]:
     of parsing them. The coordinator receives every rank's flag, size and index; any
     other rank receives the coordinator's verdict and the outcome only. (An all-gather
     of the indexes, which this replaced, gave every rank the coordinator's part.)"""
-    from ckpt.comm import parse_json_list  # what the collectives parse with
+    from relight.ckpt.comm import parse_json_list  # what the collectives parse with
 
     attempt = "0123456789abcdef"
     idx = [json.loads(_index_doc(r, attempt, entries)) for r in range(n)]
@@ -152,7 +152,7 @@ def _group_member(rank: int, procs: int, port: int, payload_bytes: int, rounds: 
 
     import torch.distributed as dist
 
-    from ckpt.commit_group import CommitGroup
+    from relight.ckpt.commit_group import CommitGroup
 
     store = dist.TCPStore("127.0.0.1", port, procs + 1, is_master=False,
                           timeout=timedelta(seconds=120))
@@ -213,14 +213,14 @@ def group_transfer(total_bytes: int, procs: int = 8, rounds: int = 5) -> dict[st
 def run_commit(cfg: CommitConfig, log: Any = print) -> dict[str, list[dict[str, Any]]]:
     """{"local": rows, "s3": rows, "sync": rows}: one row per size ("sync": the
     synchronous save's index exchange, `sync_exchange`)."""
-    from storage import open_store
+    from relight.storage import open_store
 
     out: dict[str, list[dict[str, Any]]] = {}
     with ExitStack() as stack:
         tmp = Path(stack.enter_context(tempfile.TemporaryDirectory(prefix="scale-commit-")))
         targets = {"local": lambda n: open_store(str(tmp / "local" / f"n{n}"))}
         if cfg.s3:
-            from chaos.s3_server import S3Server
+            from relight.chaos.s3_server import S3Server
 
             server = S3Server(tmp / "s3").start()
             stack.callback(server.stop)

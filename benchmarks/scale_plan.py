@@ -1,6 +1,6 @@
 """Save and load planning at simulated world sizes: Relight's planners vs DCP's.
 
-Run as a worker (`python -m benchmarks.scale_plan --system relight|dcp ...`), one
+Run as a worker (`python -m relight.benchmarks.scale_plan --system relight|dcp ...`), one
 process per (config, system), world sizes in ascending order; it prints one JSON line
 when an arm's timed part starts and one with its result, so the parent can stop a DCP
 arm at the time cap without losing the arms before it. Inputs are built before the
@@ -38,7 +38,7 @@ import zlib
 from pathlib import Path
 from typing import Any
 
-from benchmarks.scale_state import (
+from relight.benchmarks.scale_state import (
     CONFIGS,
     ITEMSIZE,
     MESHES,
@@ -112,7 +112,7 @@ def stage_grids(config: str, world: int) -> dict[tuple[int, str], Any]:
     fsdp / ep, ep, tp) in `rank_pieces`'s numbering; tensor parallelism splits first and
     FSDP within its blocks (strided sharding), experts over ep and each expert's dim 1
     over the rest of fsdp. Mesh dims of one rank are left out, as the engine does."""
-    from ckpt.grid import MeshGrid
+    from relight.ckpt.grid import MeshGrid
 
     model, mesh = MODELS[CONFIGS[config][0]], MESHES[CONFIGS[config][1]].at(world)
     shape = (mesh.replicate, mesh.fsdp // mesh.ep, mesh.ep, mesh.tp)
@@ -150,7 +150,7 @@ def relight_inputs(config: str, world: int
     text, and the others with the rank's own box), and the load's needs (the grid needs
     and wanted names as `grid_needs_json`, shared likewise, and the JSON document
     `all_or_raise` carries with the rank's other needs); and the number of pieces."""
-    from ckpt.plan import RankLayout, TensorLayout, grid_needs_json
+    from relight.ckpt.plan import RankLayout, TensorLayout, grid_needs_json
 
     model, mesh = MODELS[CONFIGS[config][0]], MESHES[CONFIGS[config][1]].at(world)
     grids = stage_grids(config, world)
@@ -191,9 +191,9 @@ def relight_manifest(plan: Any, world: int) -> tuple[bytes, Any, bytes]:
     """The manifest the coordinator would write for `plan` and its chunk crc32c table,
     with one made-up crc32c per inner chunk of every data object (the values do not
     change either's size)."""
-    from ckpt.commit import build_manifest, encode_manifest, plan_manifest
-    from ckpt.format import CHUNK_CRCS, DATA_PREFIX
-    from ckpt.manifest import chunk_objects
+    from relight.ckpt.commit import build_manifest, encode_manifest, plan_manifest
+    from relight.ckpt.format import CHUNK_CRCS, DATA_PREFIX
+    from relight.ckpt.manifest import chunk_objects
 
     attempt = "0123456789abcdef"
     meta = {"step": 1000, "config": {}, "layout": {"world": world}}
@@ -213,9 +213,9 @@ def table_path(manifest_path: str | Path) -> Path:
 
 def relight_arm(config: str, world: int, manifest_out: str | None = None,
                 manifest: bool = True) -> dict[str, Any]:
-    from ckpt.comm import parse_json_list
-    from ckpt.manifest import parse_manifest
-    from ckpt.plan import (
+    from relight.ckpt.comm import parse_json_list
+    from relight.ckpt.manifest import parse_manifest
+    from relight.ckpt.plan import (
         GridPieces,
         layouts_from_parts,
         needs_from_json,

@@ -56,7 +56,7 @@ class RequestCounter:
         self._saved: dict[str, Any] = {}
 
     def __enter__(self) -> RequestCounter:
-        from elastic.etcd_client import EtcdClient
+        from relight.elastic.etcd_client import EtcdClient
 
         call, txn = EtcdClient.call, EtcdClient.txn
         watches = {name: getattr(EtcdClient, name) for name in ("wait_for_change",
@@ -91,7 +91,7 @@ class RequestCounter:
         return self
 
     def __exit__(self, *exc: object) -> None:
-        from elastic.etcd_client import EtcdClient
+        from relight.elastic.etcd_client import EtcdClient
 
         for name, fn in self._saved.items():
             setattr(EtcdClient, name, fn)
@@ -119,12 +119,12 @@ def _worker(conn: Any, nice: int) -> None:
     0's store key lives on its lease)."""
     import logging
 
-    from elastic.etcd_client import EtcdSettings
-    from elastic.rendezvous import EtcdRendezvousHandler, RendezvousSettings
+    from relight.elastic.etcd_client import EtcdSettings
+    from relight.elastic.rendezvous import EtcdRendezvousHandler, RendezvousSettings
 
     # Every agent logs its join and its leaving: 1,024 lines per round say nothing here.
-    logging.getLogger("elastic.rendezvous").setLevel(logging.ERROR)
-    logging.getLogger("elastic.etcd_client").setLevel(logging.ERROR)
+    logging.getLogger("relight.elastic.rendezvous").setLevel(logging.ERROR)
+    logging.getLogger("relight.elastic.etcd_client").setLevel(logging.ERROR)
     os.nice(nice)
     conn.send(("started", os.getpid()))
     while True:
@@ -225,7 +225,7 @@ def _one_round(conns: list[Any], endpoint: str, n: int, cfg: RdzvConfig) -> dict
 
 
 def run_rendezvous(cfg: RdzvConfig, log: Any = print) -> list[dict[str, Any]]:
-    from elastic.etcd_server import EtcdServer
+    from relight.elastic.etcd_server import EtcdServer
 
     rows = []
     pool = _Pool(max(cfg.procs_for(n) for n in cfg.agents), cfg.agent_nice)

@@ -1,6 +1,6 @@
 """Recovery with the node-local tier vs without: kill one worker, time until a step again.
 
-    python -m benchmarks.tiers --json OUT.json [--state-mib 256] [--kills 3]
+    python -m relight.benchmarks.tiers --json OUT.json [--state-mib 256] [--kills 3]
 
 The job, the kill schedule, the S3 server and the measurement are those of
 `benchmarks.recovery` (imported, not copied): one worker (rank 1) is SIGKILLed once the
@@ -31,7 +31,7 @@ import time
 from pathlib import Path
 from typing import Any
 
-from benchmarks import recovery
+from relight.benchmarks import recovery
 
 ARMS = ("baseline", "relight", "tiers")
 
@@ -50,10 +50,10 @@ def restore_only(args: argparse.Namespace, s3: Any, local: str) -> dict[str, Any
 
     import torch
 
-    import ckpt
-    from ckpt.local_tier import local_tier_dir
-    from ckpt.tiered import TieredStore
-    from storage import open_store
+    from relight import ckpt
+    from relight.ckpt.local_tier import local_tier_dir
+    from relight.ckpt.tiered import TieredStore
+    from relight.storage import open_store
 
     os.environ.update(s3.env())
     url = s3.url(f"tiers-restore/{Path(local).name}")
@@ -86,11 +86,11 @@ def restore_only(args: argparse.Namespace, s3: Any, local: str) -> dict[str, Any
 
 
 def main(argv: list[str] | None = None) -> int:
-    p = recovery.job_argument_parser("python -m benchmarks.tiers", __doc__, ",".join(ARMS))
+    p = recovery.job_argument_parser("python -m relight.benchmarks.tiers", __doc__, ",".join(ARMS))
     p.add_argument("--restores", type=int, default=5,
                    help="interleaved rounds of the restore-only measurement (0: skip it)")
     args = p.parse_args(argv)
-    from chaos.s3_server import S3Server
+    from relight.chaos.s3_server import S3Server
 
     work = Path(args.workdir or tempfile.mkdtemp(prefix="relight-tiers-"))
     shm = "/dev/shm" if os.path.isdir("/dev/shm") else None

@@ -53,11 +53,13 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from relight.errors import RelightError
+
 ROOT = Path(__file__).resolve().parents[1]
 if str(ROOT) not in sys.path:
     sys.path.insert(0, str(ROOT))
 
-from benchmarks.goodput_metrics import (  # noqa: E402
+from relight.benchmarks.goodput_metrics import (  # noqa: E402
     fleet_goodput,
     heal_times,
     kept_steps,
@@ -77,7 +79,7 @@ FAULT_KINDS = ("kill_group", "kill_lighthouse")
 PAUSE_WINDOW_S = 30.0
 
 
-class ScheduleError(ValueError):
+class ScheduleError(RelightError, ValueError):
     """The failure schedule is not a list of faults this arm knows."""
 
 
@@ -169,9 +171,9 @@ def worker(args: argparse.Namespace) -> int:
     from torchft import Manager, ProcessGroupGloo
     from torchft.checkpointing.pg_transport import PGTransport
 
-    from runtime.config import load_config
-    from runtime.data import BatchPlan, build_corpus
-    from runtime.model import build_model
+    from relight.runtime.config import load_config
+    from relight.runtime.data import BatchPlan, build_corpus
+    from relight.runtime.model import build_model
 
     events = Path(args.out) / "events.jsonl"
     _append(events, {"group": args.group, "event": "imported", "time": time.time()})

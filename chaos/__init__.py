@@ -1,7 +1,7 @@
 """chaos: break a training job on purpose and prove it came out right.
 
     scenario = chaos.load_scenario("scenarios/ci-smoke.toml")
-    from chaos.runner import run_scenario          # starts servers and processes
+    from relight.chaos.runner import run_scenario          # starts servers and processes
     result = run_scenario(scenario, "runs/chaos/ci-smoke")
     result.passed, result.report["invariants"]
 
@@ -10,9 +10,9 @@
 checkpoint commits, injected faults, final states. See docs/chaos.md.
 """
 
-from chaos.faults import FaultEvent, FaultKind
-from chaos.scenario import Scenario, ScenarioError, load_scenario, parse_scenario
-from chaos.verifier import InvariantResult, RunEvidence, verify
+from relight.chaos.faults import FaultEvent, FaultKind
+from relight.chaos.scenario import Scenario, ScenarioError, load_scenario, parse_scenario
+from relight.chaos.verifier import InvariantResult, RunEvidence, verify
 
 __all__ = [
     "FaultEvent",

@@ -20,13 +20,13 @@ import torch
 
 # Imported here, not on first use: the first import costs seconds on a loaded machine, and
 # paid in the middle of a fault injection it would delay the fault by as much.
-import ckpt
-from chaos.verifier import WeightsComparison
-from ckpt.export import iter_tensors
-from ckpt.format import COMMIT_KEY, DATA_PREFIX, INDEX_PREFIX, MANIFEST_KEY
-from ckpt.manifest import read_commit, read_manifest
-from ckpt.root_layout import RECORDS, parse_record_key, step_of_dir
-from storage import StorageError, Store
+from relight import ckpt
+from relight.chaos.verifier import WeightsComparison
+from relight.ckpt.export import iter_tensors
+from relight.ckpt.format import COMMIT_KEY, DATA_PREFIX, INDEX_PREFIX, MANIFEST_KEY
+from relight.ckpt.manifest import read_commit, read_manifest
+from relight.ckpt.root_layout import RECORDS, parse_record_key, step_of_dir
+from relight.storage import StorageError, Store
 
 logger = logging.getLogger(__name__)
 

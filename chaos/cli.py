@@ -20,8 +20,8 @@ import sys
 import time
 from pathlib import Path
 
-from chaos.report import load_report, render_markdown, write_junit, write_report
-from chaos.scenario import ScenarioError, load_scenario
+from relight.chaos.report import load_report, render_markdown, write_junit, write_report
+from relight.chaos.scenario import ScenarioError, load_scenario
 
 logger = logging.getLogger(__name__)
 
@@ -93,7 +93,7 @@ def main(argv: list[str] | None = None) -> int:
         return EXIT_USAGE
     seed = scenario.seed if args.seed is None else args.seed
     out = Path(args.out or f"runs/chaos/{scenario.name}-seed{seed}")
-    from chaos.runner import run_scenario
+    from relight.chaos.runner import run_scenario
 
     # A SIGTERM (a CI runner cancelling the job) unwinds through the runner's teardown
     # and exits 143: run_scenario installs the handler for every caller.

@@ -27,7 +27,8 @@ from typing import Any, Protocol
 
 import psutil
 
-from elastic.warm import worker_of
+from relight.elastic.warm import worker_of
+from relight.errors import RelightError
 
 logger = logging.getLogger(__name__)
 
@@ -136,7 +137,7 @@ RESTARTING = frozenset(
 PREEMPT_GRACE_S = 5.0
 
 
-class FaultInjectionError(RuntimeError):
+class FaultInjectionError(RelightError, RuntimeError):
     """A fault could not be injected (no live victim, no committed checkpoint yet...)."""
 
 
@@ -226,7 +227,7 @@ def find_workers(agent_pid: int) -> list[WorkerProc]:
                 # A warm start: the agent's child is a client that forwards signals
                 # (not SIGSTOP); the worker is the process the fork server made for it.
                 target = psutil.Process(forked)
-            elif "elastic.warm" in cmdline:
+            elif "relight.elastic.warm" in cmdline:
                 continue  # a warm client whose worker is not forked yet
             out.append(
                 WorkerProc(

@@ -23,8 +23,8 @@ from pathlib import Path
 from typing import Any
 from xml.etree import ElementTree as ET
 
-from chaos.logs import StepRecord, effective_history, job_history, split_attempts
-from chaos.verifier import InvariantResult
+from relight.chaos.logs import StepRecord, effective_history, job_history, split_attempts
+from relight.chaos.verifier import InvariantResult
 
 logger = logging.getLogger(__name__)
 

@@ -38,8 +38,8 @@ from typing import Any
 
 import psutil
 
-from chaos.ckpt_probe import CheckpointProbe, compare_final_states
-from chaos.faults import (
+from relight.chaos.ckpt_probe import CheckpointProbe, compare_final_states
+from relight.chaos.faults import (
     RESTARTING,
     SAVE_PHASES,
     FaultEvent,
@@ -52,10 +52,10 @@ from chaos.faults import (
     kill_tree,
     process_tree,
 )
-from chaos.logs import StepRecord, parse_metrics
-from chaos.report import build_report, write_junit, write_report
-from chaos.scenario import FaultSpec, Scenario
-from chaos.verifier import (
+from relight.chaos.logs import StepRecord, parse_metrics
+from relight.chaos.report import build_report, write_junit, write_report
+from relight.chaos.scenario import FaultSpec, Scenario
+from relight.chaos.verifier import (
     CheckpointEvent,
     FaultMark,
     RunEvidence,
@@ -63,11 +63,12 @@ from chaos.verifier import (
     WeightsComparison,
     verify,
 )
-from ckpt.local_tier import TIER_NODE_ENV, local_tier_dir
-from elastic.etcd_server import EtcdCluster, EtcdServer, free_port
-from runtime.replicas import GROUP_ENV
-from storage import Store, open_store
-from storage.testing import FAULT_PLAN_ENV, corrupt_object, write_plan_file
+from relight.ckpt.local_tier import TIER_NODE_ENV, local_tier_dir
+from relight.elastic.etcd_server import EtcdCluster, EtcdServer, free_port
+from relight.errors import RelightError
+from relight.runtime.replicas import GROUP_ENV
+from relight.storage import Store, open_store
+from relight.storage.testing import FAULT_PLAN_ENV, corrupt_object, write_plan_file
 
 logger = logging.getLogger(__name__)
 
@@ -79,7 +80,7 @@ DAMAGE = (FaultKind.CORRUPT_CHECKPOINT, FaultKind.TRUNCATE_CHECKPOINT)
 CKPT_POLL_S = 0.5
 
 
-class ChaosRunError(RuntimeError):
+class ChaosRunError(RelightError, RuntimeError):
     """The harness itself could not run the scenario (servers, launcher, paths)."""
 
 
@@ -150,7 +151,7 @@ def training_command(scenario: Scenario, ckpt_url: str, metrics: Path) -> tuple[
             argv = [sys.executable, _resolve(argv[0], scenario), *argv[1:]]
         return argv + overrides, env
     argv = [
-        sys.executable, "-m", "runtime.train", "--config", values["config"],
+        sys.executable, "-m", "relight.runtime.train", "--config", values["config"],
         f"--train.steps={scenario.target_step}",
         f"--checkpoint.url={ckpt_url}",
         f"--checkpoint.every={scenario.checkpoint.interval}",
@@ -178,7 +179,7 @@ def agent_command(scenario: Scenario, endpoint: str, job_id: str, nnodes: str,
         head = [sys.executable, "-m", "torch.distributed.run"]
     else:
         head = [sys.executable, "-c",
-                "import sys; from elastic.launch import main; sys.exit(main(sys.argv[1:]))",
+                "import sys; from relight.cli import main; sys.exit(main(['run', *sys.argv[1:]]))",
                 f"--run-dir={node_dir}"]
     conf = f"join_timeout={c.rdzv_timeout_s:g},last_call_timeout={c.last_call_s:g}"
     if c.rendezvous == "relight-etcd":
@@ -984,7 +985,7 @@ def _run_scenario(scenario: Scenario, out_dir: str | Path, *, seed: int | None,
     try:
         base_env: dict[str, str] = {}
         if scenario.storage.kind == "s3":
-            from chaos.s3_server import S3Server
+            from relight.chaos.s3_server import S3Server
 
             s3 = S3Server(out / "s3" / "data").start()
             base_env.update(s3.env())

@@ -19,12 +19,14 @@ import urllib.request
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from relight.errors import RelightError
+
 logger = logging.getLogger(__name__)
 
 __all__ = ["S3Server", "S3ServerError", "weed_binary"]
 
 
-class S3ServerError(RuntimeError):
+class S3ServerError(RelightError, RuntimeError):
     """The S3 server could not be started or did not answer."""
 
 

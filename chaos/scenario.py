@@ -47,7 +47,8 @@ from enum import StrEnum
 from pathlib import Path
 from typing import Any, TypeVar
 
-from chaos.faults import CHECKPOINT_ATTACKS, NODE_LOSSES, FaultKind, Phase
+from relight.chaos.faults import CHECKPOINT_ATTACKS, NODE_LOSSES, FaultKind, Phase
+from relight.errors import RelightError
 
 __all__ = [
     "CheckpointSpec",
@@ -64,7 +65,7 @@ __all__ = [
 ]
 
 
-class ScenarioError(ValueError):
+class ScenarioError(RelightError, ValueError):
     """A scenario file is invalid. `key` is the dotted path of the offending key."""
 
     def __init__(self, key: str, message: str, source: str = "") -> None:
@@ -188,7 +189,7 @@ class ClusterSpec:
 
 @dataclass(frozen=True, slots=True, kw_only=True)
 class TrainingSpec:
-    """What every node runs. With `command` empty, `python -m runtime.train` is used and the
+    """What every node runs. With `command` empty, `python -m relight.runtime.train` is used and the
     harness passes the config, target step, checkpoint URL, interval and metrics path as
     `--key=value` overrides. A user's own `command` gets the same values as environment
     variables (`RELIGHT_CKPT_URL`, `RELIGHT_METRICS_PATH`, `RELIGHT_TARGET_STEP`,

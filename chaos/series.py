@@ -2,8 +2,8 @@
 recovery-time distribution over the whole series, and the goodput `relight plan` predicts
 next to the goodput each run measured.
 
-    python -m chaos.series runs/chaos/fleet-1 runs/chaos/fleet-2 ...   # Markdown tables
-    python -m chaos.series --json runs/chaos/fleet-*
+    python -m relight.chaos.series runs/chaos/fleet-1 runs/chaos/fleet-2 ...   # Markdown tables
+    python -m relight.chaos.series --json runs/chaos/fleet-*
 
 The prediction uses Daly's model (`runtime.goodput_plan.expected_goodput`) with what the run's own
 metrics measure (`runtime.goodput_plan.measure_run` on `DIR/chaos/metrics.jsonl`: save stall,
@@ -30,9 +30,14 @@ from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any
 
-from chaos.faults import RESTARTING, FaultKind
-from chaos.report import load_report, percentile
-from runtime.goodput_plan import RunMetricsError, expected_goodput, heal_goodput, measure_run
+from relight.chaos.faults import RESTARTING, FaultKind
+from relight.chaos.report import load_report, percentile
+from relight.runtime.goodput_plan import (
+    RunMetricsError,
+    expected_goodput,
+    heal_goodput,
+    measure_run,
+)
 
 __all__ = ["SeedRow", "main", "predicted_goodput", "render_markdown", "seed_row",
            "series_recovery"]
@@ -184,7 +189,7 @@ def render_markdown(rows: Sequence[SeedRow]) -> str:
 
 
 def main(argv: Sequence[str] | None = None) -> int:
-    p = argparse.ArgumentParser(prog="python -m chaos.series", description=__doc__.split(
+    p = argparse.ArgumentParser(prog="python -m relight.chaos.series", description=__doc__.split(
         "\n\n")[0])
     p.add_argument("runs", nargs="+", type=Path, help="chaos run output directories")
     p.add_argument("--json", action="store_true", help="print JSON instead of Markdown")

@@ -49,8 +49,8 @@ from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
-from chaos.faults import CHECKPOINT_ATTACKS, FaultKind
-from chaos.logs import (
+from relight.chaos.faults import CHECKPOINT_ATTACKS, FaultKind
+from relight.chaos.logs import (
     Attempt,
     StepRecord,
     by_group,

@@ -13,8 +13,8 @@ any mesh, stateful objects, JSON values) as zarr v3 arrays through tensorstore, 
     mgr = ckpt.CheckpointManager(root.store)   # restores read the node-local tier first
 """
 
-from ckpt.engine import LoadInfo, SaveHandle, SaveOptions, load, save, wait_staged
-from ckpt.errors import (
+from relight.ckpt.engine import LoadInfo, SaveHandle, SaveOptions, load, save, wait_staged
+from relight.ckpt.errors import (
     AbsurdShapeError,
     CheckpointError,
     CheckpointExistsError,
@@ -35,16 +35,16 @@ from ckpt.errors import (
     UnsupportedStateError,
     UnsupportedVersionError,
 )
-from ckpt.guard import guard_optimizer
-from ckpt.manager import (
+from relight.ckpt.guard import guard_optimizer
+from relight.ckpt.manager import (
     CheckpointManager,
     KeepEvery,
     KeepLast,
     RetentionPolicy,
     SaveFailurePolicy,
 )
-from ckpt.tiers import CheckpointRoot, TierOptions, open_checkpoint_root
-from ckpt.verify import VerifyReport, verify
+from relight.ckpt.tiers import CheckpointRoot, TierOptions, open_checkpoint_root
+from relight.ckpt.verify import VerifyReport, verify
 
 __all__ = [
     "AbsurdShapeError",

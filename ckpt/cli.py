@@ -17,14 +17,14 @@ import time
 from types import TracebackType
 from typing import Any
 
-from ckpt.errors import CheckpointError, CheckpointNotFoundError
-from ckpt.export import diff, export_dcp, export_safetensors, import_dcp
-from ckpt.format import COMMIT_KEY, MANIFEST_KEY
-from ckpt.manager import KeepEvery, KeepLast, collect_garbage
-from ckpt.manifest import read_manifest
-from ckpt.root_layout import list_records, step_dir
-from ckpt.verify import verify
-from storage import StorageError, Store, open_store
+from relight.ckpt.errors import CheckpointError, CheckpointNotFoundError
+from relight.ckpt.export import diff, export_dcp, export_safetensors, import_dcp
+from relight.ckpt.format import COMMIT_KEY, MANIFEST_KEY
+from relight.ckpt.manager import KeepEvery, KeepLast, collect_garbage
+from relight.ckpt.manifest import read_manifest
+from relight.ckpt.root_layout import list_records, step_dir
+from relight.ckpt.verify import verify
+from relight.storage import StorageError, Store, open_store
 
 __all__ = ["main"]
 

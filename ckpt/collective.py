@@ -24,11 +24,11 @@ import json
 from collections.abc import Callable, Mapping
 from typing import Any
 
-import ckpt.errors as ckpt_errors
-import storage.errors as storage_errors
-from ckpt.comm import Comm, parse_json_list
-from ckpt.errors import CheckpointError, CorruptCheckpointError
-from storage import StorageError
+import relight.ckpt.errors as ckpt_errors
+import relight.storage.errors as storage_errors
+from relight.ckpt.comm import Comm, parse_json_list
+from relight.ckpt.errors import CheckpointError, CorruptCheckpointError
+from relight.storage import StorageError
 
 __all__ = ["RemoteError", "all_or_raise", "coordinator_outcome", "encode_error",
            "gather_or_raise", "raise_if_any", "rebuild_error"]

@@ -18,8 +18,8 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from ckpt.errors import CollectiveError
-from ckpt.gc_pause import gc_paused
+from relight.ckpt.errors import CollectiveError
+from relight.ckpt.gc_pause import gc_paused
 
 __all__ = ["Comm", "parse_json_list", "ranks_text"]
 

@@ -30,16 +30,16 @@ from typing import Any
 
 import torch
 
-from ckpt.comm import parse_json_list
-from ckpt.crc_table import TABLE_FIELD, TABLE_NAME, encode_table
-from ckpt.errors import (
+from relight.ckpt.comm import parse_json_list
+from relight.ckpt.crc_table import TABLE_FIELD, TABLE_NAME, encode_table
+from relight.ckpt.errors import (
     CheckpointError,
     CheckpointExistsError,
     CheckpointNotFoundError,
     CheckpointSaveError,
     CorruptCheckpointError,
 )
-from ckpt.format import (
+from relight.ckpt.format import (
     ABORT_PREFIX,
     CHUNK_CRCS,
     COMMIT_KEY,
@@ -53,7 +53,7 @@ from ckpt.format import (
     inner_chunk_shape,
     itemsize,
 )
-from ckpt.manifest import (
+from relight.ckpt.manifest import (
     Manifest,
     PieceEntry,
     TensorEntry,
@@ -61,9 +61,9 @@ from ckpt.manifest import (
     read_commit,
     validate,
 )
-from ckpt.plan import GridPieces, SavePlan, regular_grid
-from storage import ObjectNotFoundError, StorageError, Store
-from storage.checksum import crc32c
+from relight.ckpt.plan import GridPieces, SavePlan, regular_grid
+from relight.storage import ObjectNotFoundError, StorageError, Store
+from relight.storage.checksum import crc32c
 
 logger = logging.getLogger(__name__)
 

@@ -34,8 +34,8 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from ckpt.comm import Comm, ranks_text
-from ckpt.errors import CollectiveError
+from relight.ckpt.comm import Comm, ranks_text
+from relight.ckpt.errors import CollectiveError
 
 logger = logging.getLogger(__name__)
 

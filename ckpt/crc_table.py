@@ -30,15 +30,15 @@ from typing import Any
 
 import numpy as np
 
-from ckpt.errors import (
+from relight.ckpt.errors import (
     ChecksumMismatchError,
     CorruptCheckpointError,
     MissingChunkError,
     UnsafePathError,
 )
-from ckpt.format import check_path, chunk_key
-from storage import ObjectNotFoundError, ObjectTruncatedError, Store
-from storage.checksum import crc32c
+from relight.ckpt.format import check_path, chunk_key
+from relight.storage import ObjectNotFoundError, ObjectTruncatedError, Store
+from relight.storage.checksum import crc32c
 
 __all__ = ["TABLE_FIELD", "TABLE_NAME", "ArrayGeometry", "ChunkCrcTable", "encode_table"]
 

@@ -37,24 +37,24 @@ from typing import Any
 import numpy as np
 import torch
 
-from ckpt.collective import all_or_raise, raise_if_any
-from ckpt.comm import Comm
-from ckpt.commit import CommitHooks, exists_error
-from ckpt.commit_group import NO_GROUP, CommitGroup, commit_group_for
-from ckpt.errors import (
+from relight.ckpt.collective import all_or_raise, raise_if_any
+from relight.ckpt.comm import Comm
+from relight.ckpt.commit import CommitHooks, exists_error
+from relight.ckpt.commit_group import NO_GROUP, CommitGroup, commit_group_for
+from relight.ckpt.errors import (
     CheckpointError,
     DtypeMismatchError,
     MissingKeyError,
     ShapeMismatchError,
     UnexpectedKeyError,
 )
-from ckpt.flatten import FlatState, flatten_state, name_of, set_value
-from ckpt.format import COMMIT_KEY, dtype_name, numel
-from ckpt.handle import SaveHandle
-from ckpt.layout import Piece, local_pieces, local_view, mesh_grid
-from ckpt.manifest import Manifest, read_manifest
-from ckpt.options import SaveOptions
-from ckpt.plan import (
+from relight.ckpt.flatten import FlatState, flatten_state, name_of, set_value
+from relight.ckpt.format import COMMIT_KEY, dtype_name, numel
+from relight.ckpt.handle import SaveHandle
+from relight.ckpt.layout import Piece, local_pieces, local_view, mesh_grid
+from relight.ckpt.manifest import Manifest, read_manifest
+from relight.ckpt.options import SaveOptions
+from relight.ckpt.plan import (
     GridNeed,
     LoadPlan,
     RankLayout,
@@ -65,12 +65,12 @@ from ckpt.plan import (
     plan_load,
     plan_save,
 )
-from ckpt.rank_log import rank_step_prefix
-from ckpt.reader import RegionReader
-from ckpt.resources import CachedPlan, resources, wait_inflight, wait_staged
-from ckpt.staging import Stager
-from ckpt.writer import _SaveJob
-from storage import Store, open_store
+from relight.ckpt.rank_log import rank_step_prefix
+from relight.ckpt.reader import RegionReader
+from relight.ckpt.resources import CachedPlan, resources, wait_inflight, wait_staged
+from relight.ckpt.staging import Stager
+from relight.ckpt.writer import _SaveJob
+from relight.storage import Store, open_store
 
 logger = logging.getLogger(__name__)
 

@@ -7,6 +7,8 @@ URL, the tensor and the stored object, and says what to do about it.
 
 from __future__ import annotations
 
+from relight.errors import RelightError
+
 __all__ = [
     "CheckpointError",
     "CheckpointNotFoundError",
@@ -30,7 +32,7 @@ __all__ = [
 ]
 
 
-class CheckpointError(Exception):
+class CheckpointError(RelightError):
     """Base of every checkpoint error. `url`, `tensor` and `obj` name what it is about."""
 
     def __init__(

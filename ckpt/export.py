@@ -29,17 +29,17 @@ from typing import Any
 
 import torch
 
-from ckpt.engine import save
-from ckpt.errors import (
+from relight.ckpt.engine import save
+from relight.ckpt.errors import (
     CheckpointError,
     CheckpointNotFoundError,
     MissingKeyError,
     UnsupportedStateError,
 )
-from ckpt.format import DTYPES, dtype_name
-from ckpt.manifest import Manifest, TensorEntry, read_manifest
-from ckpt.reader import RegionReader
-from storage import Store, open_store
+from relight.ckpt.format import DTYPES, dtype_name
+from relight.ckpt.manifest import Manifest, TensorEntry, read_manifest
+from relight.ckpt.reader import RegionReader
+from relight.storage import Store, open_store
 
 __all__ = [
     "DiffReport",
@@ -334,7 +334,7 @@ def import_dcp(dcp_dir: str | os.PathLike[str], url: str | Store, *,
     from torch.distributed.checkpoint.default_planner import DefaultLoadPlanner
     from torch.distributed.checkpoint.metadata import TensorStorageMetadata
 
-    from ckpt.flatten import _check_json
+    from relight.ckpt.flatten import _check_json
 
     if not (Path(dcp_dir) / ".metadata").is_file():
         raise CheckpointNotFoundError(
@@ -387,7 +387,7 @@ def import_dcp(dcp_dir: str | os.PathLike[str], url: str | Store, *,
     if step is None:
         save(state, url, config=config).wait()
     else:  # a run root, as the training loop writes it: `ls`/`restore` find the step
-        from ckpt.manager import CheckpointManager
+        from relight.ckpt.manager import CheckpointManager
 
         CheckpointManager(url, keep_last=None, config=config).save(step, state,
                                                                    async_save=False).wait()

@@ -16,7 +16,7 @@ from typing import Any
 
 import torch
 
-from ckpt.errors import UnsupportedStateError
+from relight.ckpt.errors import UnsupportedStateError
 
 __all__ = ["FlatState", "TensorRef", "ValueRef", "flatten_state", "name_of", "is_stateful"]
 

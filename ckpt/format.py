@@ -21,7 +21,7 @@ from typing import Any
 
 import torch
 
-from ckpt.errors import AbsurdShapeError, UnsafePathError, UnsupportedVersionError
+from relight.ckpt.errors import AbsurdShapeError, UnsafePathError, UnsupportedVersionError
 
 FORMAT_NAME = "relight-checkpoint"
 FORMAT_VERSION = 2
@@ -72,7 +72,7 @@ DTYPE_NAMES: dict[torch.dtype, str] = {v: k for k, v in DTYPES.items()}
 
 
 def dtype_name(dtype: torch.dtype, tensor: str = "") -> str:
-    from ckpt.errors import UnsupportedStateError
+    from relight.ckpt.errors import UnsupportedStateError
 
     try:
         return DTYPE_NAMES[dtype]

@@ -18,11 +18,11 @@ import torch
 from torch.distributed.tensor import DTensor
 from torch.distributed.tensor.placement_types import Partial, Replicate, Shard
 
-from ckpt.errors import UnsupportedStateError
-from ckpt.flatten import FlatState
-from ckpt.format import dtype_name
-from ckpt.grid import MeshGrid
-from ckpt.plan import RankLayout, TensorLayout, layout_digest
+from relight.ckpt.errors import UnsupportedStateError
+from relight.ckpt.flatten import FlatState
+from relight.ckpt.format import dtype_name
+from relight.ckpt.grid import MeshGrid
+from relight.ckpt.plan import RankLayout, TensorLayout, layout_digest
 
 try:  # private in torch; present in 2.4+ under this name
     from torch.distributed.tensor._utils import _get_shard_size_and_offsets

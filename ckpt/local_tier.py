@@ -41,13 +41,13 @@ import threading
 from dataclasses import dataclass, field
 from typing import Any
 
-from ckpt import peer
-from ckpt.root_layout import is_committed, is_newest_committed, step_dir, step_of_data_key
-from storage.base import Store
-from storage.checksum import crc32c
-from storage.errors import ObjectNotFoundError, StorageError
-from storage.fsspec_store import LocalStore
-from storage.url import parse_url
+from relight.ckpt import peer
+from relight.ckpt.root_layout import is_committed, is_newest_committed, step_dir, step_of_data_key
+from relight.storage.base import Store
+from relight.storage.checksum import crc32c
+from relight.storage.errors import ObjectNotFoundError, StorageError
+from relight.storage.fsspec_store import LocalStore
+from relight.storage.url import parse_url
 
 logger = logging.getLogger(__name__)
 

@@ -14,20 +14,20 @@ from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any, Protocol
 
-from ckpt.collective import RemoteError, all_or_raise
-from ckpt.comm import Comm
-from ckpt.commit import CommitHooks
-from ckpt.engine import LoadInfo, SaveHandle, SaveOptions, load, save
-from ckpt.errors import (
+from relight.ckpt.collective import RemoteError, all_or_raise
+from relight.ckpt.comm import Comm
+from relight.ckpt.commit import CommitHooks
+from relight.ckpt.engine import LoadInfo, SaveHandle, SaveOptions, load, save
+from relight.ckpt.errors import (
     CheckpointNotFoundError,
     CorruptCheckpointError,
     NoLoadableCheckpointError,
     SavesFailingError,
     UnsupportedVersionError,
 )
-from ckpt.manifest import Manifest
-from ckpt.rank_log import rank_step_prefix
-from ckpt.root_layout import (
+from relight.ckpt.manifest import Manifest
+from relight.ckpt.rank_log import rank_step_prefix
+from relight.ckpt.root_layout import (
     commit_key,
     committed_steps,
     list_records,
@@ -36,7 +36,7 @@ from ckpt.root_layout import (
     record_key,
     step_dir,
 )
-from storage import StorageError, Store, open_store
+from relight.storage import StorageError, Store, open_store
 
 logger = logging.getLogger(__name__)
 

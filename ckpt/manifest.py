@@ -22,14 +22,14 @@ from typing import Any
 
 import numpy as np
 
-from ckpt.crc_table import TABLE_FIELD, ArrayGeometry, ChunkCrcTable
-from ckpt.errors import (
+from relight.ckpt.crc_table import TABLE_FIELD, ArrayGeometry, ChunkCrcTable
+from relight.ckpt.errors import (
     AbsurdShapeError,
     CheckpointNotFoundError,
     ChecksumMismatchError,
     CorruptCheckpointError,
 )
-from ckpt.format import (
+from relight.ckpt.format import (
     CHUNK_CRCS,
     COMMIT_KEY,
     DTYPES,
@@ -42,9 +42,9 @@ from ckpt.format import (
     numel,
     zarr_metadata,
 )
-from ckpt.gc_pause import gc_paused
-from storage import ObjectNotFoundError, Store
-from storage.checksum import crc32c
+from relight.ckpt.gc_pause import gc_paused
+from relight.storage import ObjectNotFoundError, Store
+from relight.storage.checksum import crc32c
 
 logger = logging.getLogger(__name__)
 

@@ -24,7 +24,7 @@ import logging
 import threading
 from collections import deque
 
-from storage import Store
+from relight.storage import Store
 
 logger = logging.getLogger(__name__)
 

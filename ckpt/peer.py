@@ -40,9 +40,9 @@ from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from typing import Any
 from urllib.parse import quote, unquote
 
-from ckpt.root_layout import step_of_dir
-from storage.checksum import crc32c
-from storage.url import check_key
+from relight.ckpt.root_layout import step_of_dir
+from relight.storage.checksum import crc32c
+from relight.storage.url import check_key
 
 logger = logging.getLogger(__name__)
 

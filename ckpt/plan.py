@@ -23,10 +23,10 @@ from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
 from typing import Any
 
-from ckpt.errors import UnsupportedStateError
-from ckpt.format import StorageKind, inner_chunk_shape, itemsize, numel
-from ckpt.gc_pause import gc_paused
-from ckpt.grid import MeshGrid, cell_box, cell_index, cell_of_index
+from relight.ckpt.errors import UnsupportedStateError
+from relight.ckpt.format import StorageKind, inner_chunk_shape, itemsize, numel
+from relight.ckpt.gc_pause import gc_paused
+from relight.ckpt.grid import MeshGrid, cell_box, cell_index, cell_of_index
 
 __all__ = [
     "TensorLayout", "RankLayout", "PieceWrite", "TensorPlan", "SavePlan", "plan_save",

@@ -13,14 +13,14 @@ from typing import Any
 import numpy as np
 import torch
 
-from ckpt.errors import CheckpointError
-from ckpt.format import StorageKind, chunk_key, numel
-from ckpt.manifest import Manifest, PieceEntry, TensorEntry
-from ckpt.plan import intersect
-from ckpt.resources import resources
-from ckpt.shardio import ShardGeometry, direct_read_ok, grid_geometry, read_shard_region
-from ckpt.tsio import map_ts_error, open_array, tensorstore, to_numpy
-from storage import StorageError, Store
+from relight.ckpt.errors import CheckpointError
+from relight.ckpt.format import StorageKind, chunk_key, numel
+from relight.ckpt.manifest import Manifest, PieceEntry, TensorEntry
+from relight.ckpt.plan import intersect
+from relight.ckpt.resources import resources
+from relight.ckpt.shardio import ShardGeometry, direct_read_ok, grid_geometry, read_shard_region
+from relight.ckpt.tsio import map_ts_error, open_array, tensorstore, to_numpy
+from relight.storage import StorageError, Store
 
 __all__ = ["PACKED_WHOLE_READ", "RegionReader"]
 

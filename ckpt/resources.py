@@ -22,14 +22,14 @@ from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass, field
 from typing import Any, TypeVar
 
-from ckpt.commit_group import CommitGroup
-from ckpt.handle import SaveHandle
-from ckpt.layout import LayoutMemo
-from ckpt.page_recycle import PageRecycler
-from ckpt.plan import PieceWrite, SavePlan, TensorPlan
-from ckpt.staging import StagingBuffers
-from storage import Store
-from storage.direct_io import BufferPool
+from relight.ckpt.commit_group import CommitGroup
+from relight.ckpt.handle import SaveHandle
+from relight.ckpt.layout import LayoutMemo
+from relight.ckpt.page_recycle import PageRecycler
+from relight.ckpt.plan import PieceWrite, SavePlan, TensorPlan
+from relight.ckpt.staging import StagingBuffers
+from relight.storage import Store
+from relight.storage.direct_io import BufferPool
 
 logger = logging.getLogger(__name__)
 

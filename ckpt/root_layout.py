@@ -23,8 +23,8 @@ import re
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 
-from ckpt.format import COMMIT_KEY, DATA_PREFIX
-from storage import StorageError, Store
+from relight.ckpt.format import COMMIT_KEY, DATA_PREFIX
+from relight.storage import StorageError, Store
 
 __all__ = ["RECORDS", "StepRecord", "commit_key", "committed_steps", "is_committed",
            "is_newest_committed", "list_records", "newest_committed_step", "parse_record_key",

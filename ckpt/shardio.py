@@ -52,10 +52,10 @@ from typing import Any
 import numpy as np
 import zstandard
 
-from ckpt.errors import ChecksumMismatchError, CorruptCheckpointError, MissingChunkError
-from storage import ObjectNotFoundError, ObjectTruncatedError, Store
-from storage.checksum import crc32c
-from storage.direct_io import BufferPool, scratch_bytes
+from relight.ckpt.errors import ChecksumMismatchError, CorruptCheckpointError, MissingChunkError
+from relight.storage import ObjectNotFoundError, ObjectTruncatedError, Store
+from relight.storage.checksum import crc32c
+from relight.storage.direct_io import BufferPool, scratch_bytes
 
 __all__ = ["ShardGeometry", "direct_ok", "direct_read_ok", "grid_geometry", "encode_shard",
            "read_shard_region", "stored_crcs"]

@@ -28,8 +28,8 @@ from typing import Any
 import numpy as np
 import torch
 
-from ckpt.format import StorageKind, align, itemsize, numel
-from ckpt.plan import PieceWrite, TensorPlan
+from relight.ckpt.format import StorageKind, align, itemsize, numel
+from relight.ckpt.plan import PieceWrite, TensorPlan
 
 logger = logging.getLogger(__name__)
 

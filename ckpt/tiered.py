@@ -29,10 +29,10 @@ import os
 import shutil
 from typing import Any
 
-from ckpt import peer
-from ckpt.local_tier import LocalTier, TierStats
-from ckpt.root_layout import step_of_data_key
-from storage.base import ForwardedPrimitives, Store
+from relight.ckpt import peer
+from relight.ckpt.local_tier import LocalTier, TierStats
+from relight.ckpt.root_layout import step_of_data_key
+from relight.storage.base import ForwardedPrimitives, Store
 
 __all__ = ["RESTORE_ORDER", "TieredStore"]
 

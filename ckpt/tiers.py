@@ -21,12 +21,12 @@ import secrets
 from dataclasses import dataclass
 from typing import Any
 
-from ckpt.comm import Comm
-from ckpt.local_tier import REPLICA_DIR, TierStats, local_tier_dir, tier_node
-from ckpt.peer import PeerServer
-from ckpt.rank_log import rank_step_prefix
-from ckpt.tiered import TieredStore
-from storage import Store, open_store
+from relight.ckpt.comm import Comm
+from relight.ckpt.local_tier import REPLICA_DIR, TierStats, local_tier_dir, tier_node
+from relight.ckpt.peer import PeerServer
+from relight.ckpt.rank_log import rank_step_prefix
+from relight.ckpt.tiered import TieredStore
+from relight.storage import Store, open_store
 
 logger = logging.getLogger(__name__)
 

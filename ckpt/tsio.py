@@ -16,8 +16,8 @@ from typing import Any
 import numpy as np
 import torch
 
-from ckpt.errors import ChecksumMismatchError, CorruptCheckpointError, MissingChunkError
-from storage import Store
+from relight.ckpt.errors import ChecksumMismatchError, CorruptCheckpointError, MissingChunkError
+from relight.storage import Store
 
 __all__ = ["to_numpy", "from_numpy", "open_array", "put_metadata", "map_ts_error"]
 

@@ -21,10 +21,10 @@ from typing import Any
 
 import numpy as np
 
-from ckpt.errors import CheckpointError
-from ckpt.format import DATA_PREFIX, StorageKind, chunk_keys
-from ckpt.manifest import Manifest, PieceEntry, TensorEntry, read_manifest
-from ckpt.shardio import (
+from relight.ckpt.errors import CheckpointError
+from relight.ckpt.format import DATA_PREFIX, StorageKind, chunk_keys
+from relight.ckpt.manifest import Manifest, PieceEntry, TensorEntry, read_manifest
+from relight.ckpt.shardio import (
     ShardGeometry,
     direct_read_ok,
     grid_geometry,
@@ -32,8 +32,8 @@ from ckpt.shardio import (
     read_shard_region,
     stored_crcs,
 )
-from ckpt.tsio import map_ts_error, open_array
-from storage import StorageError, Store, open_store
+from relight.ckpt.tsio import map_ts_error, open_array
+from relight.storage import StorageError, Store, open_store
 
 logger = logging.getLogger(__name__)
 

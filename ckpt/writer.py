@@ -21,9 +21,9 @@ from typing import Any
 import numpy as np
 import torch
 
-from ckpt.collective import coordinator_outcome, gather_or_raise
-from ckpt.comm import Comm
-from ckpt.commit import (
+from relight.ckpt.collective import coordinator_outcome, gather_or_raise
+from relight.ckpt.comm import Comm
+from relight.ckpt.commit import (
     CommitHooks,
     build_manifest,
     commit,
@@ -33,9 +33,9 @@ from ckpt.commit import (
     write_index,
     write_index_error,
 )
-from ckpt.commit_group import CommitGroup
-from ckpt.errors import CheckpointError, CheckpointSaveError, CollectiveError
-from ckpt.format import (
+from relight.ckpt.commit_group import CommitGroup
+from relight.ckpt.errors import CheckpointError, CheckpointSaveError, CollectiveError
+from relight.ckpt.format import (
     CHUNK_CRCS,
     COMMIT_KEY,
     DATA_PREFIX,
@@ -45,16 +45,16 @@ from ckpt.format import (
     itemsize,
     zarr_metadata,
 )
-from ckpt.handle import SaveHandle
-from ckpt.manifest import Manifest
-from ckpt.options import SaveOptions
-from ckpt.plan import PieceWrite, SavePlan, TensorPlan
-from ckpt.resources import resources
-from ckpt.shardio import ShardGeometry, direct_ok, encode_shard, stored_crcs
-from ckpt.staging import Stager
-from ckpt.tsio import open_array, put_metadata, to_numpy
-from storage import Store
-from storage.direct_io import BufferPool
+from relight.ckpt.handle import SaveHandle
+from relight.ckpt.manifest import Manifest
+from relight.ckpt.options import SaveOptions
+from relight.ckpt.plan import PieceWrite, SavePlan, TensorPlan
+from relight.ckpt.resources import resources
+from relight.ckpt.shardio import ShardGeometry, direct_ok, encode_shard, stored_crcs
+from relight.ckpt.staging import Stager
+from relight.ckpt.tsio import open_array, put_metadata, to_numpy
+from relight.storage import Store
+from relight.storage.direct_io import BufferPool
 
 logger = logging.getLogger(__name__)
 

@@ -1,7 +1,7 @@
 """elastic: the etcd v3 rendezvous for torchrun, node leases, and `relight run`.
 
 The public surface, by module (imported directly; this package imports nothing, so
-`import elastic.etcd_server` stays light):
+`import relight.elastic.etcd_server` stays light):
 
 - `elastic.etcd_client`: `EtcdClient`, `EtcdSettings`, `LeaseKeeper`, `EtcdError`,
   `EtcdUnavailableError`, `EtcdAuthError`, `EtcdLeaseLostError` (docs/design/etcd-client.md);

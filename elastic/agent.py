@@ -25,7 +25,7 @@ stopped within `preemption_free_after_s()` of its start: a notice that never cle
 otherwise restart it forever.
 
 **A failure no restart can fix ends the job.** A group whose failed workers all exited
-with a status of `runtime.exit_codes.FATAL_EXIT_CODES` (bad config; every committed
+with a status of `relight.exit_codes.FATAL_EXIT_CODES` (bad config; every committed
 checkpoint damaged) is not restarted: torchrun's agent would spend every slot rerunning
 the same failure (chaos preemptible-fleet seed 9 restarted 40 times in 26 minutes).
 
@@ -47,8 +47,8 @@ from torch.distributed import DistError
 from torch.distributed.elastic.agent.server.api import RunResult, WorkerGroup, WorkerState
 from torch.distributed.elastic.agent.server.local_elastic_agent import LocalElasticAgent
 
-from elastic.rendezvous import record_event
-from runtime.exit_codes import FATAL_EXIT_CODES, PREEMPTED_EXIT_CODE
+from relight.elastic.rendezvous import record_event
+from relight.exit_codes import FATAL_EXIT_CODES, PREEMPTED_EXIT_CODE
 
 __all__ = ["MAX_ROUND_RETRIES", "PREEMPTION_FREE_AFTER_ENV", "RelightAgent", "installed",
            "preemption_free_after_s"]
@@ -122,7 +122,7 @@ class RelightAgent(LocalElasticAgent):
                 and self._remaining_restarts > 0):
             codes = sorted({f.exitcode for f in result.failures.values()})
             logger.error("worker group failed with exit status %s, which no restart can fix "
-                         "(runtime/exit_codes.py): not restarting (%d restarts left unused)",
+                         "(relight/exit_codes.py): not restarting (%d restarts left unused)",
                          codes, self._remaining_restarts)
             record_event("restart_refused", run_id=worker_group.spec.rdzv_handler
                          .get_run_id(), exit_codes=codes, ranks=sorted(result.failures))

@@ -32,7 +32,7 @@ from typing import Any
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, start_http_server
 
-from elastic.rendezvous import add_listener, remove_listener
+from relight.elastic.rendezvous import add_listener, remove_listener
 
 __all__ = ["AgentMetrics", "AgentMetricsConfig"]
 
@@ -122,8 +122,8 @@ class AgentMetrics:
 
     def poll_checkpoint(self) -> int | None:
         """List the commit records once; update the checkpoint series. Returns the step."""
-        from ckpt.root_layout import list_records
-        from storage import open_store
+        from relight.ckpt.root_layout import list_records
+        from relight.storage import open_store
 
         if self._store is None:
             self._store = open_store(self.cfg.ckpt_url)

@@ -26,7 +26,8 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Any, Literal
 
-from elastic.etcd_http import GatewayConnections, GatewayError, GatewayUnreachable, TlsFiles
+from relight.elastic.etcd_http import GatewayConnections, GatewayError, GatewayUnreachable, TlsFiles
+from relight.errors import RelightError
 
 logger = logging.getLogger(__name__)
 
@@ -49,7 +50,7 @@ __all__ = [
 ]
 
 
-class EtcdError(RuntimeError):
+class EtcdError(RelightError, RuntimeError):
     """An etcd request failed for a reason that retrying will not fix."""
 
 

@@ -26,6 +26,8 @@ import time
 from collections.abc import Iterator
 from typing import Any
 
+from relight.errors import RelightError
+
 __all__ = ["GatewayConnections", "GatewayError", "GatewayUnreachable", "TlsFiles"]
 
 
@@ -43,7 +45,7 @@ class GatewayUnreachable(ConnectionError):
         self.timed_out = timed_out
 
 
-class GatewayError(RuntimeError):
+class GatewayError(RelightError, RuntimeError):
     """etcd answered the call with an HTTP error status; `text` is the body it sent."""
 
     def __init__(self, status: int, text: str) -> None:

@@ -21,13 +21,15 @@ import urllib.request
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from relight.errors import RelightError
+
 logger = logging.getLogger(__name__)
 
 __all__ = ["EtcdCluster", "EtcdServer", "EtcdServerError", "EtcdTLS", "etcd_binary",
            "free_port", "free_ports"]
 
 
-class EtcdServerError(RuntimeError):
+class EtcdServerError(RelightError, RuntimeError):
     """The etcd server could not be started or did not become healthy."""
 
 

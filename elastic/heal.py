@@ -31,17 +31,18 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from ckpt.flatten import FlatState, flatten_state, set_value
-from ckpt.layout import Piece
-from elastic.regions import Transfer, copy_regions
-from storage.checksum import crc32c
+from relight.ckpt.flatten import FlatState, flatten_state, set_value
+from relight.ckpt.layout import Piece
+from relight.elastic.regions import Transfer, copy_regions
+from relight.errors import RelightError
+from relight.storage.checksum import crc32c
 
 __all__ = ["HealError", "HealStats", "reshard_state", "transfer_state"]
 
 _META_KEY = "heal/meta"
 
 
-class HealError(RuntimeError):
+class HealError(RelightError, RuntimeError):
     """The live heal could not complete: the layouts differ or the bytes arrived damaged.
     The joiner stays not ready and retries in the next quorum."""
 

@@ -9,13 +9,14 @@ supervises the workers; nothing here restarts anything. What it adds:
   the job ends; the rendezvous id then defaults to a fresh one per invocation (an
   old run's closed rendezvous in the same data dir cannot block a new run);
 - the training command comes after `--` as you would type it:
-  `-- python -m runtime.train ...`, `-- python train.py ...` or `-- ./any_binary ...`;
+  `-- python -m relight.runtime.train ...`, `-- python train.py ...` or `-- ./any_binary ...`;
 - rendezvous events go to `{run_dir}/events.jsonl` (see elastic.rendezvous), and one
   log line per round joined or fault detected goes to stderr, prefixed with the job,
   node and round;
 - the agent's shutdown timeout (how long workers get between the agent's SIGTERM and
   SIGKILL) is at least the workers' preemption grace period plus a margin: read from
-  the training config when the command is `runtime.train`, else `--preemption-grace-s`;
+  the training config (read by the `relight` command for its trainer), else
+  `--preemption-grace-s`;
 - stopped by a signal, the agent revokes its etcd lease once its workers are down, so
   the other nodes re-form at once instead of one lease TTL later;
 - `--metrics-port` serves the agent's Prometheus metrics (elastic.agent_metrics);
@@ -40,23 +41,24 @@ import signal
 import sys
 import time
 import uuid
-from collections.abc import Iterator, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING
 
-from elastic.etcd_server import EtcdServer, EtcdServerError
+from relight.elastic.etcd_server import EtcdServer, EtcdServerError
+from relight.errors import RelightError
 
 if TYPE_CHECKING:
-    from elastic.agent_metrics import AgentMetrics
-    from elastic.warm import WarmServer
+    from relight.elastic.agent_metrics import AgentMetrics
+    from relight.elastic.warm import WarmServer
 
 # Nothing at module level imports torch: `main` imports it once and forks the warm-start
 # server from there, so that the server's imports (the training module's) and this
 # agent's own (torchrun, the rendezvous) run side by side and torch is imported once.
 
-__all__ = ["LaunchError", "TrainingHints", "main", "needs_s3_sdk", "shutdown_timeout_s",
-           "split_command", "training_hints"]
+__all__ = ["DEFAULT_PREEMPTION_GRACE_S", "HintReader", "LaunchError", "TrainingHints", "main",
+           "needs_s3_sdk", "shutdown_timeout_s", "split_command"]
 
 DEFAULT_SHUTDOWN_TIMEOUT_S = 30
 """torchrun's default (`TORCH_ELASTIC_SHUTDOWN_TIMEOUT`)."""
@@ -66,7 +68,7 @@ SHUTDOWN_MARGIN_S = 5
 _PYTHON = re.compile(r"^python(\d+(\.\d+)?)?$")
 
 
-class LaunchError(ValueError):
+class LaunchError(RelightError, ValueError):
     """The `relight run` command line cannot be turned into a torchrun launch."""
 
 
@@ -74,11 +76,11 @@ def split_command(command: Sequence[str]) -> list[str]:
     """The training command, as torchrun's positional arguments (and their flags)."""
     if not command:
         raise LaunchError("relight run needs a training command after '--', e.g. "
-                          "`relight run --nproc-per-node=2 -- python -m runtime.train`")
+                          "`relight run --nproc-per-node=2 -- python -m relight.runtime.train`")
     head, rest = command[0], list(command[1:])
     if head.startswith("-"):
         raise LaunchError(f"the training command after '--' starts with the option {head!r}; "
-                          "it is a whole command: `-- python -m runtime.train ...` or "
+                          "it is a whole command: `-- python -m relight.runtime.train ...` or "
                           "`-- train.py ...`")
     if _PYTHON.match(os.path.basename(head)) or os.path.realpath(head) == os.path.realpath(
         sys.executable
@@ -105,39 +107,18 @@ class TrainingHints:
     preemption_grace_s: float | None
     """The workers' preemption grace period; None when preemption handling is off."""
     ckpt_url: str | None
-    """The checkpoint root, when the command is `runtime.train` with one configured."""
+    """The checkpoint root, when the training command's config names one."""
 
 
-def training_hints(positional: Sequence[str], grace_flag: float | None) -> TrainingHints:
-    """The grace period and checkpoint URL of the training command. For `-m
-    runtime.train` or `relight train` `[--config F] [overrides]` they come from its
-    config (loaded the way the trainer loads it); otherwise the grace is
-    `--preemption-grace-s`, or the runtime's default when that is not given either."""
-    from runtime.config import ConfigError, PreemptionConfig, load_config
+DEFAULT_PREEMPTION_GRACE_S = 30.0
+"""The workers' grace period when neither `--preemption-grace-s` nor a hint reader says
+otherwise (the training runtime's default too)."""
 
-    default = PreemptionConfig().grace_s if grace_flag is None else grace_flag
-    positional = list(positional)
-    if positional[:2] == ["--module", "runtime.train"]:
-        train_args = positional[2:]
-    elif (positional[:1] == ["--no-python"] and len(positional) > 2
-          and os.path.basename(positional[1]) == "relight" and positional[2] == "train"):
-        train_args = positional[3:]
-    else:
-        return TrainingHints(default, None)
-    sub = argparse.ArgumentParser(add_help=False)
-    sub.add_argument("--config")
-    known, overrides = sub.parse_known_args(train_args)
-    try:
-        cfg = load_config(known.config, overrides)
-    except (ConfigError, OSError, ValueError) as exc:
-        # The trainer reports a bad config itself, with its exit status 2.
-        print(f"relight run: could not read the training config ({exc}); assuming a "
-              f"preemption grace of {default:.0f} s", file=sys.stderr)
-        return TrainingHints(default, None)
-    grace = cfg.preemption.grace_s if cfg.preemption.enabled else None
-    if grace_flag is not None:
-        grace = grace_flag
-    return TrainingHints(grace, cfg.checkpoint.url or None)
+HintReader = Callable[[Sequence[str]], "TrainingHints | None"]
+"""Reads the training command (torchrun's positional arguments: `--module M ...`,
+`--no-python BIN ...` or `script.py ...`) and returns its hints, or None when it does
+not know the command. The launcher knows no trainer's config: the caller that does
+(the `relight` command passes the runtime's reader) hands it in."""
 
 
 def shutdown_timeout_s(given: int | None, grace_s: float | None) -> int:
@@ -154,7 +135,7 @@ def shutdown_timeout_s(given: int | None, grace_s: float | None) -> int:
 
 def _log_to_stderr() -> None:
     """The rendezvous' INFO lines (one per round, one per fault) on stderr."""
-    log = logging.getLogger("elastic")
+    log = logging.getLogger("relight.elastic")
     if not log.handlers:
         handler = logging.StreamHandler(sys.stderr)
         handler.setFormatter(logging.Formatter("%(asctime)s %(levelname)s %(name)s: "
@@ -178,7 +159,7 @@ def _parser() -> argparse.ArgumentParser:
         "--preemption-grace-s", type=float, default=None,
         help="Seconds the workers have between a preemption notice and the hard kill; the "
              "agent's --shutdown-timeout is raised to this plus a margin. Default: the "
-             "training config's preemption.grace_s for `-m runtime.train` or `relight "
+             "training config's preemption.grace_s for `-m relight.runtime.train` or `relight "
              "train`, else 30.")
     parser.add_argument(
         "--metrics-port", type=int, default=None,
@@ -199,7 +180,7 @@ def _parser() -> argparse.ArgumentParser:
     parser.add_argument(
         "--checkpoint-url", default=None,
         help="Checkpoint root for the metrics' last committed step and its age (default: "
-             "the training config's checkpoint.url for `-m runtime.train`).")
+             "the training config's checkpoint.url for `-m relight.runtime.train`).")
     return parser
 
 
@@ -207,8 +188,10 @@ def _given(opts: Sequence[str], *names: str) -> bool:
     return any(o == n or o.startswith(n + "=") for o in opts for n in names)
 
 
-def main(argv: Sequence[str] | None = None) -> int:
-    """Run `relight run` with `argv` (without the leading `run`); returns the exit code."""
+def main(argv: Sequence[str] | None = None, read_hints: HintReader | None = None) -> int:
+    """Run `relight run` with `argv` (without the leading `run`); returns the exit code.
+    `read_hints` reads the training command's grace period and checkpoint root from its
+    config (without one: `--preemption-grace-s` and `--checkpoint-url`, or the defaults)."""
     argv = list(sys.argv[1:] if argv is None else argv)
     before_command = argv[: argv.index("--")] if "--" in argv else argv
     if "-h" in before_command or "--help" in before_command:
@@ -216,7 +199,8 @@ def main(argv: Sequence[str] | None = None) -> int:
         return 0
     if "--" not in argv:
         print("relight run: put the training command after '--', e.g.\n"
-              "  relight run --nproc-per-node=2 -- python -m runtime.train", file=sys.stderr)
+              "  relight run --nproc-per-node=2 -- python -m relight.runtime.train",
+              file=sys.stderr)
         return 2
     cut = argv.index("--")
     opts, command = argv[:cut], argv[cut + 1:]
@@ -227,7 +211,8 @@ def main(argv: Sequence[str] | None = None) -> int:
         return 2
     # The config's hints before torch is imported: the warm server needs the checkpoint
     # URL (whether to set up the S3 SDK); the grace flag is applied once parsed.
-    hints = training_hints(positional, None)
+    hints = (read_hints(positional) if read_hints is not None else None) \
+        or TrainingHints(DEFAULT_PREEMPTION_GRACE_S, None)
     warm = _start_warm(opts, positional, hints.ckpt_url)
     try:
         args = _parser().parse_args(opts + positional)
@@ -252,12 +237,12 @@ _RESTORED_SIGNALS = (signal.SIGTERM, signal.SIGINT, signal.SIGHUP, signal.SIGQUI
 def _scoped_process_state() -> Iterator[None]:
     """`main()` may be called in-process (tests, scripts): what a launch changes in the
     process (the events and round variables, the signal handlers torchrun and this
-    module install, the `elastic` logger's handler) is put back when it returns."""
-    from elastic.rendezvous import EVENTS_ENV, RDZV_ROUND_ENV
+    module install, the `relight.elastic` logger's handler) is put back when it returns."""
+    from relight.elastic.rendezvous import EVENTS_ENV, RDZV_ROUND_ENV
 
     saved_env = {k: os.environ.get(k) for k in (EVENTS_ENV, RDZV_ROUND_ENV)}
     saved_signals = {s: signal.getsignal(s) for s in _RESTORED_SIGNALS}
-    log = logging.getLogger("elastic")
+    log = logging.getLogger("relight.elastic")
     saved_log = (list(log.handlers), log.level, log.propagate)
     try:
         yield
@@ -277,7 +262,7 @@ def _scoped_process_state() -> Iterator[None]:
 
 def _launch(args: argparse.Namespace, opts: Sequence[str], positional: list[str],
             warm: WarmServer | None, hints: TrainingHints) -> int:
-    from elastic.rendezvous import BACKEND_NAME, EVENTS_ENV, release_leases
+    from relight.elastic.rendezvous import BACKEND_NAME, EVENTS_ENV, release_leases
 
     if not _given(opts, "--rdzv-backend", "--rdzv_backend"):
         args.rdzv_backend = BACKEND_NAME
@@ -312,7 +297,7 @@ def _launch(args: argparse.Namespace, opts: Sequence[str], positional: list[str]
     from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
     from torch.distributed.run import run as torchrun
 
-    from elastic import agent
+    from relight.elastic import agent
 
     def on_sigterm(signum: int, frame: object) -> None:
         # What torchrun's agent installs once its workers start; here from the start,
@@ -361,7 +346,7 @@ def _start_warm(opts: Sequence[str], positional: list[str],
     torchrun and joins the rendezvous."""
     import tempfile
 
-    from elastic.warm import DEFAULT_PRELOAD, WarmServer
+    from relight.elastic.warm import DEFAULT_PRELOAD, WarmServer
 
     if _given(opts, "--no-warm-start"):
         return None
@@ -399,7 +384,7 @@ def _python_argv(positional: list[str]) -> list[str]:
 def _use_warm(args: argparse.Namespace, warm: WarmServer, positional: list[str],
               run_dir: Path) -> None:
     """Point torchrun's workers at the fork server's client; its log shows in the run dir."""
-    from elastic.warm import client_command
+    from relight.elastic.warm import client_command
 
     client = client_command(warm.socket_path, _python_argv(positional))
     args.no_python, args.module = True, False
@@ -414,7 +399,7 @@ def _use_warm(args: argparse.Namespace, warm: WarmServer, positional: list[str],
 
 
 def _start_metrics(args: argparse.Namespace, hints: TrainingHints) -> AgentMetrics:
-    from elastic.agent_metrics import AgentMetrics, AgentMetricsConfig
+    from relight.elastic.agent_metrics import AgentMetrics, AgentMetricsConfig
 
     nproc = int(args.nproc_per_node) if str(args.nproc_per_node).isdigit() else 1
     metrics = AgentMetrics(AgentMetricsConfig(

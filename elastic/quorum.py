@@ -47,7 +47,7 @@ from collections import deque
 from dataclasses import dataclass, field
 from typing import Any
 
-from elastic.etcd_client import (
+from relight.elastic.etcd_client import (
     Compare,
     EtcdClient,
     EtcdLeaseLostError,
@@ -57,13 +57,14 @@ from elastic.etcd_client import (
     OpPut,
     OpRange,
 )
+from relight.errors import RelightError
 
 logger = logging.getLogger(__name__)
 
 __all__ = ["Entry", "Quorum", "QuorumClient", "QuorumError", "Snapshot", "decide_votes"]
 
 
-class QuorumError(RuntimeError):
+class QuorumError(RelightError, RuntimeError):
     """The replica groups could not agree (etcd unreachable past the deadline, this
     group's lease lost, or no quorum within the timeout)."""
 

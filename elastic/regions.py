@@ -35,9 +35,10 @@ from datetime import timedelta
 import torch
 import torch.distributed as dist
 
-from ckpt.layout import Piece
-from ckpt.plan import Box, RankLayout, TensorLayout, intersect
-from storage.checksum import crc32c
+from relight.ckpt.layout import Piece
+from relight.ckpt.plan import Box, RankLayout, TensorLayout, intersect
+from relight.errors import RelightError
+from relight.storage.checksum import crc32c
 
 __all__ = ["RegionError", "Segment", "Transfer", "copy_regions", "plan_copy", "plan_sum",
            "route", "sum_regions"]
@@ -50,7 +51,7 @@ SEND_WINDOW = 8
 heal of a large state takes on a sender (`SEND_WINDOW * MESSAGE_BYTES`)."""
 
 
-class RegionError(RuntimeError):
+class RegionError(RelightError, RuntimeError):
     """Two layouts cannot exchange their regions (a tensor missing or of another shape or
     dtype, a box the source group does not cover exactly once), or a message arrived
     damaged or not at all."""

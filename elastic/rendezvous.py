@@ -70,7 +70,7 @@ from torch.distributed.elastic.rendezvous import (
     RendezvousTimeoutError,
 )
 
-from elastic.etcd_client import (
+from relight.elastic.etcd_client import (
     EtcdAuthError,
     EtcdClient,
     EtcdError,

@@ -50,13 +50,13 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from ckpt.flatten import FlatState, TensorRef, flatten_state
-from ckpt.layout import Piece, describe_placements, rank_layout
-from ckpt.plan import RankLayout, layout_digest
-from elastic.etcd_client import EtcdClient, EtcdSettings
-from elastic.heal import HealError, HealStats, reshard_state, transfer_state
-from elastic.quorum import Quorum, QuorumClient, QuorumError
-from elastic.regions import Transfer, plan_copy, plan_sum, sum_regions
+from relight.ckpt.flatten import FlatState, TensorRef, flatten_state
+from relight.ckpt.layout import Piece, describe_placements, rank_layout
+from relight.ckpt.plan import RankLayout, layout_digest
+from relight.elastic.etcd_client import EtcdClient, EtcdSettings
+from relight.elastic.heal import HealError, HealStats, reshard_state, transfer_state
+from relight.elastic.quorum import Quorum, QuorumClient, QuorumError
+from relight.elastic.regions import Transfer, plan_copy, plan_sum, sum_regions
 
 logger = logging.getLogger(__name__)
 

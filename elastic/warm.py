@@ -51,6 +51,8 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
+from relight.errors import RelightError
+
 __all__ = ["DEFAULT_PRELOAD", "PARENT_ENV", "WarmServer", "client_command", "run", "serve",
            "worker_of"]
 
@@ -69,7 +71,7 @@ _LEN = struct.Struct("!I")
 _MAX_HEADER = 16 << 20
 
 
-class WarmStartError(RuntimeError):
+class WarmStartError(RelightError, RuntimeError):
     """The fork server could not be reached or did not start."""
 
 
@@ -98,7 +100,7 @@ def serve(socket_path: str, preload: Sequence[str], *, warm_s3: bool = True) -> 
             # botocore's one-time client set-up, done here once instead of in every
             # worker's first S3 operation (no thread or connection outlives it: safe to
             # fork after).
-            from storage.settings import warm_s3_sdk
+            from relight.storage.settings import warm_s3_sdk
 
             warm_s3_sdk()
     except BaseException as exc:
@@ -348,7 +350,7 @@ def worker_of(client_cmdline: Sequence[str], client_pid: int) -> int | None:
     command line and pid; None if `client_cmdline` is not a warm client or its worker is
     not known (yet)."""
     argv = list(client_cmdline)
-    if "elastic.warm" not in argv or "run" not in argv or "--socket" not in argv:
+    if "relight.elastic.warm" not in argv or "run" not in argv or "--socket" not in argv:
         return None
     socket_path = argv[argv.index("--socket") + 1]
     try:
@@ -359,7 +361,7 @@ def worker_of(client_cmdline: Sequence[str], client_pid: int) -> int | None:
 
 def client_command(socket_path: str, argv: Sequence[str]) -> list[str]:
     """The command that starts `argv` through the server (what the agent launches)."""
-    return [sys.executable, "-m", "elastic.warm", "run", "--socket", socket_path, "--",
+    return [sys.executable, "-m", "relight.elastic.warm", "run", "--socket", socket_path, "--",
             *argv]
 
 
@@ -399,7 +401,7 @@ class WarmServer:
             log = (open(self.log_path, "ab") if self.log_path  # noqa: SIM115
                    else subprocess.DEVNULL)
             self._proc = subprocess.Popen(
-                [sys.executable, "-m", "elastic.warm", "serve", "--socket",
+                [sys.executable, "-m", "relight.elastic.warm", "serve", "--socket",
                  self.socket_path, "--preload", ",".join(self.preload),
                  *([] if self.warm_s3 else ["--no-s3-sdk"])],
                 stdout=log, stderr=subprocess.STDOUT if self.log_path else None,
@@ -510,7 +512,7 @@ def _fork_server(socket_path: str, preload: Sequence[str],
 
 
 def main(argv: Sequence[str] | None = None) -> int:
-    p = argparse.ArgumentParser(prog="python -m elastic.warm", description=__doc__.split(
+    p = argparse.ArgumentParser(prog="python -m relight.elastic.warm", description=__doc__.split(
         "\n\n")[0])
     sub = p.add_subparsers(dest="cmd", required=True)
     s = sub.add_parser("serve", help="import the modules, then fork workers on request")

@@ -44,7 +44,7 @@ from torch.distributed.checkpoint.state_dict import (
 )
 from torch.nn.parallel import DistributedDataParallel
 
-import ckpt
+from relight import ckpt
 
 log = logging.getLogger("user_train")
 

@@ -1,11 +1,11 @@
 """runtime: the parallel training runtime (model, DP/FSDP/TP/PP/EP on one DeviceMesh,
 layout-independent state, deterministic data, the training loop).
 
-    from runtime import load_config, run_training
+    from relight.runtime import load_config, run_training
     result = run_training(load_config("configs/tiny.toml", ["--train.steps=20"]))
 
-Entry points: ``python -m runtime.train --config ...`` and ``runtime.train.main(argv)``.
-Names are imported lazily so ``import runtime.config`` does not pay for torch.
+Entry points: ``python -m relight.runtime.train --config ...`` and ``runtime.train.main(argv)``.
+Names are imported lazily so ``import relight.runtime.config`` does not pay for torch.
 """
 
 from __future__ import annotations
@@ -26,15 +26,15 @@ __all__ = [
 ]
 
 _WHERE = {
-    "Config": "runtime.config",
-    "ConfigError": "runtime.config",
-    "load_config": "runtime.config",
-    "LayoutError": "runtime.mesh",
-    "plan_layout": "runtime.mesh",
-    "TrainResult": "runtime.train",
-    "Trainer": "runtime.train",
-    "main": "runtime.train",
-    "run_training": "runtime.train",
+    "Config": "relight.runtime.config",
+    "ConfigError": "relight.runtime.config",
+    "load_config": "relight.runtime.config",
+    "LayoutError": "relight.runtime.mesh",
+    "plan_layout": "relight.runtime.mesh",
+    "TrainResult": "relight.runtime.train",
+    "Trainer": "relight.runtime.train",
+    "main": "relight.runtime.train",
+    "run_training": "relight.runtime.train",
 }
 
 

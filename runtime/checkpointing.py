@@ -20,11 +20,11 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from runtime import state as st
-from runtime.config import Config, config_to_dict
-from runtime.mesh import Layout
-from runtime.observability import PrometheusExporter
-from runtime.preemption import NoticeWatcher, decide, estimate_save_s
+from relight.runtime import state as st
+from relight.runtime.config import Config, config_to_dict
+from relight.runtime.mesh import Layout
+from relight.runtime.observability import PrometheusExporter
+from relight.runtime.preemption import NoticeWatcher, decide, estimate_save_s
 
 __all__ = ["Checkpointer", "all_gather"]
 
@@ -100,7 +100,9 @@ class Checkpointer:
         c = self.cfg.checkpoint
         if not c.url:
             return
-        import ckpt  # the checkpoint engine; imported lazily so the runtime works without it
+        from relight import (
+            ckpt,  # the checkpoint engine; imported lazily so the runtime works without it
+        )
 
         self.root = ckpt.open_checkpoint_root(c.url, self._tier_options())
         self.manager = ckpt.CheckpointManager(
@@ -158,7 +160,7 @@ class Checkpointer:
         if tiers is not None:
             self.log.info("restore served %s bytes per tier (local tier misses: %s)",
                           tiers["served"], tiers["misses"] or "none")
-            from ckpt.comm import Comm
+            from relight.ckpt.comm import Comm
 
             # Every rank's figures, summed: what the metrics (and the chaos verifier) see.
             self.restore_tier_bytes = {}
@@ -171,7 +173,7 @@ class Checkpointer:
     def _tier_options(self) -> Any:
         """The node-local tier and its peers (`ckpt.TierOptions`), when
         ``checkpoint.local_tier_dir`` is set."""
-        import ckpt
+        from relight import ckpt
 
         c = self.cfg.checkpoint
         if not c.local_tier_dir:
@@ -195,7 +197,7 @@ class Checkpointer:
 
     def _note_restored_commit(self, step: int) -> None:
         """The restored checkpoint is the newest commit until this run commits one."""
-        from ckpt.root_layout import list_records
+        from relight.ckpt.root_layout import list_records
 
         try:
             rec = list_records(self.manager.store).get(step)

@@ -20,6 +20,8 @@ from enum import StrEnum
 from pathlib import Path
 from typing import Any, TypeVar
 
+from relight.errors import RelightError
+
 __all__ = [
     "BusyPolicy",
     "CheckpointConfig",
@@ -44,7 +46,7 @@ __all__ = [
 ]
 
 
-class ConfigError(ValueError):
+class ConfigError(RelightError, ValueError):
     """A config value is invalid; the message names the field and what to change."""
 
 
@@ -521,7 +523,7 @@ class Config:
                  "replicated dimension; set parallel.dp_replicate=1")
         if self.checkpoint.url:
             # A bad URL is a config error (exit 2), not a fault to restart the group over.
-            from storage import InvalidStorageURLError, parse_url
+            from relight.storage import InvalidStorageURLError, parse_url
 
             try:
                 parse_url(self.checkpoint.url)

@@ -25,7 +25,7 @@ from typing import Protocol
 import numpy as np
 import torch
 
-from runtime.config import DataConfig
+from relight.runtime.config import DataConfig
 
 __all__ = ["BatchPlan", "Corpus", "DataLoader", "SyntheticCorpus", "build_corpus"]
 
@@ -169,7 +169,7 @@ def build_corpus(cfg: DataConfig, *, model_vocab: int, model: str = "") -> Corpu
     if not cfg.tokens_dir:
         return SyntheticCorpus(vocab_size=model_vocab, seq_len=cfg.seq_len, seed=cfg.seed,
                                branching=cfg.branching)
-    from runtime.tokens import TokenDataset, check_vocab
+    from relight.runtime.tokens import TokenDataset, check_vocab
 
     ds = TokenDataset(cfg.tokens_dir, seq_len=cfg.seq_len, seed=cfg.seed,
                       eval_fraction=cfg.eval_fraction, verify=cfg.verify_checksums)

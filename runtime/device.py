@@ -35,7 +35,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from runtime.config import ConfigError, DeviceKind
+from relight.runtime.config import ConfigError, DeviceKind
 
 __all__ = [
     "NCCL_ENV_DEFAULTS",

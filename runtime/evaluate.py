@@ -19,7 +19,7 @@ import torch.distributed as dist
 import torch.nn.functional as F
 from torch import nn
 
-from runtime.data import Corpus
+from relight.runtime.data import Corpus
 
 __all__ = ["eval_loss"]
 

@@ -24,6 +24,8 @@ from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any
 
+from relight.errors import RelightError
+
 __all__ = [
     "PlanInputs",
     "PlanResult",
@@ -40,7 +42,7 @@ __all__ = [
 EXIT_OK, EXIT_USAGE, EXIT_NO_MEASUREMENT = 0, 2, 3
 
 
-class PlanInputError(ValueError):
+class PlanInputError(RelightError, ValueError):
     """An input to the planner is out of range; the message names it."""
 
 
@@ -198,7 +200,7 @@ def plan(inputs: PlanInputs) -> PlanResult:
     )
 
 
-class RunMetricsError(ValueError):
+class RunMetricsError(RelightError, ValueError):
     """A run directory has no usable metrics; the message names the file."""
 
 

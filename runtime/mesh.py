@@ -27,14 +27,15 @@ import torch
 import torch.distributed as dist
 from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 
-from runtime.config import Config, PipelineSchedule
+from relight.errors import RelightError
+from relight.runtime.config import Config, PipelineSchedule
 
 __all__ = ["Layout", "LayoutError", "ParallelMesh", "build_mesh", "plan_layout"]
 
 log = logging.getLogger(__name__)
 
 
-class LayoutError(ValueError):
+class LayoutError(RelightError, ValueError):
     """The world size and the parallel config cannot form a mesh; the message says why."""
 
 

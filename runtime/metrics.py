@@ -12,8 +12,8 @@ from typing import Any
 
 import torch
 
-from ckpt.rank_log import rank_step_prefix
-from runtime.config import ModelConfig
+from relight.ckpt.rank_log import rank_step_prefix
+from relight.runtime.config import ModelConfig
 
 __all__ = ["MetricsWriter", "flops_per_token", "memory_mb", "peak_flops"]
 

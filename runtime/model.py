@@ -21,7 +21,7 @@ from torch import nn
 from torch.distributed.tensor import DTensor, distribute_tensor
 from torch.utils.checkpoint import checkpoint
 
-from runtime.config import ModelConfig
+from relight.runtime.config import ModelConfig
 
 __all__ = ["Attention", "Block", "GroupedExperts", "MLP", "MoE", "RMSNorm", "Transformer"]
 

@@ -10,7 +10,7 @@ import torch
 import torch.distributed as dist
 from torch.distributed.tensor import DTensor
 
-from runtime.config import OptimConfig
+from relight.runtime.config import OptimConfig
 
 __all__ = ["LRSchedule", "build_optimizer", "clip_grad_norm_", "grad_norm"]
 

@@ -8,11 +8,11 @@ from __future__ import annotations
 
 import torch
 
-from runtime.config import Config, MixedPrecision
-from runtime.mesh import ParallelMesh
-from runtime.model import Transformer
-from runtime.parallel import apply_ep, apply_fsdp, apply_tp
-from runtime.parallel.pp import prune_to_stage
+from relight.runtime.config import Config, MixedPrecision
+from relight.runtime.mesh import ParallelMesh
+from relight.runtime.model import Transformer
+from relight.runtime.parallel import apply_ep, apply_fsdp, apply_tp
+from relight.runtime.parallel.pp import prune_to_stage
 
 __all__ = ["parallelize", "uses_fsdp"]
 

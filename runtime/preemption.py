@@ -36,9 +36,10 @@ from datetime import datetime
 from types import FrameType
 from typing import Any, Protocol
 
-from ckpt.rank_log import RankStepLogger
-from runtime.config import PreemptionConfig
-from runtime.exit_codes import HUNG_EXIT_CODE, PREEMPTED_EXIT_CODE
+from relight.ckpt.rank_log import RankStepLogger
+from relight.errors import RelightError
+from relight.exit_codes import HUNG_EXIT_CODE, PREEMPTED_EXIT_CODE
+from relight.runtime.config import PreemptionConfig
 
 __all__ = [
     "HUNG_EXIT_CODE",
@@ -64,7 +65,7 @@ AWS_TOKEN_PATH = "/latest/api/token"
 GCP_PATH = "/computeMetadata/v1/instance/preempted"
 
 
-class MetadataError(RuntimeError):
+class MetadataError(RelightError, RuntimeError):
     """A metadata endpoint answered something that is neither "no notice" nor a notice."""
 
 

@@ -37,7 +37,7 @@ from typing import Any
 
 import numpy as np
 
-from runtime.tokenizer import (
+from relight.runtime.tokenizer import (
     ByteTokenizer,
     HFTokenizer,
     TokenizerError,
@@ -45,7 +45,7 @@ from runtime.tokenizer import (
     parse_train_spec,
     train_bpe,
 )
-from runtime.tokens import (
+from relight.runtime.tokens import (
     INDEX_FILE,
     DatasetError,
     ShardInfo,

@@ -28,11 +28,11 @@ from typing import Any
 
 import torch
 
-from elastic.etcd_client import EtcdSettings
-from elastic.quorum import Quorum
-from elastic.replica import ReplicaManager, ReplicaSettings
-from runtime.config import ConfigError, ReplicaConfig
-from runtime.data import BatchPlan
+from relight.elastic.etcd_client import EtcdSettings
+from relight.elastic.quorum import Quorum
+from relight.elastic.replica import ReplicaManager, ReplicaSettings
+from relight.runtime.config import ConfigError, ReplicaConfig
+from relight.runtime.data import BatchPlan
 
 __all__ = ["ReplicaTraining", "SoleCopy", "replica_group_id"]
 

@@ -37,6 +37,8 @@ from torch.distributed.checkpoint.state_dict import (
     set_optimizer_state_dict,
 )
 
+from relight.errors import RelightError
+
 __all__ = ["MODEL", "OPTIM", "TRAIN", "StateError", "TrainState", "apply_state_dict",
            "build_state_dict", "flat_names"]
 
@@ -47,7 +49,7 @@ TRAIN = "train"
 _OPTS = StateDictOptions(full_state_dict=False, cpu_offload=False)
 
 
-class StateError(RuntimeError):
+class StateError(RelightError, RuntimeError):
     """A state dict does not match the model or optimizer; the message names the key."""
 
 

@@ -28,6 +28,8 @@ from typing import Any, Protocol
 
 import numpy as np
 
+from relight.errors import RelightError
+
 __all__ = [
     "BYTE_EOS",
     "EOS_NAMES",
@@ -46,7 +48,7 @@ EOS_NAMES = ("<|endoftext|>", "</s>", "<eos>", "<|end_of_text|>", "[SEP]")
 """Special tokens taken as the end-of-document marker, first match wins."""
 
 
-class TokenizerError(ValueError):
+class TokenizerError(RelightError, ValueError):
     """A tokenizer spec or file is unusable; the message names it and what to do."""
 
 

@@ -34,11 +34,11 @@ from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
-from runtime.config import ConfigError
+from relight.runtime.config import ConfigError
 
 if TYPE_CHECKING:
     import torch
-from runtime.tokenizer import TokenizerError, TokenizerInfo
+from relight.runtime.tokenizer import TokenizerError, TokenizerInfo
 
 __all__ = [
     "FORMAT",

@@ -1,4 +1,5 @@
-"""The training loop: ``python -m runtime.train --config configs/tiny.toml [--key=value ...]``.
+"""The training loop:
+``python -m relight.runtime.train --config configs/tiny.toml [--key=value ...]``.
 
 Runs as a single process or under torchrun (one process per rank). `Trainer` composes
 the parts of a run: the model, optimizer and data it builds itself; checkpoints through
@@ -49,24 +50,24 @@ import torch.distributed as dist
 import torch.nn.functional as F
 from torch.distributed.fsdp import FSDPModule
 
-from ckpt.rank_log import RankStepLogger
-from runtime import state as st
-from runtime.checkpointing import Checkpointer, all_gather
-from runtime.config import Config, ConfigError, MixedPrecision, load_config
-from runtime.data import BatchPlan, DataLoader, build_corpus
-from runtime.device import Device, bound_mesh_timeouts, init_process_group, resolve_device
-from runtime.evaluate import eval_loss
-from runtime.exit_codes import (
+from relight.ckpt.rank_log import RankStepLogger
+from relight.exit_codes import (
     CONFIG_EXIT_CODE,
     NO_LOADABLE_CHECKPOINT_EXIT_CODE,
     PREEMPTED_EXIT_CODE,
     WATCHDOG_EXIT_CODE,
 )
-from runtime.mesh import LayoutError, ParallelMesh, build_mesh, plan_layout
-from runtime.metrics import MetricsWriter, flops_per_token, memory_mb, peak_flops
-from runtime.model import Transformer
-from runtime.models import create_model, model_vocab_size
-from runtime.observability import (
+from relight.runtime import state as st
+from relight.runtime.checkpointing import Checkpointer, all_gather
+from relight.runtime.config import Config, ConfigError, MixedPrecision, load_config
+from relight.runtime.data import BatchPlan, DataLoader, build_corpus
+from relight.runtime.device import Device, bound_mesh_timeouts, init_process_group, resolve_device
+from relight.runtime.evaluate import eval_loss
+from relight.runtime.mesh import LayoutError, ParallelMesh, build_mesh, plan_layout
+from relight.runtime.metrics import MetricsWriter, flops_per_token, memory_mb, peak_flops
+from relight.runtime.model import Transformer
+from relight.runtime.models import create_model, model_vocab_size
+from relight.runtime.observability import (
     PrometheusConfig,
     PrometheusExporter,
     TensorBoardWriter,
@@ -74,10 +75,10 @@ from runtime.observability import (
     restarts_from_env,
     start_prometheus,
 )
-from runtime.optim import LRSchedule, build_optimizer, clip_grad_norm_, grad_norm
-from runtime.parallel.pp import build_pipeline
-from runtime.preemption import NoticeWatcher
-from runtime.watchdog import Watchdog
+from relight.runtime.optim import LRSchedule, build_optimizer, clip_grad_norm_, grad_norm
+from relight.runtime.parallel.pp import build_pipeline
+from relight.runtime.preemption import NoticeWatcher
+from relight.runtime.watchdog import Watchdog
 
 __all__ = ["PREEMPTED_EXIT_CODE", "TrainResult", "Trainer", "main", "run_training"]
 
@@ -181,7 +182,7 @@ class Trainer:
         self.replicas: Any = None
         """`runtime.replicas.ReplicaTraining` when replica groups are on (`replica.job`)."""
         if cfg.replica.enabled:
-            from runtime.replicas import ReplicaTraining
+            from relight.runtime.replicas import ReplicaTraining
 
             self.replicas = ReplicaTraining(cfg.replica, self.plan, state=self.state_dict,
                                             load=self.load_state_dict,
@@ -322,7 +323,7 @@ class Trainer:
     def _state_digests(self) -> list[int]:
         """Every rank's crc32c of its parameter shards, in rank order (replica groups of
         the same layout hold equal lists after every committed step)."""
-        from storage.checksum import crc32c
+        from relight.storage.checksum import crc32c
 
         crc = 0
         for p in self.params:
@@ -338,7 +339,7 @@ class Trainer:
         the ranks (one per pipeline stage: the ranks of a stage hold the same whole
         parameters). Groups of different layouts compare by it. It gathers every
         parameter (a collective over each parameter's mesh)."""
-        from storage.checksum import crc32c
+        from relight.storage.checksum import crc32c
 
         total = 0
         for name, p in zip(self.param_names, self.params, strict=True):
@@ -639,7 +640,7 @@ def _parse(argv: list[str] | None) -> Config:
 
 
 def main(argv: list[str] | None = None) -> int:
-    """CLI entry point; returns the process exit status (`runtime.exit_codes`: 2 bad config
+    """CLI entry point; returns the process exit status (`relight.exit_codes`: 2 bad config
     or layout, 65 no committed checkpoint loads, 76 stopped on a preemption notice; the
     watchdog exits with 75 on a hang)."""
     logging.basicConfig(
@@ -653,7 +654,7 @@ def main(argv: list[str] | None = None) -> int:
         log.error("%s: %s", type(e).__name__, e)
         return CONFIG_EXIT_CODE
     except Exception as e:
-        from ckpt.errors import NoLoadableCheckpointError  # lazily, like the engine itself
+        from relight.ckpt.errors import NoLoadableCheckpointError  # lazily, like the engine itself
 
         if not isinstance(e, NoLoadableCheckpointError):
             raise

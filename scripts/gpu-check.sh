@@ -66,7 +66,7 @@ export PYTHONPATH="$PWD${PYTHONPATH:+:$PYTHONPATH}"
 export OMP_NUM_THREADS="${OMP_NUM_THREADS:-4}"
 echo "gpu-check: $("$PY" -c 'import torch,sys; print("python", sys.version.split()[0], "torch", torch.__version__, "cuda", torch.cuda.is_available())')" >&2
 # Hard limit over everything; the driver's own budget ends its parts before it.
-timeout --kill-after=10 "$LIMIT_S" "$PY" -m benchmarks.gpu_check --budget-s "$BUDGET_S" "$@"
+timeout --kill-after=10 "$LIMIT_S" "$PY" -m relight.benchmarks.gpu_check --budget-s "$BUDGET_S" "$@"
 rc=$?
 if [ "$rc" -eq 124 ] || [ "$rc" -eq 137 ]; then
   echo "gpu-check: killed at the ${LIMIT_S} s limit; the JSON holds the parts that finished" >&2

@@ -21,5 +21,5 @@ else
   fi
 fi
 exec .venv/bin/relight run --nproc-per-node="${NPROC:-2}" --run-dir="$run_dir" -- \
-  .venv/bin/python -m runtime.train --config "$config" \
+  .venv/bin/python -m relight.runtime.train --config "$config" \
   --checkpoint.url="$run_dir/ckpt" --train.metrics_path="$run_dir/metrics.jsonl" "$@"

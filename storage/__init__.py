@@ -9,8 +9,8 @@ Fault injection (`FaultyStore`, `FaultPlan`, `corrupt_object`, the `RELIGHT_FAUL
 hook of `open_store`) is a testing surface of its own: `storage.testing`.
 """
 
-from storage.base import DeferredStore, Store, StoreStats
-from storage.errors import (
+from relight.storage.base import DeferredStore, Store, StoreStats
+from relight.storage.errors import (
     BucketNotFoundError,
     InjectedFaultError,
     InvalidKeyError,
@@ -21,10 +21,10 @@ from storage.errors import (
     StoragePermissionError,
     TransientStorageError,
 )
-from storage.open import open_store
-from storage.retry import RetryPolicy
-from storage.settings import S3Settings
-from storage.url import StorageLocation, parse_url
+from relight.storage.open import open_store
+from relight.storage.retry import RetryPolicy
+from relight.storage.settings import S3Settings
+from relight.storage.url import StorageLocation, parse_url
 
 __all__ = [
     "BucketNotFoundError",

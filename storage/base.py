@@ -31,9 +31,9 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any, TypeVar
 
-from storage.errors import ObjectTruncatedError, StorageError
-from storage.retry import RetryPolicy, call_with_retry, classify
-from storage.url import StorageLocation, check_key
+from relight.storage.errors import ObjectTruncatedError, StorageError
+from relight.storage.retry import RetryPolicy, call_with_retry, classify
+from relight.storage.url import StorageLocation, check_key
 
 T = TypeVar("T")
 

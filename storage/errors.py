@@ -4,6 +4,8 @@ the object it is about, never the credentials used to reach it."""
 
 from __future__ import annotations
 
+from relight.errors import RelightError
+
 __all__ = [
     "StorageError",
     "ObjectNotFoundError",
@@ -17,7 +19,7 @@ __all__ = [
 ]
 
 
-class StorageError(OSError):
+class StorageError(RelightError, OSError):
     """Base of every error raised by `storage`. `url` names the object (no secrets)."""
 
     def __init__(self, message: str, url: str | None = None) -> None:

@@ -27,9 +27,10 @@ from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
 
-from storage.base import Store
-from storage.faulty import OPERATIONS, FaultLog, FaultPlan, FaultyStore
-from storage.url import StorageLocation
+from relight.errors import RelightError
+from relight.storage.base import Store
+from relight.storage.faulty import OPERATIONS, FaultLog, FaultPlan, FaultyStore
+from relight.storage.url import StorageLocation
 
 logger = logging.getLogger(__name__)
 
@@ -61,7 +62,7 @@ _FIELDS: dict[str, type | tuple[type, ...]] = {
 }
 
 
-class FaultPlanError(ValueError):
+class FaultPlanError(RelightError, ValueError):
     """The fault plan JSON is malformed; the message names the field."""
 
 

@@ -15,9 +15,9 @@ import time
 from dataclasses import dataclass, field
 from typing import Any
 
-from storage.base import Store
-from storage.errors import InjectedFaultError
-from storage.url import StorageLocation
+from relight.storage.base import Store
+from relight.storage.errors import InjectedFaultError
+from relight.storage.url import StorageLocation
 
 __all__ = ["DEFAULT_OPS", "FaultLog", "FaultPlan", "FaultyStore", "OPERATIONS", "corrupt_object"]
 

@@ -9,11 +9,11 @@ from typing import Any
 
 import fsspec
 
-from storage.base import TEMP_MARKER, Store, StoreStats
-from storage.direct_io import drop_cached, read_aligned, write_file
-from storage.retry import RetryPolicy, is_missing_bucket
-from storage.settings import S3Settings
-from storage.url import StorageLocation
+from relight.storage.base import TEMP_MARKER, Store, StoreStats
+from relight.storage.direct_io import drop_cached, read_aligned, write_file
+from relight.storage.retry import RetryPolicy, is_missing_bucket
+from relight.storage.settings import S3Settings
+from relight.storage.url import StorageLocation
 
 __all__ = ["LocalStore", "S3Store"]
 

@@ -12,9 +12,9 @@ from typing import Any
 
 import tensorstore as ts
 
-from storage.base import Store, StoreStats
-from storage.retry import RetryPolicy
-from storage.url import StorageLocation
+from relight.storage.base import Store, StoreStats
+from relight.storage.retry import RetryPolicy
+from relight.storage.url import StorageLocation
 
 __all__ = ["MemoryStore"]
 

@@ -5,12 +5,12 @@ from __future__ import annotations
 import os
 from typing import Any
 
-from storage.base import Store
-from storage.fault_env import FAULT_PLAN_ENV, wrap_store_from_env
-from storage.fsspec_store import LocalStore, S3Store
-from storage.retry import RetryPolicy
-from storage.settings import S3Settings
-from storage.url import parse_url
+from relight.storage.base import Store
+from relight.storage.fault_env import FAULT_PLAN_ENV, wrap_store_from_env
+from relight.storage.fsspec_store import LocalStore, S3Store
+from relight.storage.retry import RetryPolicy
+from relight.storage.settings import S3Settings
+from relight.storage.url import parse_url
 
 __all__ = ["DIRECT_IO_ENV", "open_store"]
 
@@ -66,7 +66,7 @@ def open_store(
     elif location.scheme == "memory":
         # Only here: the memory store lives in tensorstore, whose import is over a
         # second of a process's start; file and S3 stores never need it.
-        from storage.memory_store import MemoryStore
+        from relight.storage.memory_store import MemoryStore
 
         store = MemoryStore(location, retry)
     else:

@@ -11,7 +11,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import TypeVar
 
-from storage.errors import (
+from relight.storage.errors import (
     BucketNotFoundError,
     ObjectNotFoundError,
     StorageError,

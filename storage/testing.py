@@ -17,7 +17,7 @@ The fault a `FaultyStore` raises, `InjectedFaultError`, stays in `storage`: it i
 `TransientStorageError` that any caller may meet while a test or chaos run is on.
 """
 
-from storage.fault_env import (
+from relight.storage.fault_env import (
     FAULT_PLAN_ENV,
     FaultPlanError,
     ReloadingFaultyStore,
@@ -26,7 +26,14 @@ from storage.fault_env import (
     wrap_store_from_env,
     write_plan_file,
 )
-from storage.faulty import DEFAULT_OPS, OPERATIONS, FaultLog, FaultPlan, FaultyStore, corrupt_object
+from relight.storage.faulty import (
+    DEFAULT_OPS,
+    OPERATIONS,
+    FaultLog,
+    FaultPlan,
+    FaultyStore,
+    corrupt_object,
+)
 
 __all__ = [
     "DEFAULT_OPS",

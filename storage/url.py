@@ -6,7 +6,7 @@ import os
 from dataclasses import dataclass
 from urllib.parse import urlsplit
 
-from storage.errors import InvalidKeyError, InvalidStorageURLError
+from relight.storage.errors import InvalidKeyError, InvalidStorageURLError
 
 __all__ = ["StorageLocation", "parse_url", "check_key", "join_key"]
 

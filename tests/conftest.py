@@ -13,8 +13,8 @@ from typing import Any
 
 import pytest
 
-from chaos.s3_server import S3Server
-from elastic.etcd_server import EtcdCluster, EtcdServer
+from relight.chaos.s3_server import S3Server
+from relight.elastic.etcd_server import EtcdCluster, EtcdServer
 
 
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:

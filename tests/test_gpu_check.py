@@ -18,7 +18,7 @@ ROOT = Path(__file__).resolve().parents[1]
 def test_benchmark_skips_a_size_that_does_not_fit_the_budget(tmp_path: Path) -> None:
     import torch
 
-    from benchmarks import gpu_ckpt
+    from relight.benchmarks import gpu_ckpt
 
     if dist.is_initialized():  # an earlier test in this process left its group behind
         dist.destroy_process_group()

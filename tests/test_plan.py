@@ -10,7 +10,7 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from runtime.goodput_plan import (
+from relight.runtime.goodput_plan import (
     PlanInputError,
     PlanInputs,
     daly_interval,
@@ -86,7 +86,7 @@ def test_cli_rejects_bad_input(capsys) -> None:
 
 
 def test_heal_in_place_model() -> None:
-    from runtime.goodput_plan import heal_goodput
+    from relight.runtime.goodput_plan import heal_goodput
 
     m, tau, delta = 3600.0, 300.0, 2.0
     # Free faults: only the save stalls cost.

@@ -26,8 +26,8 @@ from dataclasses import dataclass
 import torch
 from torch import nn
 
-from runtime.config import Config, ConfigError
-from runtime.mesh import ParallelMesh
+from relight.runtime.config import Config, ConfigError
+from relight.runtime.mesh import ParallelMesh
 
 __all__ = ["ModelSpec", "create_model", "get_model_spec", "model_names", "model_vocab_size",
            "register_model"]
@@ -72,7 +72,7 @@ def get_model_spec(name: str) -> ModelSpec:
 
 
 def _build_transformer(cfg: Config) -> nn.Module:
-    from runtime.model import Transformer
+    from relight.runtime.model import Transformer
 
     return Transformer(cfg.model)
 
@@ -85,7 +85,7 @@ def _build_moe(cfg: Config) -> nn.Module:
 
 
 def _parallelize_transformer(model: nn.Module, pmesh: ParallelMesh, cfg: Config) -> nn.Module:
-    from runtime.parallelize import parallelize
+    from relight.runtime.parallelize import parallelize
 
     return parallelize(model, pmesh, cfg)
 
@@ -99,7 +99,7 @@ register_model(ModelSpec("moe", _build_moe, _parallelize_transformer,
 def create_model(cfg: Config, pmesh: ParallelMesh, device: torch.device) -> nn.Module:
     """The model of ``cfg``, parallelized over ``pmesh`` and initialised on ``device``."""
     if cfg.model.factory:
-        from runtime.models.factory import create_factory_model
+        from relight.runtime.models.factory import create_factory_model
 
         return create_factory_model(cfg, pmesh, device)
     spec = get_model_spec(cfg.model.name)

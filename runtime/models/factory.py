@@ -30,8 +30,8 @@ from typing import Any
 import torch
 from torch import nn
 
-from runtime.config import Config, ConfigError, MixedPrecision
-from runtime.mesh import LayoutError, ParallelMesh
+from relight.runtime.config import Config, ConfigError, MixedPrecision
+from relight.runtime.mesh import LayoutError, ParallelMesh
 
 __all__ = ["FactoryModel", "create_factory_model", "find_blocks", "load_factory"]
 

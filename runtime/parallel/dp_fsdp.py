@@ -18,8 +18,8 @@ import torch.distributed as dist
 from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
 from torch.distributed.tensor import DTensor, Shard
 
-from runtime.mesh import ParallelMesh
-from runtime.model import Transformer
+from relight.runtime.mesh import ParallelMesh
+from relight.runtime.model import Transformer
 
 __all__ = ["apply_fsdp"]
 

@@ -12,7 +12,7 @@ from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import Shard, distribute_tensor
 
-from runtime.model import Transformer
+from relight.runtime.model import Transformer
 
 __all__ = ["apply_ep"]
 

@@ -14,8 +14,8 @@ import torch
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.pipelining import PipelineStage, Schedule1F1B, ScheduleGPipe
 
-from runtime.config import PipelineSchedule
-from runtime.model import Transformer
+from relight.runtime.config import PipelineSchedule
+from relight.runtime.model import Transformer
 
 __all__ = ["build_pipeline", "prune_to_stage", "stage_layers"]
 

@@ -22,7 +22,7 @@ from torch.distributed.tensor.parallel import (
     parallelize_module,
 )
 
-from runtime.model import MLP, Transformer
+from relight.runtime.model import MLP, Transformer
 
 __all__ = ["apply_tp"]
 

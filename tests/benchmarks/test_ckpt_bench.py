@@ -7,7 +7,7 @@ import json
 
 import pytest
 
-from benchmarks import ckpt as ckpt_bench
+from relight.benchmarks import ckpt as ckpt_bench
 
 
 @pytest.mark.long  # two ranks that import torch, and DCP

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import pytest
 
-from benchmarks.cross_group import run, table
+from relight.benchmarks.cross_group import run, table
 
 
 @pytest.mark.multirank

@@ -5,8 +5,8 @@ from __future__ import annotations
 
 import pytest
 
-from benchmarks.goodput import ARMS, GoodputConfig, _scenario, parse_settings, schedule
-from chaos.scenario import parse_scenario
+from relight.benchmarks.goodput import ARMS, GoodputConfig, _scenario, parse_settings, schedule
+from relight.chaos.scenario import parse_scenario
 
 
 @pytest.mark.parametrize("arm", [a for a in ARMS if a != "torchft"])

@@ -8,10 +8,10 @@ import math
 
 import pytest
 
-from benchmarks import scale, scale_plan
-from benchmarks.scale_rdzv import RdzvConfig, run_rendezvous
-from benchmarks.scale_report import growth_exponent
-from benchmarks.scale_state import CONFIGS, MESHES, MODELS, rank_pieces, state_bytes
+from relight.benchmarks import scale, scale_plan
+from relight.benchmarks.scale_rdzv import RdzvConfig, run_rendezvous
+from relight.benchmarks.scale_report import growth_exponent
+from relight.benchmarks.scale_state import CONFIGS, MESHES, MODELS, rank_pieces, state_bytes
 
 
 @pytest.mark.parametrize("config,world", [("8b-fsdp", 8), ("moe-ep", 8), ("70b-3d", 64)])

@@ -11,8 +11,8 @@ from pathlib import Path
 
 import pytest
 
-from benchmarks import torchft_arm
-from benchmarks.goodput_metrics import (
+from relight.benchmarks import torchft_arm
+from relight.benchmarks.goodput_metrics import (
     MetricsError,
     fleet_goodput,
     heal_times,

@@ -4,9 +4,9 @@ from __future__ import annotations
 
 import torch
 
-import ckpt
-from chaos.ckpt_probe import CheckpointProbe
-from storage import open_store
+from relight import ckpt
+from relight.chaos.ckpt_probe import CheckpointProbe
+from relight.storage import open_store
 
 
 def test_probe_reads_committed_state_whole(tmp_path) -> None:
@@ -28,7 +28,7 @@ def test_probe_reads_committed_state_whole(tmp_path) -> None:
 def test_reference_copied_out_of_its_store_reads_the_same(tmp_path) -> None:
     # --reference-cache keeps the reference checkpoints in a local dir whatever store the
     # reference run wrote them to (the S3 server dies with the run).
-    from chaos.runner import _copy_store
+    from relight.chaos.runner import _copy_store
 
     src_url = "memory://chaos-ref-copy"
     mgr = ckpt.CheckpointManager(src_url, keep_last=None)

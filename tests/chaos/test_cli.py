@@ -5,8 +5,8 @@ from __future__ import annotations
 import sys
 from pathlib import Path
 
-from chaos.cli import EXIT_BROKEN, EXIT_OK, EXIT_USAGE, main
-from chaos.report import write_report
+from relight.chaos.cli import EXIT_BROKEN, EXIT_OK, EXIT_USAGE, main
+from relight.chaos.report import write_report
 
 sys.path.insert(0, str(Path(__file__).parent))
 from test_report import _report  # noqa: E402

@@ -20,10 +20,10 @@ from pathlib import Path
 import psutil
 import pytest
 
-from chaos.logs import parse_metrics
-from chaos.report import render_markdown
-from chaos.runner import run_scenario
-from chaos.scenario import load_scenario, parse_scenario
+from relight.chaos.logs import parse_metrics
+from relight.chaos.report import render_markdown
+from relight.chaos.runner import run_scenario
+from relight.chaos.scenario import load_scenario, parse_scenario
 
 ROOT = Path(__file__).resolve().parents[2]
 

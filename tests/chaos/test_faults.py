@@ -17,8 +17,8 @@ from typing import Any
 import psutil
 import pytest
 
-from chaos.faults import FaultKind, Injector, find_workers, kill_tree, process_tree
-from chaos.scenario import FaultSpec
+from relight.chaos.faults import FaultKind, Injector, find_workers, kill_tree, process_tree
+from relight.chaos.scenario import FaultSpec
 
 # A fake agent: two "workers" (RANK/LOCAL_RANK set, as torchrun does), each with a child of
 # its own that inherits the variables (a data-loader process, say).

@@ -7,9 +7,9 @@ import sys
 from pathlib import Path
 from xml.etree import ElementTree as ET
 
-from chaos.faults import FaultEvent, FaultKind
-from chaos.report import build_report, load_report, percentile, write_junit, write_report
-from chaos.verifier import verify
+from relight.chaos.faults import FaultEvent, FaultKind
+from relight.chaos.report import build_report, load_report, percentile, write_junit, write_report
+from relight.chaos.verifier import verify
 
 sys.path.insert(0, str(Path(__file__).parent))
 from test_verifier import simulate  # noqa: E402

@@ -7,8 +7,8 @@ from pathlib import Path
 
 import pytest
 
-from chaos.faults import FaultKind, draw_mtbf_schedule
-from chaos.scenario import ScenarioError, load_scenario, parse_scenario
+from relight.chaos.faults import FaultKind, draw_mtbf_schedule
+from relight.chaos.scenario import ScenarioError, load_scenario, parse_scenario
 
 ROOT = Path(__file__).resolve().parents[2]
 
@@ -101,7 +101,7 @@ def test_seed_override_and_mtbf_schedule_is_deterministic() -> None:
 
 
 def test_rendezvous_timings_reach_the_agents_only_when_set() -> None:
-    from chaos.runner import agent_command
+    from relight.chaos.runner import agent_command
 
     def conf(cluster: dict) -> str:
         s = parse_scenario({**BASE, "cluster": cluster})
@@ -126,8 +126,8 @@ def test_a_standalone_c10d_store_serves_until_torn_down(tmp_path: Path) -> None:
 
     import torch.distributed as dist
 
-    from chaos.runner import _start_c10d_store
-    from elastic.etcd_server import free_port
+    from relight.chaos.runner import _start_c10d_store
+    from relight.elastic.etcd_server import free_port
 
     endpoint = f"127.0.0.1:{free_port()}"
     proc = _start_c10d_store(endpoint, tmp_path / "store.log")
@@ -143,7 +143,7 @@ def test_a_standalone_c10d_store_serves_until_torn_down(tmp_path: Path) -> None:
 
 
 def test_drawn_faults_wait_until_they_can_happen(tmp_path: Path) -> None:
-    from chaos.runner import _mtbf_spec, _Pending, _Watch
+    from relight.chaos.runner import _mtbf_spec, _Pending, _Watch
 
     s = parse_scenario({**BASE, "cluster": {"nodes": 2, "min_nodes": 1, "max_nodes": 2},
                         "mtbf": {"count": 3, "kinds": ["scale_up"]}})
@@ -176,7 +176,7 @@ def test_drawn_faults_wait_until_they_can_happen(tmp_path: Path) -> None:
 
 
 def test_a_fault_after_recovery_waits_for_the_earlier_fault_to_recover(tmp_path: Path) -> None:
-    from chaos.runner import _Pending, _Watch
+    from relight.chaos.runner import _Pending, _Watch
 
     s = parse_scenario({**BASE, "cluster": {"nodes": 2, "min_nodes": 1, "max_nodes": 2},
                         "faults": [{"kind": "kill_worker", "at_step": 2},
@@ -197,7 +197,7 @@ def test_a_fault_after_recovery_waits_for_the_earlier_fault_to_recover(tmp_path:
 def test_a_fault_can_wait_steps_after_the_recovery(tmp_path: Path) -> None:
     """steps_after_recovery counts from the step logged when the last recovery ended,
     however late that was."""
-    from chaos.runner import _Pending, _Watch
+    from relight.chaos.runner import _Pending, _Watch
 
     s = parse_scenario({**BASE, "cluster": {"nodes": 2, "min_nodes": 1, "max_nodes": 2},
                         "faults": [{"kind": "kill_worker", "at_step": 2},
@@ -215,7 +215,7 @@ def test_a_fault_can_wait_steps_after_the_recovery(tmp_path: Path) -> None:
 def test_training_processes_share_the_machines_cores(monkeypatch) -> None:
     """The simulated nodes run on one machine: each training process gets its share of
     the cores as intra-op threads, unless the caller or the scenario says otherwise."""
-    from chaos.runner import training_command
+    from relight.chaos.runner import training_command
 
     monkeypatch.delenv("OMP_NUM_THREADS", raising=False)
     monkeypatch.setattr(os, "cpu_count", lambda: 8)
@@ -237,9 +237,9 @@ def test_training_processes_share_the_machines_cores(monkeypatch) -> None:
 def test_a_step_the_victim_logged_after_the_kill_is_not_its_rejoin() -> None:
     """On a loaded machine a killed group's last step can be logged after the fault's
     time (the kill lands late): its rejoin is its first step in a later quorum."""
-    from chaos.faults import FaultEvent, FaultKind
-    from chaos.logs import StepRecord
-    from chaos.runner import _QuorumRecovery
+    from relight.chaos.faults import FaultEvent, FaultKind
+    from relight.chaos.logs import StepRecord
+    from relight.chaos.runner import _QuorumRecovery
 
     def rec(group: str, step: int, quorum: int, t: float, healed: int | None = None):
         return StepRecord(step=step, loss=1.0, time=t, replica_group=group, quorum=quorum,

@@ -7,8 +7,8 @@ import math
 import sys
 from pathlib import Path
 
-from chaos.series import main, predicted_goodput, seed_row
-from runtime.goodput_plan import expected_goodput
+from relight.chaos.series import main, predicted_goodput, seed_row
+from relight.runtime.goodput_plan import expected_goodput
 
 sys.path.insert(0, str(Path(__file__).parent))
 from test_report import _report  # noqa: E402

@@ -11,9 +11,9 @@ from dataclasses import replace
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from chaos.faults import FaultKind
-from chaos.logs import parse_metrics, split_attempts
-from chaos.verifier import (
+from relight.chaos.faults import FaultKind
+from relight.chaos.logs import parse_metrics, split_attempts
+from relight.chaos.verifier import (
     CheckpointEvent,
     FaultMark,
     RunEvidence,

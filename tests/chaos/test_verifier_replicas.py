@@ -6,9 +6,9 @@ from __future__ import annotations
 
 from dataclasses import replace
 
-from chaos.faults import FaultKind
-from chaos.logs import job_history
-from chaos.verifier import (
+from relight.chaos.faults import FaultKind
+from relight.chaos.logs import job_history
+from relight.chaos.verifier import (
     FaultMark,
     RunEvidence,
     StepRecord,
@@ -132,7 +132,7 @@ def test_replicas_are_compared_within_each_run_of_the_job() -> None:
     """Every replica lost at step 8: new groups start over (here from scratch) in quorums
     of their own. Their steps 1-8 differ from the lost run's, and are not compared with
     them; within the new run the groups still must agree."""
-    from chaos.verifier import check_replicas_identical, replica_lineages
+    from relight.chaos.verifier import check_replicas_identical, replica_lineages
 
     lost = [rec(g, s, float(s), crc=(s, 1000)) for s in range(1, 9) for g in ("node-0", "node-1")]
     again = [rec(g, s, float(s + 20), quorum=5, crc=(s, 2000))
@@ -152,7 +152,7 @@ def test_a_run_with_no_join_while_training_holds_check_10_and_says_it_was_vacuou
     """Every replica lost at step 8, the job restarted from scratch with nobody training:
     no group had anything to heal from, so check 10 holds, and says there was nothing
     to check; a run with a heal is not vacuous."""
-    from chaos.verifier import check_heals_read_no_storage
+    from relight.chaos.verifier import check_heals_read_no_storage
 
     lost = [rec(g, s, float(s)) for s in range(1, 9) for g in ("node-0", "node-1")]
     again = [rec(g, s, float(s + 20), quorum=5) for s in range(1, 13)

@@ -19,9 +19,8 @@ from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import DTensor, Replicate, Shard, distribute_tensor
 from torch.distributed.tensor.placement_types import _StridedShard
 
-import ckpt
-import storage
-from storage.testing import FaultPlan, FaultyStore
+from relight import ckpt, storage
+from relight.storage.testing import FaultPlan, FaultyStore
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16,
           "int64": torch.int64}
@@ -211,7 +210,7 @@ def crash_save(root: str, tensors: list[dict[str, Any]], mesh: list[int],
     """Commit step 1, then save step 2 during which `victim` is SIGKILLed: in the middle
     of persisting ("persist") or, as coordinator, right before the marker ("commit").
     Survivors must see the save fail."""
-    import ckpt.writer as eng
+    import relight.ckpt.writer as eng
 
     rank = dist.get_rank()
     opts = ckpt.SaveOptions(commit_timeout_s=timeout_s)
@@ -301,7 +300,7 @@ def async_staging_fails_on_one_rank(url: str, failing: int) -> dict[str, Any]:
     must raise (no background persist starts, no coordinator waits for the rank's
     index), and the next save of the same state commits. Twice: on a new plan (the
     copy, then an all-gather) and on the cached plan (the copy before the handshake)."""
-    import ckpt.engine
+    from relight import ckpt
 
     real = ckpt.engine.Stager.run
 
@@ -330,8 +329,8 @@ def async_staging_fails_on_one_rank(url: str, failing: int) -> dict[str, Any]:
 def gather_to_coordinator(payloads: list[str]) -> dict[str, Any]:
     """`Comm.gather_bytes` and `gather_or_raise`: payloads of different sizes (one
     empty) reach the coordinator in group order, and no other rank."""
-    from ckpt.collective import gather_or_raise
-    from ckpt.comm import Comm
+    from relight.ckpt.collective import gather_or_raise
+    from relight.ckpt.comm import Comm
 
     comm = Comm(None, timeout_s=60)
     mine = payloads[dist.get_rank()].encode()
@@ -345,7 +344,7 @@ def sync_save_fails_on_one_rank(url: str, failing: int) -> dict[str, Any]:
     """A synchronous save whose persist fails on rank `failing`: every rank's `save()`
     raises an error naming that rank and nothing is committed; the next save of the same
     state to the same URL commits (the indexes reach the coordinator) and loads bitwise."""
-    import ckpt.writer
+    from relight import ckpt
 
     real = ckpt.writer._SaveJob.persist
 
@@ -378,7 +377,7 @@ def sync_save_fails_on_one_rank(url: str, failing: int) -> dict[str, Any]:
 def grid_forms(mesh: list[int], cases: list[dict[str, Any]]) -> list[Any]:
     """For each {shape, pl}: the closed form `ckpt.layout.mesh_grid` finds for this rank's
     DTensor (its JSON, or None), and whether that grid gives exactly its pieces."""
-    from ckpt.layout import local_pieces, mesh_grid
+    from relight.ckpt.layout import local_pieces, mesh_grid
 
     out = []
     for i, case in enumerate(cases):
@@ -397,7 +396,7 @@ def grid_forms(mesh: list[int], cases: list[dict[str, Any]]) -> list[Any]:
 def shared_parts(shared: list[str], own: list[str]) -> dict[str, Any]:
     """`Comm.allgather_shared` of this rank's entries of `shared` and `own`: what every
     rank received, and whether equal shared texts came back as one object."""
-    from ckpt.comm import Comm
+    from relight.ckpt.comm import Comm
 
     rank = dist.get_rank()
     got = Comm(None, 60).allgather_shared(shared[rank].encode(), own[rank].encode())
@@ -412,7 +411,7 @@ def shared_parts(shared: list[str], own: list[str]) -> dict[str, Any]:
 def storage_collects() -> Iterator[list[int]]:
     """Count the coordinator's collections of the ranks' indexes from storage (the
     commit's storage path) while the block runs: the list's one item."""
-    import ckpt.writer as writer
+    import relight.ckpt.writer as writer
 
     collects = [0]
     real_wait = writer.wait_for_indexes
@@ -435,9 +434,9 @@ def async_commit_paths(root: str, broken_rank: int) -> dict[str, Any]:
     and its abort must fail its peers' collectives so they fall back too), save 4 over a
     new group. Per save: the coordinator's storage collections, the group's id and the
     cached plan's id (one plan serves all five: the layout never changes)."""
-    from ckpt.commit_group import CommitGroup
-    from ckpt.errors import CollectiveError
-    from ckpt.resources import resources
+    from relight.ckpt.commit_group import CommitGroup
+    from relight.ckpt.errors import CollectiveError
+    from relight.ckpt.resources import resources
 
     rank = dist.get_rank()
     real_comm = CommitGroup.comm

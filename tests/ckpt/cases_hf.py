@@ -30,7 +30,7 @@ from torch.distributed.checkpoint.state_dict import (
 from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 from torch.distributed.fsdp import fully_shard
 
-import ckpt
+from relight import ckpt
 
 TIMEOUT = timedelta(seconds=120)
 

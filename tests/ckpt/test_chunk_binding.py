@@ -12,14 +12,12 @@ import numpy as np
 import pytest
 import torch
 
-import ckpt
-import ckpt.crc_table
-import storage
-from ckpt.crc_table import TABLE_FIELD, array_of_key
-from ckpt.format import CHUNK_CRCS, MANIFEST_KEY, zarr_metadata
-from ckpt.manifest import Manifest, chunk_objects, crc32c, data_arrays, read_manifest
-from ckpt.shardio import ShardGeometry, encode_shard, read_shard_region, stored_crcs
-from ckpt.tsio import open_array
+from relight import ckpt, storage
+from relight.ckpt.crc_table import TABLE_FIELD, array_of_key
+from relight.ckpt.format import CHUNK_CRCS, MANIFEST_KEY, zarr_metadata
+from relight.ckpt.manifest import Manifest, chunk_objects, crc32c, data_arrays, read_manifest
+from relight.ckpt.shardio import ShardGeometry, encode_shard, read_shard_region, stored_crcs
+from relight.ckpt.tsio import open_array
 
 OPTS = ckpt.SaveOptions(pack_bytes=1 << 10, inner_bytes=4 << 10)
 
@@ -172,8 +170,8 @@ def test_zstd_checkpoint_loads_through_the_direct_reader(tmp_path) -> None:
     ckpt.load(got, store)
     assert all(torch.equal(got[k], v) for k, v in _state(1).items())
     # A region that starts mid-chunk: the reader decodes whole chunks and copies parts.
-    from ckpt.manifest import read_manifest
-    from ckpt.reader import RegionReader as _Reader
+    from relight.ckpt.manifest import read_manifest
+    from relight.ckpt.reader import RegionReader as _Reader
     region = _Reader(store, read_manifest(store), "a", ((5, 7), (50, 30)), torch.float32)
     assert torch.equal(region.result(), _state(1)["a"][5:55, 7:37])
 
@@ -334,7 +332,7 @@ def test_damaged_table_is_typed_error_and_nothing_loads_unchecked(saved, damage,
 def test_save_missing_a_record_does_not_commit(tmp_path, monkeypatch) -> None:
     """The coordinator validates the manifest it built: a rank that recorded no crcs
     fails the save instead of committing a checkpoint every load would refuse."""
-    import ckpt.writer as eng
+    import relight.ckpt.writer as eng
 
     monkeypatch.setattr(eng._SaveJob, "_bind_stored_objects",
                         lambda self: self.chunk_crcs.clear())

@@ -6,10 +6,9 @@ import json
 
 import torch
 
-import ckpt
-import storage
-from ckpt.cli import main
-from storage.testing import corrupt_object
+from relight import ckpt, storage
+from relight.ckpt.cli import main
+from relight.storage.testing import corrupt_object
 
 
 def _run(tmp_path, steps=(1, 2, 3)) -> str:

@@ -8,9 +8,9 @@ from __future__ import annotations
 import pytest
 import torch
 
-import ckpt
-from ckpt.resources import resources
-from ckpt.staging import host_buffer
+from relight import ckpt
+from relight.ckpt.resources import resources
+from relight.ckpt.staging import host_buffer
 
 pytestmark = pytest.mark.cuda
 

@@ -10,9 +10,9 @@ import pytest
 from hypothesis import assume, given, settings
 from hypothesis import strategies as st
 
-from ckpt.errors import UnsupportedStateError
-from ckpt.grid import MeshGrid
-from ckpt.plan import (
+from relight.ckpt.errors import UnsupportedStateError
+from relight.ckpt.grid import MeshGrid
+from relight.ckpt.plan import (
     GridPieces,
     RankLayout,
     TensorLayout,

@@ -13,9 +13,8 @@ import threading
 import pytest
 import torch
 
-import ckpt
-import storage
-from storage.testing import FaultPlan, FaultyStore
+from relight import ckpt, storage
+from relight.storage.testing import FaultPlan, FaultyStore
 
 
 def test_handle_is_a_future(tmp_path) -> None:
@@ -56,8 +55,9 @@ def test_failed_save_is_the_futures_exception(tmp_path) -> None:
 
 
 SCRIPT = textwrap.dedent("""
-    import atexit, sys, threading, torch, ckpt, storage
-    from storage.testing import FaultPlan, FaultyStore
+    import atexit, sys, threading, torch
+    from relight import ckpt, storage
+    from relight.storage.testing import FaultPlan, FaultyStore
     # atexit runs after the engine's exit hook (threading's run first): what is left then
     # runs while the interpreter finalizes.
     atexit.register(lambda: print("left at exit:", sorted(

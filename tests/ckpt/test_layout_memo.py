@@ -6,9 +6,9 @@ from __future__ import annotations
 
 import torch
 
-from ckpt.flatten import flatten_state
-from ckpt.layout import LayoutMemo, rank_layout
-from ckpt.plan import layout_digest
+from relight.ckpt.flatten import flatten_state
+from relight.ckpt.layout import LayoutMemo, rank_layout
+from relight.ckpt.plan import layout_digest
 
 EXTRA = [(0,), 1 << 20, 4 << 20, 1 << 16]
 

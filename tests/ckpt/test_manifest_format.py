@@ -15,14 +15,14 @@ from pathlib import Path
 import pytest
 import torch
 
-import ckpt.commit
-from ckpt.commit import build_manifest, encode_manifest, plan_manifest
-from ckpt.crc_table import TABLE_FIELD
-from ckpt.errors import CorruptCheckpointError
-from ckpt.format import CHUNK_CRCS, StorageKind
-from ckpt.manifest import Manifest, chunk_objects
-from ckpt.plan import RankLayout, TensorLayout, plan_save
-from storage import open_store
+from relight import ckpt
+from relight.ckpt.commit import build_manifest, encode_manifest, plan_manifest
+from relight.ckpt.crc_table import TABLE_FIELD
+from relight.ckpt.errors import CorruptCheckpointError
+from relight.ckpt.format import CHUNK_CRCS, StorageKind
+from relight.ckpt.manifest import Manifest, chunk_objects
+from relight.ckpt.plan import RankLayout, TensorLayout, plan_save
+from relight.storage import open_store
 
 DATA = Path(__file__).parent / "data"
 GOLDEN = DATA / "manifest-v2.json"
@@ -152,5 +152,5 @@ def test_overlapping_pieces_with_the_right_element_count_are_refused() -> None:
     ([((i,), (1,)) for i in range(5000)] + [((4999,), (1,))], True),
 ])
 def test_overlap_check_is_exact(boxes, want) -> None:
-    from ckpt.manifest import _overlap
+    from relight.ckpt.manifest import _overlap
     assert _overlap([(list(o), list(s)) for o, s in boxes]) is want

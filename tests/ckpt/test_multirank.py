@@ -10,10 +10,9 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-import ckpt
-import storage
-from ckpt.format import COMMIT_KEY, MANIFEST_KEY
-from storage.testing import corrupt_object
+from relight import ckpt, storage
+from relight.ckpt.format import COMMIT_KEY, MANIFEST_KEY
+from relight.storage.testing import corrupt_object
 from tests.ckpt._pool import RankFailure, RankPool
 
 pytestmark = pytest.mark.multirank

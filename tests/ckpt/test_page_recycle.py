@@ -9,12 +9,11 @@ import os
 import pytest
 import torch
 
-import ckpt
-import storage
-from ckpt.page_recycle import PageRecycler
-from ckpt.resources import resources
-from storage.direct_io import cached_pages
-from storage.memory_store import MemoryStore
+from relight import ckpt, storage
+from relight.ckpt.page_recycle import PageRecycler
+from relight.ckpt.resources import resources
+from relight.storage.direct_io import cached_pages
+from relight.storage.memory_store import MemoryStore
 from tests.storage.filesystems import on_memory_filesystem
 
 

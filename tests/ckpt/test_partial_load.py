@@ -9,7 +9,7 @@ import torch
 from torch import nn
 from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
 
-import ckpt
+from relight import ckpt
 
 
 def _mlp(layers: int, seed: int) -> nn.Sequential:

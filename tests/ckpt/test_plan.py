@@ -4,9 +4,9 @@ from __future__ import annotations
 
 import pytest
 
-from ckpt.errors import UnsupportedStateError
-from ckpt.format import inner_chunk_shape
-from ckpt.plan import RankLayout, TensorLayout, plan_load, plan_save
+from relight.ckpt.errors import UnsupportedStateError
+from relight.ckpt.format import inner_chunk_shape
+from relight.ckpt.plan import RankLayout, TensorLayout, plan_load, plan_save
 
 
 def lay(rank: int, *tensors: TensorLayout, values: tuple[str, ...] = ()) -> RankLayout:
@@ -88,7 +88,7 @@ def test_index_runs_are_maximal_and_in_local_order() -> None:
     global start) runs, vectorized: a flat state can hold tens of millions per rank."""
     import torch
 
-    from ckpt.layout import _runs
+    from relight.ckpt.layout import _runs
 
     assert _runs(torch.arange(5, 9)) == [(0, 4, 5)]
     assert _runs(torch.tensor([0, 1, 4, 5, 6, 2, 3, 9])) == [

@@ -7,9 +7,8 @@ import logging
 import pytest
 import torch
 
-import ckpt
-import storage
-from storage.testing import FaultPlan, FaultyStore
+from relight import ckpt, storage
+from relight.storage.testing import FaultPlan, FaultyStore
 
 
 def _state(seed: int) -> dict:
@@ -27,7 +26,7 @@ def _failing(root: storage.Store) -> FaultyStore:
 def test_consecutive_failed_saves_stop_the_run(tmp_path, caplog) -> None:
     root = storage.open_store(tmp_path / "run")
     mgr = ckpt.CheckpointManager(_failing(root), keep_last=2)
-    with caplog.at_level(logging.ERROR, logger="ckpt.manager"):
+    with caplog.at_level(logging.ERROR, logger="relight.ckpt.manager"):
         mgr.save(1, _state(1))
         mgr.save(2, _state(2))  # reports step 1: 1 in a row
         mgr.save(3, _state(3))  # reports step 2: 2 in a row
@@ -38,7 +37,7 @@ def test_consecutive_failed_saves_stop_the_run(tmp_path, caplog) -> None:
     assert root.url in str(err) and "last 3 checkpoint saves" in str(err), err
     assert "step 3" in str(err) and isinstance(err.__cause__, ckpt.CheckpointSaveError)
     assert mgr.consecutive_failed_saves == 3 and mgr.failed_saves == 3
-    lines = [r.getMessage() for r in caplog.records if r.name == "ckpt.manager"]
+    lines = [r.getMessage() for r in caplog.records if r.name == "relight.ckpt.manager"]
     assert [m.split(" failed")[0] for m in lines] == [f"checkpoint step {s}" for s in (1, 2, 3)]
     assert "(1 in a row; the run stops at 3)" in lines[0], lines
 

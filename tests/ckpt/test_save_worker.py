@@ -10,9 +10,9 @@ import threading
 import pytest
 import torch
 
-import ckpt
-from ckpt import resources as res_mod
-from ckpt.resources import SaveWorker
+from relight import ckpt
+from relight.ckpt import resources as res_mod
+from relight.ckpt.resources import SaveWorker
 
 pytestmark = pytest.mark.skipif(not sys.platform.startswith("linux"),
                                 reason="per-thread nice values are Linux's")
@@ -98,7 +98,7 @@ def test_zero_keeps_the_process_priority(monkeypatch) -> None:
 def test_async_save_writes_from_the_lowered_worker(tmp_path, monkeypatch) -> None:
     """A real async save: its files are written from threads at the worker's lowered
     priority."""
-    from storage.fsspec_store import LocalStore
+    from relight.storage.fsspec_store import LocalStore
 
     caller = _nice()
     put_nices: list[int] = []
@@ -118,7 +118,7 @@ def test_async_save_writes_from_the_lowered_worker(tmp_path, monkeypatch) -> Non
 
 def test_pipelined_staging_runs_at_the_callers_priority(tmp_path, monkeypatch) -> None:
     """The copy the training waits for is not slowed with the writes."""
-    from ckpt import staging
+    from relight.ckpt import staging
 
     caller = _nice()
     copy_nices: list[int] = []
@@ -138,7 +138,7 @@ def test_pipelined_staging_runs_at_the_callers_priority(tmp_path, monkeypatch) -
 
 
 def test_failed_pipelined_staging_fails_the_save(tmp_path, monkeypatch) -> None:
-    from ckpt import staging
+    from relight.ckpt import staging
 
     def run(self):  # noqa: ANN001, ANN202
         raise RuntimeError("staging copy failed")

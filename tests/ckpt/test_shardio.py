@@ -10,11 +10,10 @@ import numpy as np
 import pytest
 import torch
 
-import ckpt
-import storage
-from ckpt.format import MANIFEST_KEY, chunk_key, zarr_metadata
-from ckpt.shardio import ShardGeometry, encode_shard, read_shard_region
-from ckpt.tsio import open_array
+from relight import ckpt, storage
+from relight.ckpt.format import MANIFEST_KEY, chunk_key, zarr_metadata
+from relight.ckpt.shardio import ShardGeometry, encode_shard, read_shard_region
+from relight.ckpt.tsio import open_array
 
 CASES = [
     ("float32", np.float32, [8, 12], [4, 6], [2, 3]),
@@ -150,9 +149,9 @@ def test_reads_with_a_buffer_pool_reuse_its_buffers_and_check_every_chunk(tmp_pa
     """Reads into pooled buffers (`Store.get_view`): the same bytes as fresh reads, the
     pool's buffers come back after each read, a bit flip is still caught, and a load
     keeps no fetch memory once it returns."""
-    from ckpt.errors import ChecksumMismatchError
-    from ckpt.resources import resources
-    from storage.direct_io import BufferPool
+    from relight.ckpt.errors import ChecksumMismatchError
+    from relight.ckpt.resources import resources
+    from relight.storage.direct_io import BufferPool
 
     store = storage.open_store(tmp_path / "s")
     geo = ShardGeometry((512, 1024), (256, 512), 4)  # 2 MiB objects: read direct

@@ -11,11 +11,10 @@ import pytest
 import tensorstore as ts
 import torch
 
-import ckpt
-import storage
-from ckpt.format import COMMIT_KEY, MANIFEST_KEY
-from ckpt.manifest import crc32c
-from storage.testing import FaultPlan, FaultyStore, corrupt_object
+from relight import ckpt, storage
+from relight.ckpt.format import COMMIT_KEY, MANIFEST_KEY
+from relight.ckpt.manifest import crc32c
+from relight.storage.testing import FaultPlan, FaultyStore, corrupt_object
 
 
 class Counter:
@@ -400,7 +399,7 @@ def test_async_stall_is_a_copy_and_one_save_in_flight(tmp_path) -> None:
 
 def _slow_staging(monkeypatch, delay: float = 0.5) -> None:
     """Staging that starts late, so a mutation racing it would land in the snapshot."""
-    from ckpt.staging import Stager
+    from relight.ckpt.staging import Stager
 
     real = Stager.run
 
@@ -452,7 +451,7 @@ def test_wait_staged_and_default_staging(tmp_path) -> None:
 
 def test_pipelined_staging_failure_is_reported_and_releases_waiters(tmp_path,
                                                                     monkeypatch) -> None:
-    from ckpt.staging import Stager
+    from relight.ckpt.staging import Stager
 
     def broken(self):
         raise RuntimeError("staging copy failed")

@@ -41,7 +41,7 @@ def torchrun_cmd(endpoint: str, run_id: str, nnodes: str, nproc: int, script: Pa
     rdzv_conf = ",".join(f"{k}={v}" for k, v in {**RDZV_CONF, **(conf or {})}.items())
     if launcher == "relight":
         head = [sys.executable, "-c",
-                "import sys; from elastic.launch import main; sys.exit(main(sys.argv[1:]))"]
+                "import sys; from relight.cli import main; sys.exit(main(['run', *sys.argv[1:]]))"]
         tail = ["--", sys.executable, str(script), *script_args]
     else:
         head = [sys.executable, "-m", "torch.distributed.run"]

@@ -9,7 +9,7 @@ from pathlib import Path
 
 import pytest
 
-from elastic.etcd_server import EtcdServer, EtcdTLS, etcd_binary
+from relight.elastic.etcd_server import EtcdServer, EtcdTLS, etcd_binary
 
 
 @dataclass(frozen=True)

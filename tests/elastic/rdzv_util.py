@@ -9,7 +9,7 @@ from typing import Any
 
 from torch.distributed.elastic.rendezvous import RendezvousInfo, RendezvousParameters
 
-from elastic.rendezvous import EtcdRendezvousHandler, create_handler
+from relight.elastic.rendezvous import EtcdRendezvousHandler, create_handler
 
 FAST = {
     "join_timeout": "30",

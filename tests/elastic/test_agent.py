@@ -14,18 +14,19 @@ import urllib.request
 import pytest
 import torch
 
-from elastic.agent_metrics import AgentMetrics, AgentMetricsConfig
-from elastic.etcd_client import EtcdClient, EtcdSettings
-from elastic.etcd_server import free_port
-from elastic.launch import (
+from relight.elastic.agent_metrics import AgentMetrics, AgentMetricsConfig
+from relight.elastic.etcd_client import EtcdClient, EtcdSettings
+from relight.elastic.etcd_server import free_port
+from relight.elastic.launch import (
+    DEFAULT_PREEMPTION_GRACE_S,
     SHUTDOWN_MARGIN_S,
     main,
     needs_s3_sdk,
     shutdown_timeout_s,
-    training_hints,
 )
-from elastic.rendezvous import _notify, record_event
-from runtime.config import PreemptionConfig
+from relight.elastic.rendezvous import _notify, record_event
+from relight.runtime.config import PreemptionConfig
+from relight.runtime.launch_hints import training_hints
 from tests.elastic.agents import RDZV_CONF, ROOT, SCRIPTS, Agents, events, wait_for
 from tests.elastic.rdzv_util import job_id
 from tests.elastic.test_launch import etcd_processes_in
@@ -55,22 +56,20 @@ def test_shutdown_timeout_covers_the_preemption_grace(tmp_path, monkeypatch) -> 
 
     cfg = tmp_path / "train.toml"
     cfg.write_text('[preemption]\ngrace_s = 75.0\n[checkpoint]\nurl = "s3://b/run"\n')
-    runtime_train = ["--module", "runtime.train", "--config", str(cfg)]
-    hints = training_hints(runtime_train, None)
+    runtime_train = ["--module", "relight.runtime.train", "--config", str(cfg)]
+    hints = training_hints(runtime_train)
     assert (hints.preemption_grace_s, hints.ckpt_url) == (75.0, "s3://b/run")
     # Overrides on the training command line count, as the trainer applies them.
-    assert training_hints([*runtime_train, "--preemption.grace_s=12"],
-                          None).preemption_grace_s == 12.0
-    assert training_hints([*runtime_train, "--preemption.enabled=false"],
-                          None).preemption_grace_s is None
-    assert training_hints(["--no-python", "/venv/bin/relight", "train", "--config", str(cfg)],
-                          None).preemption_grace_s == 75.0
-    assert training_hints(["train.py"], None).preemption_grace_s == DEFAULT_GRACE
-    assert training_hints(["train.py"], 50.0).preemption_grace_s == 50.0
+    assert training_hints([*runtime_train, "--preemption.grace_s=12"]).preemption_grace_s == 12.0
+    assert training_hints([*runtime_train, "--preemption.enabled=false"]).preemption_grace_s is None
+    assert training_hints(["--no-python", "/venv/bin/relight", "train", "--config",
+                           str(cfg)]).preemption_grace_s == 75.0
+    # Another command: the launcher's default grace, which is the runtime's default too.
+    assert training_hints(["train.py"]) is None
+    assert DEFAULT_PREEMPTION_GRACE_S == DEFAULT_GRACE
     # The warm server sets the S3 SDK up only where a worker may use it.
     assert needs_s3_sdk(hints.ckpt_url) and needs_s3_sdk(None)
-    assert not needs_s3_sdk(training_hints([*runtime_train, "--checkpoint.url=/tmp/ck"],
-                                           None).ckpt_url)
+    assert not needs_s3_sdk(training_hints([*runtime_train, "--checkpoint.url=/tmp/ck"]).ckpt_url)
 
 
 @pytest.mark.etcd
@@ -92,7 +91,7 @@ def test_sigterm_revokes_the_lease_after_the_workers_saved(etcd_server, tmp_path
     try:
         for i in range(2):
             ports.append(free_port())
-            cmd = [sys.executable, "-m", "elastic.launch",
+            cmd = [sys.executable, "-m", "relight.elastic.launch",
                    f"--rdzv-endpoint={etcd_server.endpoint}", f"--rdzv-id={run}",
                    "--nnodes=1:2", "--nproc-per-node=1", "--monitor-interval=0.1",
                    f"--rdzv-conf={conf}", "--preemption-grace-s=2",
@@ -168,7 +167,7 @@ def test_lease_revoked_at_exit_without_shutdown(etcd_server) -> None:
 
 
 def test_agent_metrics_from_events_and_checkpoints(tmp_path) -> None:
-    import ckpt
+    from relight import ckpt
 
     url = str(tmp_path / "ckpt")
     metrics = AgentMetrics(AgentMetricsConfig(port=0, nproc_per_node=4, ckpt_url=url,
@@ -207,7 +206,7 @@ def test_metrics_port_in_use_is_a_clear_error(tmp_path, capsys) -> None:
         port = busy.getsockname()[1]
         sigterm_before = signal.getsignal(signal.SIGTERM)
         events_before = os.environ.get("RELIGHT_EVENTS_FILE")
-        handlers_before = list(logging.getLogger("elastic").handlers)
+        handlers_before = list(logging.getLogger("relight.elastic").handlers)
         rc = main([f"--metrics-port={port}", "--run-dir", str(tmp_path / "run"), "--", "true"])
     assert rc == 1
     assert f"127.0.0.1:{port}" in capsys.readouterr().err
@@ -215,4 +214,4 @@ def test_metrics_port_in_use_is_a_clear_error(tmp_path, capsys) -> None:
     # Called in-process, main() leaves the process as it found it.
     assert os.environ.get("RELIGHT_EVENTS_FILE") == events_before
     assert signal.getsignal(signal.SIGTERM) is sigterm_before
-    assert logging.getLogger("elastic").handlers == handlers_before
+    assert logging.getLogger("relight.elastic").handlers == handlers_before

@@ -12,7 +12,7 @@ from collections.abc import Iterator
 
 import pytest
 
-from elastic.etcd_client import (
+from relight.elastic.etcd_client import (
     Compare,
     EtcdAuthError,
     EtcdClient,
@@ -22,7 +22,7 @@ from elastic.etcd_client import (
     OpDelete,
     OpPut,
 )
-from elastic.etcd_server import free_port
+from relight.elastic.etcd_server import free_port
 
 pytestmark = [pytest.mark.etcd, pytest.mark.timeout(60)]
 
@@ -71,7 +71,7 @@ def test_cas_on_mod_revision(client: EtcdClient, ns: str) -> None:
 
 def test_a_range_inside_a_transaction_sees_the_branchs_writes(client: EtcdClient,
                                                                ns: str) -> None:
-    from elastic.etcd_client import OpRange
+    from relight.elastic.etcd_client import OpRange
 
     client.put(ns + "a", b"1")
     res = client.txn([Compare(ns + "a", "value", "==", b"1")],
@@ -210,7 +210,7 @@ def test_keeper_survives_a_hung_first_endpoint(etcd_server) -> None:
 
 
 def test_version_advice() -> None:
-    from elastic.etcd_client import etcd_version_advice
+    from relight.elastic.etcd_client import etcd_version_advice
 
     assert "13766" in etcd_version_advice("3.5.1")
     assert "15247" in etcd_version_advice("3.5.12")
@@ -275,7 +275,7 @@ def test_tls_ignores_ambient_ca_bundle(etcd_secure, tls_certs, monkeypatch, tmp_
 
 
 def test_reauthenticates_after_etcd_restart(tmp_path, tls_certs) -> None:
-    from elastic.etcd_server import EtcdServer, EtcdTLS
+    from relight.elastic.etcd_server import EtcdServer, EtcdTLS
     from tests.elastic.conftest import etcdctl
 
     server = EtcdServer(tmp_path / "d", tls=EtcdTLS(tls_certs.ca, tls_certs.server_cert,
@@ -305,7 +305,7 @@ def test_server_start_moves_off_a_port_taken_after_it_was_picked(tmp_path) -> No
     move and the error names the cause."""
     import socket
 
-    from elastic.etcd_server import EtcdServer, EtcdServerError
+    from relight.elastic.etcd_server import EtcdServer, EtcdServerError
 
     server = EtcdServer(tmp_path / "picked")
     squatter = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
@@ -331,7 +331,7 @@ def test_server_start_moves_off_a_port_taken_after_it_was_picked(tmp_path) -> No
 
 
 def test_ports_picked_together_are_distinct() -> None:
-    from elastic.etcd_server import free_ports
+    from relight.elastic.etcd_server import free_ports
 
     ports = free_ports(32)
     assert len(set(ports)) == 32
@@ -343,7 +343,7 @@ def test_cluster_start_moves_every_member_off_a_taken_port(tmp_path) -> None:
     the peer URLs are part of the cluster's identity."""
     import socket
 
-    from elastic.etcd_server import EtcdCluster
+    from relight.elastic.etcd_server import EtcdCluster
 
     cluster = EtcdCluster(tmp_path / "cluster", size=3)
     taken = cluster.members[2].peer_port

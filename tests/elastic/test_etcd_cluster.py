@@ -15,7 +15,7 @@ import time
 
 import pytest
 
-from elastic.etcd_client import EtcdClient, EtcdSettings
+from relight.elastic.etcd_client import EtcdClient, EtcdSettings
 from tests.elastic.agents import SCRIPTS, Agents, events, torchrun_cmd, wait_for
 from tests.elastic.rdzv_util import handler, in_thread, job_id, join_all, shutdown_all
 from tests.elastic.test_failures import finish, steps, train_args, workers

@@ -19,8 +19,8 @@ from pathlib import Path
 import pytest
 from torch.distributed.elastic.rendezvous import RendezvousConnectionError
 
-from elastic.etcd_client import EtcdClient, EtcdSettings
-from elastic.rendezvous import PASSWORD_ENV
+from relight.elastic.etcd_client import EtcdClient, EtcdSettings
+from relight.elastic.rendezvous import PASSWORD_ENV
 from tests.elastic.agents import SCRIPTS, Agents, events, torchrun_cmd, wait_for
 from tests.elastic.rdzv_util import handler, in_thread, job_id, shutdown_all
 from tests.elastic.test_failures import steps, train_args

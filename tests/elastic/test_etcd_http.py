@@ -14,7 +14,7 @@ from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 
 import pytest
 
-from elastic.etcd_http import GatewayConnections, GatewayError, GatewayUnreachable
+from relight.elastic.etcd_http import GatewayConnections, GatewayError, GatewayUnreachable
 
 
 class _Scripted(BaseHTTPRequestHandler):

@@ -10,14 +10,14 @@ from pathlib import Path
 
 import pytest
 
-from elastic.launch import LaunchError, main, split_command
+from relight.elastic.launch import LaunchError, main, split_command
 from tests.elastic.agents import ROOT
 
 pytestmark = [pytest.mark.etcd, pytest.mark.multirank, pytest.mark.timeout(120)]
 
 
 def relight_run(*argv: str, cwd: Path) -> subprocess.CompletedProcess:
-    code = "import sys; from elastic.launch import main; sys.exit(main(sys.argv[1:]))"
+    code = "import sys; from relight.cli import main; sys.exit(main(['run', *sys.argv[1:]]))"
     env = {**os.environ, "PYTHONPATH": str(ROOT), "OMP_NUM_THREADS": "1"}
     return subprocess.run([sys.executable, "-c", code, *argv], cwd=cwd, env=env,
                           capture_output=True, text=True, timeout=100)
@@ -36,8 +36,8 @@ def etcd_processes_in(run_dir: Path) -> list[str]:
 
 
 def test_split_command() -> None:
-    assert split_command(["python", "-m", "runtime.train", "--x"]) == [
-        "--module", "runtime.train", "--x"]
+    assert split_command(["python", "-m", "relight.runtime.train", "--x"]) == [
+        "--module", "relight.runtime.train", "--x"]
     assert split_command([sys.executable, "-u", "train.py", "a"]) == ["train.py", "a"]
     assert split_command(["./bin/train", "a"]) == ["--no-python", "./bin/train", "a"]
     with pytest.raises(LaunchError, match="after '--'"):
@@ -45,8 +45,8 @@ def test_split_command() -> None:
     with pytest.raises(LaunchError, match="-X"):
         split_command(["python3", "-X", "dev", "t.py"])
     # A command without its interpreter: said plainly, not torchrun's flag clash.
-    with pytest.raises(LaunchError, match="python -m runtime.train"):
-        split_command(["-m", "runtime.train"])
+    with pytest.raises(LaunchError, match="python -m relight.runtime.train"):
+        split_command(["-m", "relight.runtime.train"])
 
 
 def test_run_with_embedded_etcd(tmp_path) -> None:
@@ -184,9 +184,10 @@ def test_a_worker_imports_tensorstore_only_when_an_array_needs_it(tmp_path: Path
     start: the trainer, the agent's config check and a file store must not import them;
     a memory store (which lives in tensorstore) still works."""
     res = subprocess.run([sys.executable, "-c", (
-        "import sys, runtime.train, elastic.launch, storage\n"
-        f"elastic.launch.training_hints(['--module', 'runtime.train', "
-        f"'--checkpoint.url={tmp_path}'], None)\n"
+        "import sys, relight.runtime.train, relight.runtime.launch_hints\n"
+        "from relight import storage\n"
+        f"relight.runtime.launch_hints.training_hints(['--module', 'relight.runtime.train', "
+        f"'--checkpoint.url={tmp_path}'])\n"
         f"storage.open_store({str(tmp_path)!r}).put('k', b'v')\n"
         "print(sorted(m for m in ('tensorstore', 'ml_dtypes') if m in sys.modules))\n"
         "store = storage.open_store('memory://lazy/p')\n"

@@ -21,9 +21,9 @@ import uuid
 import pytest
 import torch
 
-from elastic.etcd_client import EtcdClient, EtcdSettings
-from elastic.quorum import Quorum, QuorumClient, QuorumError
-from elastic.replica import ReplicaManager, ReplicaSettings
+from relight.elastic.etcd_client import EtcdClient, EtcdSettings
+from relight.elastic.quorum import Quorum, QuorumClient, QuorumError
+from relight.elastic.replica import ReplicaManager, ReplicaSettings
 
 pytestmark = [pytest.mark.etcd]
 

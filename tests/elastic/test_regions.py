@@ -11,9 +11,16 @@ import pytest
 import torch
 import torch.distributed as dist
 
-from ckpt.layout import Piece
-from ckpt.plan import RankLayout, TensorLayout
-from elastic.regions import RegionError, copy_regions, plan_copy, plan_sum, route, sum_regions
+from relight.ckpt.layout import Piece
+from relight.ckpt.plan import RankLayout, TensorLayout
+from relight.elastic.regions import (
+    RegionError,
+    copy_regions,
+    plan_copy,
+    plan_sum,
+    route,
+    sum_regions,
+)
 
 SHAPE = (4, 6)
 

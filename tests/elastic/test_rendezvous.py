@@ -20,9 +20,9 @@ from torch.distributed.elastic.rendezvous import (
     RendezvousStateError,
 )
 
-from elastic.etcd_client import EtcdClient, EtcdSettings
-from elastic.etcd_server import free_port
-from elastic.rendezvous import (
+from relight.elastic.etcd_client import EtcdClient, EtcdSettings
+from relight.elastic.etcd_server import free_port
+from relight.elastic.rendezvous import (
     PASSWORD_ENV,
     RendezvousSettings,
     RoundState,
@@ -415,7 +415,7 @@ def test_tls_and_auth(etcd_secure, tls_certs, monkeypatch) -> None:
 def test_entry_point_registers_when_elastic_rendezvous_is_imported_first() -> None:
     # torch registers out-of-tree handlers while its rendezvous package is imported,
     # which may happen in the middle of importing elastic.rendezvous itself.
-    code = ("import elastic.rendezvous\n"
+    code = ("import relight.elastic.rendezvous\n"
             "from torch.distributed.elastic.rendezvous import registry\n"
             "from torch.distributed.elastic.rendezvous import RendezvousParameters as P\n"
             "h = registry.get_rendezvous_handler(P('relight-etcd', '127.0.0.1:1', 'j', 1, 1))\n"

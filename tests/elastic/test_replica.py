@@ -20,8 +20,8 @@ from pathlib import Path
 
 import pytest
 
-from elastic.etcd_client import KeyValue
-from elastic.quorum import Quorum, Snapshot, decide_votes
+from relight.elastic.etcd_client import KeyValue
+from relight.elastic.quorum import Quorum, Snapshot, decide_votes
 from tests.elastic.agents import ROOT, SCRIPTS, events, wait_for
 from tests.elastic.rdzv_util import job_id
 
@@ -64,7 +64,7 @@ def test_decide_votes() -> None:
 
 
 def test_snapshot_refuses_garbage() -> None:
-    from elastic.quorum import QuorumError
+    from relight.elastic.quorum import QuorumError
 
     with pytest.raises(QuorumError, match="quorum"):
         Snapshot.parse([_kv("quorum", "not json")], ROOT_KEY, 1)
@@ -233,7 +233,7 @@ class _ShardedGroups:
         self.logs: list = []
 
     def start(self, name: str, group: str, ranks: int, *extra: str) -> None:
-        from elastic.etcd_server import free_port
+        from relight.elastic.etcd_server import free_port
 
         port = free_port()
         self.procs[name] = []

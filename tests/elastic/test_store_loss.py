@@ -22,9 +22,9 @@ from torch.distributed.elastic.agent.server.api import WorkerSpec
 from torch.distributed.elastic.agent.server.local_elastic_agent import LocalElasticAgent
 from torch.distributed.elastic.multiprocessing import DefaultLogsSpecs
 
-from elastic.agent import RelightAgent, installed
-from elastic.etcd_client import EtcdClient, EtcdSettings
-from elastic.rendezvous import add_listener, remove_listener
+from relight.elastic.agent import RelightAgent, installed
+from relight.elastic.etcd_client import EtcdClient, EtcdSettings
+from relight.elastic.rendezvous import add_listener, remove_listener
 from tests.elastic.rdzv_util import handler, job_id
 
 # Two nodes at most, and a last call long enough that the first never forms alone.

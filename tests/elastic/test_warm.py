@@ -13,7 +13,7 @@ from pathlib import Path
 
 import pytest
 
-from elastic.warm import WarmServer, client_command
+from relight.elastic.warm import WarmServer, client_command
 
 ROOT = Path(__file__).resolve().parents[2]
 WORKER = str(Path(__file__).parent / "scripts" / "warm_worker.py")
@@ -92,7 +92,7 @@ def test_sigkilled_client_takes_its_worker_along(server, tmp_path) -> None:
 
 def test_no_server_is_a_clear_error(tmp_path) -> None:
     res = subprocess.run([sys.executable, "-c", (
-        "import sys; from elastic.warm import run; "
+        "import sys; from relight.elastic.warm import run; "
         f"sys.exit(run({str(tmp_path / 'none.sock')!r}, ['-m', 'json'], 0.5))")],
         env={**os.environ, "PYTHONPATH": str(ROOT)}, capture_output=True, text=True,
         timeout=60)
@@ -111,7 +111,7 @@ def _kill_agent_then_server_gone(agent: subprocess.Popen, server_pid: int) -> No
 def test_server_exits_when_its_agent_is_killed(tmp_path) -> None:
     """An agent killed with SIGKILL cannot stop its server; the server must not outlive
     it (an orphan would keep its socket, its memory and its imports forever)."""
-    code = ("import sys, time; from elastic.warm import WarmServer; "
+    code = ("import sys, time; from relight.elastic.warm import WarmServer; "
             "s = WarmServer(sys.argv[1], ['json']).start(); print(s._proc.pid, flush=True); "
             "time.sleep(600)")
     agent = subprocess.Popen([sys.executable, "-c", code, str(tmp_path / "s.sock")],
@@ -132,7 +132,7 @@ def test_a_server_forked_from_its_agent_does_not_import_twice(tmp_path) -> None:
     server is a fork of the agent (no second interpreter), the modules the agent had
     imported are not imported again, its workers run, and it leaves with its agent.
     (`decimal` stands for torch here: the same path, a fraction of the import time.)"""
-    code = ("import sys, time, decimal; from elastic.warm import WarmServer; "
+    code = ("import sys, time, decimal; from relight.elastic.warm import WarmServer; "
             "s = WarmServer(sys.argv[1], ['decimal', 'fractions'], log_path=sys.argv[2])"
             ".start(fork=True); print(s._proc.pid, flush=True); time.sleep(600)")
     agent = subprocess.Popen([sys.executable, "-c", code, str(tmp_path / "s.sock"),

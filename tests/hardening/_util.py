@@ -13,10 +13,9 @@ from typing import Any
 
 import torch
 
-import ckpt
-import storage
-from ckpt.format import COMMIT_KEY, MANIFEST_KEY
-from ckpt.manifest import crc32c
+from relight import ckpt, storage
+from relight.ckpt.format import COMMIT_KEY, MANIFEST_KEY
+from relight.ckpt.manifest import crc32c
 
 TYPED = (ckpt.CheckpointError, storage.StorageError)
 """Every failure of a load or save must be one of these (each subclasses a built-in)."""
@@ -65,7 +64,7 @@ OPTIONS = ckpt.SaveOptions(pack_bytes=4 << 10, inner_bytes=16 << 10)
 def local_store(path: str | os.PathLike[str]) -> storage.Store:
     """A directory store without fsync: these tests check what is published, not
     durability across power cuts, and fsync on a shared CI disk costs most of their time."""
-    from storage.fsspec_store import LocalStore
+    from relight.storage.fsspec_store import LocalStore
 
     return LocalStore(storage.parse_url(os.fspath(path)), fsync=False)
 

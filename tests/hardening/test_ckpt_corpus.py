@@ -14,11 +14,10 @@ import numpy as np
 import psutil
 import pytest
 
-import ckpt
-import storage
-from ckpt.format import COMMIT_KEY, MANIFEST_KEY
-from ckpt.manifest import read_manifest
-from ckpt.root_layout import step_dir
+from relight import ckpt, storage
+from relight.ckpt.format import COMMIT_KEY, MANIFEST_KEY
+from relight.ckpt.manifest import read_manifest
+from relight.ckpt.root_layout import step_dir
 
 from ._util import (
     OPTIONS,

@@ -10,8 +10,14 @@ from pathlib import Path
 
 import pytest
 
-from runtime.config import Config, ConfigError, apply_overrides, config_from_dict, load_config
-from runtime.mesh import LayoutError, plan_layout
+from relight.runtime.config import (
+    Config,
+    ConfigError,
+    apply_overrides,
+    config_from_dict,
+    load_config,
+)
+from relight.runtime.mesh import LayoutError, plan_layout
 
 from ._util import tally
 
@@ -103,7 +109,7 @@ def test_relight_train_exits_2_naming_the_key(tmp_path) -> None:
     """As a user runs it: the console entry point, a config file, a typo in a key."""
     cfg = tmp_path / "run.toml"
     cfg.write_text("[train]\nsteps = 2\nstepz = 3\n")
-    out = subprocess.run([sys.executable, "-m", "runtime.cli", "train", "--config", str(cfg)],
+    out = subprocess.run([sys.executable, "-m", "relight.cli", "train", "--config", str(cfg)],
                          capture_output=True, text=True, timeout=300, cwd=ROOT)
     assert out.returncode == 2, out.stderr[-2000:]
     assert "unknown config key train.stepz" in out.stderr
@@ -118,7 +124,7 @@ def test_relight_train_exits_2_naming_the_key(tmp_path) -> None:
     (["--parallel.tp=3"], "parallel.tp"),
 ])
 def test_relight_train_bad_input_in_process(tmp_path, caplog, argv, names) -> None:
-    from runtime.cli import main
+    from relight.cli import main
 
     argv = [a.replace("{tmp}", str(tmp_path)) for a in argv]
     assert main(["train", *argv, "--train.device=cpu"]) == 2
@@ -137,8 +143,8 @@ def _no_aws(monkeypatch, tmp_path) -> None:
 
 
 def test_missing_s3_credentials(monkeypatch, tmp_path, capsys) -> None:
-    import storage
-    from ckpt.cli import main
+    from relight import storage
+    from relight.ckpt.cli import main
 
     _no_aws(monkeypatch, tmp_path)
     monkeypatch.setenv("AWS_ENDPOINT_URL", "http://127.0.0.1:9")
@@ -154,8 +160,8 @@ def test_missing_s3_credentials(monkeypatch, tmp_path, capsys) -> None:
 
 
 def test_unreachable_endpoint(monkeypatch, tmp_path, capsys) -> None:
-    import storage
-    from ckpt.cli import main
+    from relight import storage
+    from relight.ckpt.cli import main
 
     _no_aws(monkeypatch, tmp_path)
     monkeypatch.setenv("AWS_ACCESS_KEY_ID", "id")

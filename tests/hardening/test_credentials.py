@@ -15,10 +15,10 @@ from pathlib import Path
 
 import pytest
 
-import storage
-from chaos.s3_server import S3Server
-from elastic.etcd_client import EtcdAuthError, EtcdClient, EtcdSettings
-from elastic.etcd_server import EtcdServer, etcd_binary
+from relight import storage
+from relight.chaos.s3_server import S3Server
+from relight.elastic.etcd_client import EtcdAuthError, EtcdClient, EtcdSettings
+from relight.elastic.etcd_server import EtcdServer, etcd_binary
 
 from ._util import tally
 
@@ -51,7 +51,7 @@ def test_s3_keys_and_etcd_password_never_appear(tmp_path, monkeypatch, capsys, c
         work.mkdir()
         url = server.url("run")
         out = subprocess.run(
-            [sys.executable, "-m", "runtime.cli", "train", "--train.device=cpu",
+            [sys.executable, "-m", "relight.cli", "train", "--train.device=cpu",
              "--train.steps=4", "--checkpoint.every=2", f"--checkpoint.url={url}",
              f"--train.metrics_path={work / 'metrics.jsonl'}"],
             capture_output=True, text=True, timeout=600, cwd=work, env=env)
@@ -74,7 +74,7 @@ def test_s3_keys_and_etcd_password_never_appear(tmp_path, monkeypatch, capsys, c
         _assert_clean("a store's repr and spec", repr(root) + repr(root.kvstore_spec())
                       + repr(storage.S3Settings.from_env()), secrets)
 
-        from ckpt.cli import main as ckpt_main
+        from relight.ckpt.cli import main as ckpt_main
 
         assert ckpt_main(["ls", url]) == 0
         assert ckpt_main(["inspect", url]) == 0

@@ -13,9 +13,8 @@ import torch
 from hypothesis import HealthCheck, example, given, settings
 from hypothesis import strategies as st
 
-import ckpt
-import storage
-from ckpt.format import MANIFEST_KEY
+from relight import ckpt, storage
+from relight.ckpt.format import MANIFEST_KEY
 
 from ._util import OPTIONS, TYPED, make_state, resign, run_bounded, tally, zeros_like
 

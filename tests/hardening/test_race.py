@@ -11,11 +11,10 @@ from pathlib import Path
 
 import pytest
 
-import ckpt
-import storage
-from ckpt.commit import publish_commit
-from ckpt.format import COMMIT_KEY, MANIFEST_KEY
-from ckpt.root_layout import step_dir
+from relight import ckpt, storage
+from relight.ckpt.commit import publish_commit
+from relight.ckpt.format import COMMIT_KEY, MANIFEST_KEY
+from relight.ckpt.root_layout import step_dir
 
 from ._util import assert_bitwise, local_store, make_state, snapshot, tally, zeros_like
 
@@ -113,7 +112,7 @@ def test_loser_that_checked_before_the_commit_restores_the_winner(race) -> None:
 
 SECOND_WRITER = textwrap.dedent("""
     import sys
-    import ckpt
+    from relight import ckpt
     from tests.hardening._util import make_state
     ckpt.save(make_state(int(sys.argv[2])), sys.argv[1], step=2)
 """)
@@ -122,7 +121,7 @@ SECOND_WRITER = textwrap.dedent("""
 def test_two_processes_race_through_the_manager(tmp_path, monkeypatch) -> None:
     """A real second process saves the same step while this one is between its manifest
     and its COMMIT: the other process wins, this save fails typed, nothing is lost."""
-    import ckpt.commit
+    from relight import ckpt
 
     root = storage.open_store(tmp_path / "run")
     mgr = ckpt.CheckpointManager(root, gc_grace_s=0.0)

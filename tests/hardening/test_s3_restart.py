@@ -8,12 +8,11 @@ import time
 
 import pytest
 
-import ckpt
-import storage
-from chaos.s3_server import S3Server
-from ckpt.format import COMMIT_KEY
-from ckpt.root_layout import step_dir
-from storage.testing import FaultPlan, FaultyStore
+from relight import ckpt, storage
+from relight.chaos.s3_server import S3Server
+from relight.ckpt.format import COMMIT_KEY
+from relight.ckpt.root_layout import step_dir
+from relight.storage.testing import FaultPlan, FaultyStore
 
 from ._util import OPTIONS, TYPED, assert_bitwise, make_state, snapshot, tally, zeros_like
 

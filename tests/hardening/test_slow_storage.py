@@ -11,9 +11,9 @@ import time
 import pytest
 import torch
 
-import ckpt
-from ckpt.resources import resources
-from storage.testing import FaultPlan, FaultyStore
+from relight import ckpt
+from relight.ckpt.resources import resources
+from relight.storage.testing import FaultPlan, FaultyStore
 
 from ._util import assert_bitwise, local_store, tally
 
@@ -71,7 +71,7 @@ def train(mgr: ckpt.CheckpointManager, steps: range, state: dict) -> list[float]
 def test_bounded_memory_and_one_save_in_flight(tmp_path, busy: str, caplog) -> None:
     mgr = slow_manager(tmp_path, busy)
     state = big_state(0)
-    with caplog.at_level(logging.INFO, logger="ckpt.manager"):
+    with caplog.at_level(logging.INFO, logger="relight.ckpt.manager"):
         stalls = train(mgr, range(1, 5), state)
         staging = staging_buffers()
         stalls += train(mgr, range(5, 15), state)

@@ -9,11 +9,10 @@ import uuid
 
 import pytest
 
-import ckpt
-import storage
-from ckpt.format import COMMIT_KEY
-from ckpt.root_layout import step_dir
-from storage.testing import FaultPlan, FaultyStore
+from relight import ckpt, storage
+from relight.ckpt.format import COMMIT_KEY
+from relight.ckpt.root_layout import step_dir
+from relight.storage.testing import FaultPlan, FaultyStore
 
 from ._util import (
     OPTIONS,

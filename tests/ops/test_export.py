@@ -10,9 +10,9 @@ from pathlib import Path
 import pytest
 import torch
 
-import ckpt
-import ckpt.export as export
-from ckpt.cli import main
+import relight.ckpt.export as export
+from relight import ckpt
+from relight.ckpt.cli import main
 
 DTYPE_OF = {"F32": torch.float32, "F64": torch.float64, "F16": torch.float16,
             "BF16": torch.bfloat16, "I64": torch.int64, "I32": torch.int32,
@@ -200,7 +200,7 @@ def test_errors_and_exit_codes(run, tmp_path, capsys) -> None:
 
 
 def test_read_all_returns_every_tensor_whole(tmp_path) -> None:
-    from ckpt.export import read_all
+    from relight.ckpt.export import read_all
 
     url = str(tmp_path / "c")
     state = {"model": {"w": torch.randn(5, 3)}, "optim": {"m": torch.arange(7)}}

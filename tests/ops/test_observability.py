@@ -9,7 +9,7 @@ import urllib.request
 import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
-from runtime.observability import PrometheusConfig, PrometheusExporter, start_prometheus
+from relight.runtime.observability import PrometheusConfig, PrometheusExporter, start_prometheus
 
 
 def _scrape(port: int) -> dict[str, float]:

@@ -7,10 +7,10 @@ import io
 import torch
 from rich.console import Console
 
-import ckpt
-import ckpt.export as export
-from ckpt.cli import ProgressBar, main
-from ckpt.verify import verify
+import relight.ckpt.export as export
+from relight import ckpt
+from relight.ckpt.cli import ProgressBar, main
+from relight.ckpt.verify import verify
 
 
 def _checkpoint(url: str) -> int:

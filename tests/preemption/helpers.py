@@ -94,11 +94,11 @@ def job(argv: list[str], log: Path, environ: dict[str, str] | None = None) -> It
 def torchrun(nproc: int, args: list[str]) -> list[str]:
     return [sys.executable, "-m", "torch.distributed.run", "--standalone",
             f"--nproc-per-node={nproc}", "--max-restarts=0", "--monitor-interval=0.1",
-            "-m", "runtime.train", *args]
+            "-m", "relight.runtime.train", *args]
 
 
 def single(args: list[str]) -> list[str]:
-    return [sys.executable, "-m", "runtime.train", *args]
+    return [sys.executable, "-m", "relight.runtime.train", *args]
 
 
 def metrics(path: Path) -> list[dict[str, Any]]:
@@ -127,15 +127,15 @@ def wait_until(cond: Callable[[], bool], timeout: float, what: str, j: Job | Non
 
 
 def latest_step(url: str) -> int | None:
-    import ckpt
+    from relight import ckpt
 
     return ckpt.CheckpointManager(url, keep_last=None).latest_step()
 
 
 def read_state(url: str, step: int) -> dict[str, Any]:
     """Committed checkpoint `step` under manager root `url`, every tensor read whole."""
-    import ckpt
-    from ckpt.export import read_all
+    from relight import ckpt
+    from relight.ckpt.export import read_all
 
     return read_all(ckpt.CheckpointManager(url, keep_last=None).url_of(step))
 

@@ -19,7 +19,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from runtime.preemption import PREEMPTED_EXIT_CODE
+from relight.runtime.preemption import PREEMPTED_EXIT_CODE
 from tests.preemption.helpers import (
     TINY,
     FakeMetadata,

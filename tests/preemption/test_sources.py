@@ -12,8 +12,8 @@ from pathlib import Path
 
 import pytest
 
-from runtime.config import ConfigError, PreemptionConfig, load_config
-from runtime.preemption import (
+from relight.runtime.config import ConfigError, PreemptionConfig, load_config
+from relight.runtime.preemption import (
     HUNG_EXIT_CODE,
     PREEMPTED_EXIT_CODE,
     FileSource,

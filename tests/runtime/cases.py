@@ -17,8 +17,8 @@ def _full(v: Any) -> Any:
 
 
 def _trainer(config: str, overrides: list[str] | None):
-    from runtime.config import load_config
-    from runtime.train import Trainer
+    from relight.runtime.config import load_config
+    from relight.runtime.train import Trainer
 
     return Trainer(load_config(ROOT / config, overrides or []))
 
@@ -27,7 +27,7 @@ def train(config: str = "configs/tiny.toml", overrides: list[str] | None = None,
           grads: bool = False, dump: bool = False) -> dict[str, Any]:
     """Train per config; optionally return the step-0 gradients and the final state, all as
     full (global) tensors keyed by global name, for the entries this rank holds."""
-    from runtime.state import flat_names
+    from relight.runtime.state import flat_names
 
     trainer = _trainer(config, overrides)
     captured: dict[str, Any] = {}
@@ -53,7 +53,7 @@ def state_shapes(config: str = "configs/tiny.toml",
     """Checkpoint names and global shapes of the state this rank would save."""
     import torch
 
-    from runtime.state import flat_names
+    from relight.runtime.state import flat_names
 
     trainer = _trainer(config, overrides)
     trainer.train_step()  # the optimizer state exists after one step
@@ -70,7 +70,7 @@ def warm_up_leaves_no_trace(config: str = "configs/tiny.toml",
     those of a trainer that never warmed up."""
     import torch
 
-    from runtime.state import flat_names
+    from relight.runtime.state import flat_names
 
     trainer = _trainer(config, overrides)
     trainer.train_step()  # the optimizer state exists: the warm-up must not touch it
@@ -92,7 +92,7 @@ def warm_up_leaves_no_trace(config: str = "configs/tiny.toml",
 
 
 def cli(argv: list[str]) -> int:
-    from runtime.train import main
+    from relight.runtime.train import main
 
     return main(argv)
 

@@ -9,7 +9,7 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from runtime.config import (
+from relight.runtime.config import (
     Config,
     ConfigChoiceError,
     ConfigError,
@@ -20,7 +20,7 @@ from runtime.config import (
     config_to_dict,
     load_config,
 )
-from runtime.mesh import LayoutError, plan_layout
+from relight.runtime.mesh import LayoutError, plan_layout
 
 ROOT = Path(__file__).resolve().parents[2]
 TINY = ROOT / "configs" / "tiny.toml"

@@ -15,7 +15,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from benchmarks.gpu_check import run_train_and_restore
+from relight.benchmarks.gpu_check import run_train_and_restore
 from tests.runtime.test_device import check_abort_rebuild, run_abort_rebuild
 
 pytestmark = pytest.mark.cuda
@@ -26,7 +26,7 @@ ROOT = Path(__file__).resolve().parents[2]
 def test_nccl_world_of_one_aborts_and_rebuilds() -> None:
     script = textwrap.dedent("""
         import torch, torch.distributed as dist
-        from runtime.device import abort_process_group, init_process_group, resolve_device
+        from relight.runtime.device import abort_process_group, init_process_group, resolve_device
         dev = resolve_device("cuda", local_rank=0)
         dev.activate()
         assert dev.backend == "nccl"

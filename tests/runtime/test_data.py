@@ -6,7 +6,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from runtime.data import BatchPlan, DataLoader, SyntheticCorpus
+from relight.runtime.data import BatchPlan, DataLoader, SyntheticCorpus
 from tests.runtime.pool import RankPool
 
 

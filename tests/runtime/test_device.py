@@ -11,8 +11,8 @@ from pathlib import Path
 import pytest
 import torch
 
-from runtime.config import ConfigError
-from runtime.device import (
+from relight.runtime.config import ConfigError
+from relight.runtime.device import (
     NCCL_ENV_DEFAULTS,
     Device,
     DeviceError,
@@ -59,7 +59,7 @@ def test_unknown_device_is_rejected() -> None:
 def test_train_with_cuda_on_a_cpu_machine_exits_with_the_config_status() -> None:
     # Exit status 2: a config error, which `relight run` does not restart.
     proc = subprocess.run(
-        [sys.executable, "-m", "runtime.train", "--config", "configs/tiny.toml",
+        [sys.executable, "-m", "relight.runtime.train", "--config", "configs/tiny.toml",
          "--train.steps=1", "--train.device=cuda"],
         cwd=ROOT, env=dict(os.environ, PYTHONPATH=str(ROOT)), capture_output=True, text=True,
         timeout=120)
@@ -83,7 +83,7 @@ _ABORT_REBUILD = """
 import sys, time
 from datetime import timedelta
 import torch, torch.distributed as dist
-from runtime.device import abort_process_group, init_process_group, resolve_device
+from relight.runtime.device import abort_process_group, init_process_group, resolve_device
 
 rank, port, kind = int(sys.argv[1]), int(sys.argv[2]), sys.argv[3]
 store = dist.TCPStore("127.0.0.1", port, 2, rank == 0, timeout=timedelta(seconds=60))
@@ -174,8 +174,8 @@ rank, port = int(sys.argv[1]), int(sys.argv[2])
 os.environ.update(RANK=str(rank), LOCAL_RANK=str(rank), WORLD_SIZE="4",
                   MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
 import torch, torch.distributed as dist
-from runtime.config import load_config
-from runtime.train import Trainer
+from relight.runtime.config import load_config
+from relight.runtime.train import Trainer
 
 cfg = load_config("configs/tiny.toml", ["--parallel.tp=2", "--train.device=cpu",
                                         "--train.collective_timeout_s=15"])

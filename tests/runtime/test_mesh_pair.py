@@ -12,7 +12,7 @@ import pytest
 import torch.distributed as dist
 from torch.distributed.device_mesh import init_device_mesh
 
-from runtime.mesh import _FINE, LayoutError, _pair_mesh
+from relight.runtime.mesh import _FINE, LayoutError, _pair_mesh
 
 FLAT = {"dp_replicate": ("rep_out", "rep_ep"), "dp_shard": ("shard_out", "shard_ep"),
         "edp_replicate": ("rep_out",), "edp_shard": ("shard_out",)}

@@ -11,10 +11,10 @@ from pathlib import Path
 import pytest
 import torch
 
-from runtime.config import ConfigError, load_config
-from runtime.models import get_model_spec, model_names
-from runtime.prepare import prepare
-from runtime.tokens import VocabMismatchError
+from relight.runtime.config import ConfigError, load_config
+from relight.runtime.models import get_model_spec, model_names
+from relight.runtime.prepare import prepare
+from relight.runtime.tokens import VocabMismatchError
 from tests.runtime.pool import RankPool
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -46,8 +46,8 @@ def test_registry_names_models_with_their_parallelize_functions() -> None:
 
 
 def test_registered_models_train(pydoc_tokens: Path) -> None:
-    from runtime.model import Transformer
-    from runtime.train import Trainer, run_training
+    from relight.runtime.model import Transformer
+    from relight.runtime.train import Trainer, run_training
 
     with pytest.raises(ConfigError, match="num_experts"):
         Trainer(_cfg("--model.name=moe"))
@@ -61,7 +61,7 @@ def test_registered_models_train(pydoc_tokens: Path) -> None:
 
 
 def test_factory_errors_name_the_factory(pydoc_tokens: Path) -> None:
-    from runtime.train import Trainer
+    from relight.runtime.train import Trainer
 
     with pytest.raises(ConfigError, match="cannot import 'tests.runtime.nowhere'"):
         Trainer(_cfg("--model.factory=tests.runtime.nowhere:f"))
@@ -76,7 +76,7 @@ def test_factory_errors_name_the_factory(pydoc_tokens: Path) -> None:
 
 def test_a_plain_user_module_trains_on_real_tokens_with_eval(pydoc_tokens: Path,
                                                              tmp_path: Path) -> None:
-    from runtime.train import run_training
+    from relight.runtime.train import run_training
 
     metrics = tmp_path / "m.jsonl"
     res = run_training(_cfg(f"--model.factory={FACTORY}:mixer", "--model.vocab_size=257",
@@ -130,7 +130,7 @@ def test_hf_causal_lm_fsdp_checkpoint_resume_and_reshard(rank_pool: RankPool,
 
 def eval_case(overrides: list[str]) -> dict:
     """Rank-pool case: the held-out loss of the initial model, and 3 training losses."""
-    from runtime.train import Trainer
+    from relight.runtime.train import Trainer
 
     trainer = Trainer(_cfg(*overrides))
     try:

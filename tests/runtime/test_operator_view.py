@@ -14,8 +14,8 @@ from pathlib import Path
 
 import pytest
 
-from runtime.goodput_plan import main as plan_main
-from runtime.goodput_plan import measure_run
+from relight.runtime.goodput_plan import main as plan_main
+from relight.runtime.goodput_plan import measure_run
 
 ROOT = Path(__file__).resolve().parents[2]
 AGENT_ENV = ("TORCHELASTIC_RESTART_COUNT", "RELIGHT_RDZV_ROUND")
@@ -25,7 +25,7 @@ def _train(run: Path, extra: list[str], agent_env: dict[str, str]) -> str:
     env = {k: v for k, v in os.environ.items() if k not in AGENT_ENV}
     env.update(OMP_NUM_THREADS="1", RELIGHT_LOG_LEVEL="INFO", **agent_env)
     proc = subprocess.run(
-        [sys.executable, "-m", "runtime.train", "--config", "configs/tiny.toml",
+        [sys.executable, "-m", "relight.runtime.train", "--config", "configs/tiny.toml",
          "--model.n_layers=1", "--train.steps=6", "--checkpoint.every=2", "--train.device=cpu",
          "--train.watchdog_timeout_s=0", f"--checkpoint.url={run / 'ckpt'}",
          f"--train.metrics_path={run / 'metrics.jsonl'}",
@@ -137,15 +137,15 @@ def test_plan_from_run_without_metrics_exits_3(tmp_path: Path, capsys) -> None:
 def test_a_failed_restore_is_logged_as_a_fault(run: dict, caplog) -> None:
     """An explicit restore_step that is not committed: the rank says `fault detected` with
     its rank and step, then raises (the process exits non-zero and the agent restarts)."""
-    from ckpt.errors import CheckpointNotFoundError
-    from runtime.config import load_config
-    from runtime.train import run_training
+    from relight.ckpt.errors import CheckpointNotFoundError
+    from relight.runtime.config import load_config
+    from relight.runtime.train import run_training
 
     cfg = load_config(ROOT / "configs/tiny.toml", [
         "--model.n_layers=1", "--train.steps=6", "--train.watchdog_timeout_s=0",
         "--train.device=cpu", f"--checkpoint.url={run['dir'] / 'ckpt'}",
         "--checkpoint.restore_step=5"])
-    with caplog.at_level("ERROR", logger="runtime.train"), \
+    with caplog.at_level("ERROR", logger="relight.runtime.train"), \
             pytest.raises(CheckpointNotFoundError):
         run_training(cfg)
     lines = [r.getMessage() for r in caplog.records if "fault detected" in r.getMessage()]

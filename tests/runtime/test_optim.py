@@ -7,7 +7,7 @@ import math
 import pytest
 import torch
 
-from runtime.optim import LRSchedule, clip_grad_norm_
+from relight.runtime.optim import LRSchedule, clip_grad_norm_
 
 
 def test_warmup_then_cosine_to_the_floor() -> None:

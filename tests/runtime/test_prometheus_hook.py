@@ -6,8 +6,8 @@ import socket
 import urllib.request
 from pathlib import Path
 
-from runtime.config import load_config
-from runtime.train import Trainer
+from relight.runtime.config import load_config
+from relight.runtime.train import Trainer
 
 CONFIG = Path(__file__).resolve().parents[2] / "configs" / "tiny.toml"
 

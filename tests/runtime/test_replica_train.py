@@ -73,12 +73,12 @@ class _Groups:
         steps = 1000  # far beyond what a test needs: it stops the groups itself
         self.procs[name] = subprocess.Popen(
             [sys.executable, "-c",
-             "import sys; from elastic.launch import main; sys.exit(main(sys.argv[1:]))",
+             "import sys; from relight.cli import main; sys.exit(main(['run', *sys.argv[1:]]))",
              f"--run-dir={self.tmp / name}", "--rdzv-backend=relight-etcd",
              f"--rdzv-endpoint={self.etcd}", f"--rdzv-id={self.job}-{group}",
              "--nnodes=1", f"--nproc-per-node={nproc}", f"--max-restarts={restarts}",
              "--monitor-interval=0.2", "--no-warm-start", "--", sys.executable, "-m",
-             "runtime.train",
+             "relight.runtime.train",
              "--config", str(ROOT / "configs" / "tiny.toml"), "--model.n_layers=2",
              f"--train.steps={steps}", "--train.log_every=1",
              "--train.collective_timeout_s=60", "--train.watchdog_timeout_s=300",
@@ -147,7 +147,7 @@ def test_trainer_groups_survive_a_lost_group_and_heal_it(etcd_server, tmp_path) 
                   "two groups training together")
         # A fault inside a group: its agent restarts the group, which heals.
         workers = [c for c in psutil.Process(run.procs["g1"].pid).children(recursive=True)
-                   if "runtime.train" in " ".join(c.cmdline())]
+                   if "relight.runtime.train" in " ".join(c.cmdline())]
         assert len(workers) == 2, workers
         workers[-1].kill()
         run.until(lambda: len([r for r in _records(g1) if r["restarts"] == 1]) >= 4, 240,
@@ -250,7 +250,7 @@ def test_the_first_step_of_a_lone_group_after_a_shared_quorum_is_due_for_storage
     """`SoleCopy`: a checkpoint is due at the first committed step of a quorum of one that
     follows quorums of several (the other replicas are lost), once; a job that was never
     replicated, or stays alone, is not checkpointed off schedule."""
-    from runtime.replicas import SoleCopy
+    from relight.runtime.replicas import SoleCopy
 
     sole = SoleCopy()
     due = []

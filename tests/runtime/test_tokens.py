@@ -14,11 +14,11 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from runtime.config import ConfigError, DataConfig, ModelConfig
-from runtime.data import BatchPlan, DataLoader, build_corpus
-from runtime.prepare import PrepareError, main, plan_segments, plan_shards, prepare
-from runtime.tokenizer import BYTE_EOS, load_tokenizer
-from runtime.tokens import (
+from relight.runtime.config import ConfigError, DataConfig, ModelConfig
+from relight.runtime.data import BatchPlan, DataLoader, build_corpus
+from relight.runtime.prepare import PrepareError, main, plan_segments, plan_shards, prepare
+from relight.runtime.tokenizer import BYTE_EOS, load_tokenizer
+from relight.runtime.tokens import (
     ChecksumError,
     DatasetError,
     Permutation,
@@ -275,8 +275,8 @@ def test_vocab_mismatch_is_a_config_error(byte_ds: Path) -> None:
 
 
 def test_train_cli_exits_2_on_a_vocab_mismatch(byte_ds: Path) -> None:
-    from runtime.exit_codes import CONFIG_EXIT_CODE
-    from runtime.train import main as train_main
+    from relight.exit_codes import CONFIG_EXIT_CODE
+    from relight.runtime.train import main as train_main
 
     config = str(Path(__file__).resolve().parents[2] / "configs" / "tiny.toml")
     assert train_main(["--config", config, f"--data.source=tokens:{byte_ds}",
@@ -326,8 +326,8 @@ def test_parquet_and_arrow_inputs_through_datasets(tmp_path: Path) -> None:
 
 
 def test_the_main_jobs_corpus_and_config(tmp_path: Path) -> None:
-    from runtime.config import load_config
-    from runtime.prepare import write_pydoc_topics
+    from relight.runtime.config import load_config
+    from relight.runtime.prepare import write_pydoc_topics
 
     root = Path(__file__).resolve().parents[2]
     cfg = load_config(root / "configs" / "text.toml")

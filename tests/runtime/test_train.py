@@ -1,4 +1,5 @@
-"""The entry points: ``runtime.train.main`` (metrics JSONL), ``python -m runtime.train`` under
+"""The entry points: ``relight.runtime.train.main`` (metrics JSONL), ``python -m
+relight.runtime.train`` under
 torchrun, and the progress watchdog."""
 
 from __future__ import annotations
@@ -56,7 +57,7 @@ def test_torchrun_entry_point(tmp_path: Path) -> None:
     env = dict(os.environ, OMP_NUM_THREADS="1")
     proc = subprocess.run(
         [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node=2",
-         "-m", "runtime.train", "--config", "configs/tiny.toml", "--train.steps=2",
+         "-m", "relight.runtime.train", "--config", "configs/tiny.toml", "--train.steps=2",
          f"--train.metrics_path={path}"],
         cwd=ROOT, env=env, capture_output=True, text=True, timeout=180,
     )
@@ -69,7 +70,7 @@ def test_torchrun_entry_point(tmp_path: Path) -> None:
 def test_watchdog_exits_non_zero_when_no_step_completes() -> None:
     script = textwrap.dedent("""
         import time
-        from runtime.watchdog import Watchdog
+        from relight.runtime.watchdog import Watchdog
         w = Watchdog(0.5, poll_s=0.05).start()
         for step in range(5):      # steady progress keeps it quiet
             time.sleep(0.2); w.beat(step)
@@ -87,7 +88,7 @@ def test_watchdog_exits_non_zero_when_no_step_completes() -> None:
 def test_watchdog_stays_quiet_when_stopped() -> None:
     script = textwrap.dedent("""
         import time
-        from runtime.watchdog import Watchdog
+        from relight.runtime.watchdog import Watchdog
         w = Watchdog(0.3, poll_s=0.05).start()
         w.stop(); time.sleep(1.0)
     """)

@@ -5,7 +5,7 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from runtime.config import ModelConfig
+from relight.runtime.config import ModelConfig
 
 
 def hf_llama(cfg: ModelConfig) -> nn.Module:

@@ -8,14 +8,13 @@ import os
 import pytest
 import torch
 
-import ckpt
-import storage
-from ckpt.crc_table import TABLE_NAME
-from ckpt.format import COMMIT_KEY, DATA_PREFIX, INDEX_PREFIX, MANIFEST_KEY
-from ckpt.tiered import TieredStore
-from storage import InjectedFaultError, StorageError, fsspec_store
-from storage.faulty import OPERATIONS
-from storage.testing import FaultPlan, FaultyStore
+from relight import ckpt, storage
+from relight.ckpt.crc_table import TABLE_NAME
+from relight.ckpt.format import COMMIT_KEY, DATA_PREFIX, INDEX_PREFIX, MANIFEST_KEY
+from relight.ckpt.tiered import TieredStore
+from relight.storage import InjectedFaultError, StorageError, fsspec_store
+from relight.storage.faulty import OPERATIONS
+from relight.storage.testing import FaultPlan, FaultyStore
 
 NO_RETRY = storage.RetryPolicy(max_attempts=1)
 

@@ -6,7 +6,7 @@ import google_crc32c
 import numpy as np
 import pytest
 
-import storage.checksum as checksum
+import relight.storage.checksum as checksum
 
 
 @pytest.mark.parametrize("fast", [True, False], ids=["crc32c", "google_crc32c"])

@@ -16,9 +16,9 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-import storage
-from storage import direct_io
-from storage.direct_io import (
+from relight import storage
+from relight.storage import direct_io
+from relight.storage.direct_io import (
     ALIGN,
     DIRECT_MIN_BYTES,
     BufferPool,
@@ -29,7 +29,7 @@ from storage.direct_io import (
     scratch_bytes,
     write_file,
 )
-from storage.fsspec_store import LocalStore
+from relight.storage.fsspec_store import LocalStore
 from tests.storage.filesystems import fstype, on_memory_filesystem
 
 MiB = 1 << 20

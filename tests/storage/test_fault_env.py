@@ -12,8 +12,8 @@ from pathlib import Path
 
 import pytest
 
-import storage
-from storage.fault_env import (
+from relight import storage
+from relight.storage.fault_env import (
     FaultPlanError,
     ReloadingFaultyStore,
     plan_from_json,
@@ -36,7 +36,7 @@ def test_plan_from_json() -> None:
 
 def test_fault_injection_is_a_testing_surface_not_storage_api(tmp_path: Path,
                                                                monkeypatch) -> None:
-    import storage.testing
+    from relight import storage
 
     faults = {"FaultyStore", "FaultPlan", "FaultLog", "corrupt_object", "FaultPlanError",
               "plan_from_json", "wrap_store_from_env"}
@@ -80,7 +80,7 @@ def test_training_processes_follow_the_plan_file(tmp_path: Path) -> None:
     plan = tmp_path / "plan.json"
     write_plan_file(plan, {"fail_at": [0], "ops": ["put"]})
     target = str(tmp_path / "s")
-    code = (f"import storage, json; s = storage.open_store({target!r}); "
+    code = (f"import json; from relight import storage; s = storage.open_store({target!r}); "
             "print(json.dumps([type(s).__name__, s.plan.fail_at == frozenset({0})]))")
     env = {**os.environ, "RELIGHT_FAULT_PLAN": f"@{plan}"}
     out = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True,

@@ -8,9 +8,8 @@ import uuid
 import pytest
 import torch
 
-import ckpt
-import storage
-from storage.retry import RetryPolicy, call_with_retry, classify
+from relight import ckpt, storage
+from relight.storage.retry import RetryPolicy, call_with_retry, classify
 
 pytestmark = pytest.mark.s3
 

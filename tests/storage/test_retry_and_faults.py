@@ -6,15 +6,21 @@ import socket
 
 import pytest
 
-import storage
-from storage import (
+from relight import storage
+from relight.storage import (
     InjectedFaultError,
     InvalidStorageURLError,
     ObjectNotFoundError,
     RetryPolicy,
     TransientStorageError,
 )
-from storage.testing import FaultPlan, FaultPlanError, FaultyStore, corrupt_object, plan_from_json
+from relight.storage.testing import (
+    FaultPlan,
+    FaultPlanError,
+    FaultyStore,
+    corrupt_object,
+    plan_from_json,
+)
 
 FAST = RetryPolicy(max_attempts=4, base_delay_s=0.0, max_delay_s=0.0)
 
@@ -172,7 +178,7 @@ def test_warming_the_s3_sdk_leaves_nothing_running(monkeypatch) -> None:
     need a server or credentials (it sends nothing)."""
     import threading
 
-    from storage.settings import warm_s3_sdk
+    from relight.storage.settings import warm_s3_sdk
 
     monkeypatch.setenv("AWS_ENDPOINT_URL", "http://127.0.0.1:9")  # nothing listens there
     before = {t.ident for t in threading.enumerate()}

@@ -11,8 +11,8 @@ import numpy as np
 import pytest
 import tensorstore as ts
 
-import storage
-from storage import (
+from relight import storage
+from relight.storage import (
     InvalidKeyError,
     ObjectNotFoundError,
     ObjectTruncatedError,
@@ -258,7 +258,7 @@ def test_local_put_survives_a_delete_removing_its_directory(tmp_path, monkeypatc
     """`LocalStore._delete` removes directories it empties; a concurrent put into the same
     directory could lose it between creating it and opening its temp file. Simulated here:
     the first directory creation is undone at once, as the racing delete would."""
-    import storage.fsspec_store as fs_store
+    import relight.storage.fsspec_store as fs_store
 
     real, raced = fs_store._make_dirs, []
 

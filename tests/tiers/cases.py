@@ -14,7 +14,7 @@ def train(overrides: list[str], config: str = "configs/tiny.toml",
     node of its own (`checkpoint.local_tier_node=n<rank>`), as on a cluster."""
     import torch.distributed as dist
 
-    from runtime.state import flat_names
+    from relight.runtime.state import flat_names
 
     if node_per_rank:
         overrides = [*overrides, f"--checkpoint.local_tier_node=n{dist.get_rank()}"]

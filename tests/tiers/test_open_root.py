@@ -8,9 +8,9 @@ import os
 import pytest
 import torch
 
-import ckpt
-from ckpt.tiered import TieredStore
-from storage import open_store
+from relight import ckpt
+from relight.ckpt.tiered import TieredStore
+from relight.storage import open_store
 
 
 def test_without_tiers_the_root_is_the_persistent_store(tmp_path) -> None:

@@ -9,7 +9,7 @@ from pathlib import Path
 import google_crc32c
 import pytest
 
-from ckpt.peer import PeerServer, fetch, push
+from relight.ckpt.peer import PeerServer, fetch, push
 
 
 @pytest.fixture()
@@ -114,7 +114,7 @@ def test_a_server_with_a_token_answers_only_requests_carrying_it(tmp_path: Path)
 def test_advertised_address() -> None:
     """A bound host is advertised as is; all interfaces: the host name's address, or the
     route's source toward a non-loopback master when the name resolves to loopback."""
-    from ckpt.peer import advertised_ip
+    from relight.ckpt.peer import advertised_ip
 
     assert advertised_ip("10.1.2.3") == "10.1.2.3"
     ip = advertised_ip("0.0.0.0")

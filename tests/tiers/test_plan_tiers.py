@@ -6,7 +6,7 @@ import json
 
 import pytest
 
-from runtime.goodput_plan import PlanInputError, PlanInputs, expected_goodput, main, plan
+from relight.runtime.goodput_plan import PlanInputError, PlanInputs, expected_goodput, main, plan
 
 BASE = dict(gpus=1024, mtbf_hours_per_gpu=50_000.0, save_stall_s=2.0, restore_time_s=600.0)
 

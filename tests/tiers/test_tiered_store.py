@@ -7,11 +7,11 @@ from pathlib import Path
 
 import pytest
 
-from ckpt.format import COMMIT_KEY, DATA_PREFIX
-from ckpt.root_layout import step_dir
-from ckpt.root_layout import step_of_data_key as step_of_key
-from ckpt.tiered import TieredStore
-from storage import open_store
+from relight.ckpt.format import COMMIT_KEY, DATA_PREFIX
+from relight.ckpt.root_layout import step_dir
+from relight.ckpt.root_layout import step_of_data_key as step_of_key
+from relight.ckpt.tiered import TieredStore
+from relight.storage import open_store
 
 
 def _commit(store, step: int) -> None:  # noqa: ANN001
@@ -93,7 +93,7 @@ def test_budget_and_eviction(stores) -> None:
 
 
 def test_older_committed_step_dropped_once_newer_commits(stores, monkeypatch) -> None:
-    import ckpt.local_tier as tiered_mod
+    import relight.ckpt.local_tier as tiered_mod
 
     monkeypatch.setattr(tiered_mod, "POLL_S", 0.05)
     persistent, _, local = stores
@@ -117,8 +117,8 @@ def test_older_committed_step_dropped_once_newer_commits(stores, monkeypatch) ->
 def test_replicas_held_for_a_dead_node_serve_the_survivor(tmp_path: Path) -> None:
     """Node a pushes its objects to node b's replica server; a dies with its memory; b,
     now alone (no peers to ask), reads a's objects from the replicas it holds."""
-    from ckpt.local_tier import REPLICA_DIR
-    from ckpt.peer import PeerServer
+    from relight.ckpt.local_tier import REPLICA_DIR
+    from relight.ckpt.peer import PeerServer
 
     persistent = open_store(tmp_path / "persistent")
     b_dir = tmp_path / "b"

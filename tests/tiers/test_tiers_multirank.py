@@ -14,8 +14,8 @@ from pathlib import Path
 import pytest
 import torch
 
-from ckpt.local_tier import local_tier_dir
-from storage import open_store
+from relight.ckpt.local_tier import local_tier_dir
+from relight.storage import open_store
 from tests.runtime.pool import RankPool
 
 pytestmark = pytest.mark.multirank

@@ -6,7 +6,7 @@ import runpy
 import sys
 from pathlib import Path
 
-import ckpt
+from relight import ckpt
 
 _restore = ckpt.CheckpointManager.restore
 

@@ -31,8 +31,8 @@ from datetime import timedelta
 import torch
 import torch.distributed as dist
 
-from elastic.etcd_client import EtcdSettings
-from elastic.replica import ReplicaManager, ReplicaSettings
+from relight.elastic.etcd_client import EtcdSettings
+from relight.elastic.replica import ReplicaManager, ReplicaSettings
 from tests.elastic.scripts.replica_train import event
 from tests.elastic.scripts.tiny_train import DIM, LR, grad_of
 

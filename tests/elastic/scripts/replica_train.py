@@ -18,8 +18,8 @@ import time
 
 import torch
 
-from elastic.etcd_client import EtcdSettings
-from elastic.replica import ReplicaManager, ReplicaSettings
+from relight.elastic.etcd_client import EtcdSettings
+from relight.elastic.replica import ReplicaManager, ReplicaSettings
 from tests.elastic.scripts.tiny_train import DIM, LR, grad_of
 
 BATCH_R = 12
