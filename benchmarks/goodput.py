@@ -343,7 +343,7 @@ def main(argv: list[str] | None = None) -> int:
                    help="seconds until the killed coordinator starts again")
     p.add_argument("--set", action="append", default=[], metavar="SECTION.KEY=VALUE",
                    help="a training setting for Relight's arms (repeatable), e.g. "
-                        "replica.overlap_quorum=false")
+                        "replica.collective_timeout_s=20")
     args = p.parse_args(argv)
     if args.groups < 2:
         p.error("--groups must be >= 2: a fleet of one group cannot heal in place")

@@ -37,14 +37,20 @@ from relight.elastic.regions import Transfer, copy_regions
 from relight.errors import RelightError
 from relight.storage.checksum import crc32c
 
-__all__ = ["HealError", "HealStats", "reshard_state", "transfer_state"]
+__all__ = ["HealError", "HealMismatchError", "HealStats", "reshard_state", "transfer_state"]
 
 _META_KEY = "heal/meta"
 
 
 class HealError(RelightError, RuntimeError):
-    """The live heal could not complete: the layouts differ or the bytes arrived damaged.
-    The joiner stays not ready and retries in the next quorum."""
+    """The live heal could not complete: the bytes arrived damaged, or a member failed
+    during it. The joiner stays not ready and retries in the next quorum."""
+
+
+class HealMismatchError(HealError):
+    """The joiner's state dict has another structure than the source's (other tensors,
+    shapes, dtypes or values): no retry can succeed. The joining group leaves the job
+    and its training loop gets this error, naming what differs."""
 
 
 @dataclass(frozen=True, slots=True)
@@ -123,7 +129,8 @@ def _load_values(flat: FlatState, meta: dict[str, Any]) -> None:
     checkpoint load does."""
     for n, ref in flat.values.items():
         if n not in meta["values"]:
-            raise HealError(f"live heal: the source holds no value {n!r}")
+            raise HealMismatchError(f"live heal: the source holds no value {n!r} (the "
+                                    f"joiner's is {_short(ref.value)})")
         set_value(ref, meta["values"][n])
     for obj, sub, _name in flat.statefuls:
         obj.load_state_dict(sub)
@@ -133,11 +140,18 @@ def _check_layout(meta: dict[str, Any], locals_: dict[str, torch.Tensor]) -> Non
     theirs, mine = set(meta["tensors"]), set(locals_)
     if theirs != mine:
         only_src, only_me = sorted(theirs - mine), sorted(mine - theirs)
-        raise HealError(f"live heal: the state dicts differ: {len(only_src)} tensor(s) only "
+        raise HealMismatchError(
+            f"live heal: the state dicts differ: {len(only_src)} tensor(s) only "
                         f"at the source (first: {only_src[:3]}), {len(only_me)} only here "
                         f"(first: {only_me[:3]})")
     for n, t in locals_.items():
         m = meta["tensors"][n]
         if list(t.shape) != m["shape"] or str(t.dtype) != m["dtype"]:
-            raise HealError(f"live heal: tensor {n!r} is {list(t.shape)} {t.dtype} here and "
-                            f"{m['shape']} {m['dtype']} at the source: the layouts differ")
+            raise HealMismatchError(
+                f"live heal: tensor {n!r} is {list(t.shape)} {t.dtype} here and "
+                f"{m['shape']} {m['dtype']} at the source: the layouts differ")
+
+
+def _short(value: Any, limit: int = 80) -> str:
+    text = json.dumps(value, default=str)
+    return text if len(text) <= limit else text[:limit] + "..."

@@ -9,7 +9,7 @@ the loss of any member). Keys, all under `{prefix}/{job}/replicas/`:
 | --- | --- | --- |
 | `groups/{group}` | `{"store": [host, port], "ready", "since", "at"}` | the group's lease |
 | `quorum` | `{"id", "members"}`: the groups that train together now | the job |
-| `votes/{quorum id}/{step}/{group}` | `"ok"` or `"fail"` | two steps |
+| `votes/{quorum id}/{step}/{group}` | `"ok"` or `"fail"` | two votes of the group |
 
 **Quorum.** Before a step a group calls `agree()`: if the `quorum` key names exactly the
 live, ready groups it is the quorum; otherwise the group proposes the next one (id + 1)
@@ -22,15 +22,23 @@ run on a process group built from a fresh store prefix (`quorum/{n}/`), so a gro
 still holds quorum `n - 1` can never meet a newer quorum's collectives (the fence on the
 data path).
 
-**Commit vote.** After its cross-group reduction a group votes `ok` (or `fail`) for
-`(quorum, step)` in a transaction that requires its own group key to exist and the
-`quorum` key to be unchanged (the fence on the control path: a group whose lease expired,
-or that belongs to a replaced quorum, cannot vote). `decide()` reads every key under
-`replicas/` in one range, so it judges one snapshot: the step commits when every member
-voted `ok`; it is abandoned when any member voted `fail`, lost its key, or the quorum was
-replaced before every vote was in. Since a vote needs its voter's key and an unchanged
-quorum, no snapshot can show "abandoned" to one group and "all ok" to another: every
-group applies the same steps, and replicas stay bitwise identical.
+**Steps.** In a standing quorum a step's outcome comes from its cross-group reduction
+(`elastic.replica`): etcd sees no request between two steps. Each member watches the job's
+keys in the background (`watch_membership`) and says in the reduction when they changed, so
+every member comes back to `agree()` at the same step boundary.
+
+**The failed step's vote.** A group whose reduction failed votes `fail` for `(quorum,
+step)` in a transaction that requires its own group key to exist and the `quorum` key to
+be unchanged (the fence on the control path: a group whose lease expired, or that belongs
+to a replaced quorum, cannot vote). A member whose reduction completed where another's
+failed applied the step; it fails at its next step's reduction (the failed member has
+closed its side) and votes for that step. The survivors re-form with every member that
+voted in the failed quorum, whatever the step, and the members whose vote names an
+earlier step than another's are named healing (`Quorum.healing`): they take the state of
+a member that applied more before anyone trains, so no two groups train from different
+steps. `vote()` with `ok` and `decide()` (a step decided by votes alone, every member
+voting after every step: `decide_votes` judges one snapshot) remain for callers that
+commit through etcd.
 
 Pure decisions (`Quorum.from_snapshot`, `decide_votes`) are separate from the I/O
 (`QuorumClient`), so the protocol is testable without etcd.
@@ -204,6 +212,30 @@ def decide_votes(snap: Snapshot, quorum: Quorum, step: int) -> bool | None:
     return None
 
 
+def _voted_steps(snap: Snapshot, quorum: Quorum) -> dict[str, int]:
+    """Each member's newest voted step in `quorum`."""
+    steps: dict[str, int] = {}
+    for (qid, step), votes in snap.votes.items():
+        if qid == quorum.id:
+            for m in votes:
+                steps[m] = max(steps.get(m, step), step)
+    return steps
+
+
+def _behind(quorum: Quorum, members: tuple[str, ...], snap: Snapshot) -> tuple[str, ...]:
+    """Members of the next quorum that applied fewer steps of the failed `quorum` than
+    another: their newest vote in it names an earlier step than the newest vote of a
+    member that held the state (a joiner's own step counter proves nothing). They must
+    take the state of one that applied more before anyone trains again."""
+    voted = _voted_steps(snap, quorum)
+    holders = [voted[m] for m in members
+               if m in voted and m not in quorum.healing and m not in snap.healing]
+    if not holders:
+        return ()
+    top = max(holders)
+    return tuple(m for m in members if m in voted and voted[m] < top)
+
+
 _VOTE_WAIT_BEFORE_PROBE_S = 0.5
 """How long `decide` waits for missing votes before it checks whether their voters are
 gone: votes come within milliseconds of each other; a connection attempt per missing
@@ -271,6 +303,15 @@ class QuorumClient:
         it runs while the training loop applies the step, off the step's path."""
         self.requests = 0
         """etcd requests made by the per-step calls (agree, vote, decide)."""
+        self.watch_requests = 0
+        """Watches the background membership watch opened (one per change it saw, and one
+        per `lease_ttl` of quiet): not on any step's path."""
+        self.membership_changed = threading.Event()
+        """Set by the background watch (`watch_membership`) when a key under the job's
+        root changed after the revision it was started at."""
+        self._watch_stop: threading.Event | None = None
+        self.last_revision = 0
+        """The etcd revision of the newest snapshot this client read."""
 
     # -- membership --------------------------------------------------------------------
 
@@ -356,7 +397,42 @@ class QuorumClient:
         host, port = snap.groups[group]["store"]
         return str(host), int(port)
 
+    def watch_membership(self, after_revision: int | None = None) -> None:
+        """Watch the job's keys in the background from `after_revision` (default: the
+        newest snapshot read), setting `membership_changed` at the first change: a group
+        that registers (a joiner), leaves, is marked ready, or a new quorum. One watch
+        request stays open (renewed every `lease_ttl`), off every step's path. A restart
+        replaces the previous watch; an unreachable etcd counts as a change, so that the
+        next `agree` meets the error itself."""
+        self.stop_watch()
+        changed = self.membership_changed = threading.Event()
+        stop = self._watch_stop = threading.Event()
+        rev = self.last_revision if after_revision is None else after_revision
+        client = self.client.sibling(timeout=self.lease_ttl + 5.0)
+
+        def run() -> None:
+            while not stop.is_set():
+                self.watch_requests += 1
+                try:
+                    hit = client.wait_for_change(self.root, rev, self.lease_ttl)
+                except Exception as exc:  # noqa: BLE001 - agree reports it
+                    logger.debug("[replica %s] membership watch failed: %s", self.group, exc)
+                    hit = True
+                if hit and not stop.is_set():
+                    changed.set()
+                    return
+
+        threading.Thread(target=run, daemon=True,
+                         name=f"relight-quorum-watch-{self.group}").start()
+
+    def stop_watch(self) -> None:
+        """Stop the background watch (its open request ends within `lease_ttl`)."""
+        if self._watch_stop is not None:
+            self._watch_stop.set()
+            self._watch_stop = None
+
     def leave(self) -> None:
+        self.stop_watch()
         self._take_prefetched()
         if self._keeper is not None:
             self._keeper.stop()
@@ -376,6 +452,7 @@ class QuorumClient:
     def snapshot(self) -> Snapshot:
         self.requests += 1
         kvs, revision = self.client.get_prefix(self.root)
+        self.last_revision = max(self.last_revision, revision)
         return Snapshot.parse(kvs, self.root, revision)
 
     def _prefetch(self) -> None:
@@ -407,15 +484,18 @@ class QuorumClient:
 
     def agree(self, *, failed: tuple[Quorum, int] | None = None,
               absent: tuple[Quorum, tuple[str, ...]] | None = None,
-              min_groups: int = 1, defer_joiners: bool = False) -> tuple[Quorum, Snapshot]:
+              min_groups: int = 1, defer_joiners: bool = False,
+              grace_s: float | None = None) -> tuple[Quorum, Snapshot]:
         """The quorum to train the next step in.
 
         Normally the current one, when it names exactly the groups entitled to train:
         its members that are still alive, plus ready groups that joined after it formed.
         After `failed = (quorum, step)` was abandoned, the survivors wait up to
-        `failover_grace_s` for every member's vote on that step and re-form with the
-        groups that voted: a member that did not (dead, or frozen past the grace) is
-        out, and can come back only by healing and joining again. After `absent =
+        `grace_s` (default `failover_grace_s`) for every member's vote in that quorum
+        (on that step, or, for a member that applied it, on its next) and re-form with
+        the groups that voted: a member that did not (dead, or frozen past the grace) is
+        out, and can come back only by healing and joining again. Members whose vote
+        names an earlier step than another's are named healing in the new quorum. After `absent =
         (quorum, groups)`, groups that were named in a new quorum but did not enter it
         (`confirm`), the others re-form without them; those stay out until they write
         their key again. The first quorum waits for `min_groups` ready groups.
@@ -463,7 +543,7 @@ class QuorumClient:
                 self._wait_or_give_up("", snap, deadline, "not taken into a quorum")
                 continue
             if failed is not None and current is not None and current.id == failed[0].id:
-                members = self._survivors(failed[0], failed[1], snap)
+                members = self._survivors(failed[0], failed[1], snap, grace_s)
                 holders = [m for m in failed[0].healthy if m in snap.groups]
                 if holders and not set(members) & set(failed[0].healthy):
                     # Only groups without the state voted in time. They cannot go on
@@ -472,7 +552,8 @@ class QuorumClient:
                     self._wait_or_give_up("quorum", snap, deadline,
                                           f"groups holding the state {holders} formed no quorum")
                     continue
-                proposal = self._proposal(current.id + 1, members, snap, current)
+                proposal = self._proposal(current.id + 1, members, snap, current,
+                                          behind=_behind(failed[0], members, snap))
             elif absent is not None and current is not None and current.id == absent[0].id:
                 members = tuple(m for m in current.members
                                 if m not in absent[1] and m in snap.groups)
@@ -568,8 +649,9 @@ class QuorumClient:
 
     @staticmethod
     def _proposal(qid: int, members: tuple[str, ...], snap: Snapshot,
-                  current: Quorum | None, absent: tuple[str, ...] = ()) -> Quorum:
-        healing = tuple(m for m in members if m in snap.healing)
+                  current: Quorum | None, absent: tuple[str, ...] = (),
+                  behind: tuple[str, ...] = ()) -> Quorum:
+        healing = tuple(m for m in members if m in snap.healing or m in behind)
         # Who stays out: the current quorum's list, less groups that asked again or are
         # gone, plus the newly absent (at their key's revision now).
         out = {g: rev for g, rev in (current.out if current else ())
@@ -577,18 +659,21 @@ class QuorumClient:
         out.update({g: snap.written[g] for g in absent if g in snap.written})
         return Quorum(qid, tuple(sorted(members)), 0, healing, tuple(sorted(out.items())))
 
-    def _survivors(self, quorum: Quorum, step: int, snap: Snapshot) -> tuple[str, ...]:
-        """Members of `quorum` that voted on `step` within the grace, and are alive. The
+    def _survivors(self, quorum: Quorum, step: int, snap: Snapshot,
+                   grace_s: float | None = None) -> tuple[str, ...]:
+        """Members of `quorum` that voted in it within the grace (on `step`, or on the
+        step after it: a member whose reduction of `step` completed applied it, and fails
+        at its next), and are alive. The
         wait ends early once every member that has not voted is gone for certain
         (`_gone`): a crashed or killed group costs its peers no grace, also when its
         process dies or its agent restarts it while they wait (checked at every change
         under the job and every `_REPROBE_S`). It ends at once when another survivor
         has already replaced `quorum`: the caller's proposal then loses its CAS and it
         takes the quorum that won."""
-        grace_end = time.monotonic() + self.failover_grace_s
+        grace_end = time.monotonic() + (self.failover_grace_s if grace_s is None else grace_s)
         while True:
-            votes = snap.votes.get((quorum.id, step), {})
-            voters = [m for m in quorum.members if m in votes and m in snap.groups]
+            voted = _voted_steps(snap, quorum)
+            voters = [m for m in quorum.members if m in voted and m in snap.groups]
             remaining = grace_end - time.monotonic()
             silent = [m for m in quorum.members if m not in voters and m != self.group]
             replaced = snap.quorum is None or snap.quorum.id != quorum.id

@@ -40,7 +40,8 @@ from relight.ckpt.plan import Box, RankLayout, TensorLayout, intersect
 from relight.errors import RelightError
 from relight.storage.checksum import crc32c
 
-__all__ = ["RegionError", "Segment", "Transfer", "copy_regions", "plan_copy", "plan_sum",
+__all__ = ["RegionError", "RegionMismatchError", "Segment", "Transfer", "copy_regions",
+           "plan_copy", "plan_sum",
            "route", "sum_regions"]
 
 _TAG = 7
@@ -55,6 +56,11 @@ class RegionError(RelightError, RuntimeError):
     """Two layouts cannot exchange their regions (a tensor missing or of another shape or
     dtype, a box the source group does not cover exactly once), or a message arrived
     damaged or not at all."""
+
+
+class RegionMismatchError(RegionError):
+    """The layouts describe different states (a tensor missing, of another shape or
+    dtype, or a box the source does not cover): no retry can succeed."""
 
 
 @dataclass(frozen=True, slots=True)
@@ -98,16 +104,17 @@ def route(dst: RankLayout, sources: Sequence[RankLayout]) -> list[Segment]:
     # holds its own layers only), never less.
     missing = sorted({t.name for t in dst.tensors} - set(held))
     if missing:
-        raise RegionError(f"the state dicts differ: {len(missing)} tensor(s) at rank "
-                          f"{dst.rank} that no rank of the source group holds (first: "
-                          f"{missing[:3]})")
+        raise RegionMismatchError(
+            f"the state dicts differ: {len(missing)} tensor(s) at rank {dst.rank} that no "
+            f"rank of the source group holds (first: {missing[:3]})")
     segments: list[Segment] = []
     for t in dst.tensors:
         boxes: dict[Box, list[tuple[int, int]]] = {}
         for rank, st in held[t.name]:
             if st.shape != t.shape or st.dtype != t.dtype:
-                raise RegionError(f"tensor {t.name!r} is {list(t.shape)} {t.dtype} at rank "
-                                  f"{dst.rank} and {list(st.shape)} {st.dtype} at rank {rank}")
+                raise RegionMismatchError(
+                    f"tensor {t.name!r} is {list(t.shape)} {t.dtype} at rank {dst.rank} "
+                    f"and {list(st.shape)} {st.dtype} at rank {rank}: the states differ")
             for i, box in enumerate(st.pieces):
                 boxes.setdefault(box, []).append((rank, i))
         for j, want in enumerate(t.pieces):
@@ -120,7 +127,7 @@ def route(dst: RankLayout, sources: Sequence[RankLayout]) -> list[Segment]:
                 segments.append(Segment(t.name, rank, dst.rank, i, j, inter))
                 covered += math.prod(inter[1])
             if covered != math.prod(want[1]):
-                raise RegionError(
+                raise RegionMismatchError(
                     f"tensor {t.name!r}: the source group covers {covered} of the "
                     f"{math.prod(want[1])} elements of box {want} that rank {dst.rank} "
                     "holds (its boxes leave a gap or overlap)")
@@ -134,8 +141,10 @@ def plan_copy(layouts: Sequence[RankLayout], source: Sequence[int], dests: Seque
     plan = Transfer()
     sources = [layouts[r] for r in source]
     for d in dests:
-        if d == me or me in source:
-            plan.add(me, route(layouts[d], sources))
+        # Every rank routes every destination, its own part or not: a state that cannot
+        # take the copy then fails the heal on every member at once, bystanders included
+        # (else they would wait out a timeout in the exchange that follows).
+        plan.add(me, route(layouts[d], sources))
     return plan
 
 

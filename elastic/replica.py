@@ -5,18 +5,27 @@ Manager wraps one) calls around its cross-group gradient reduction:
 
     mgr = ReplicaManager(ReplicaSettings(job="run-1", group="g0", etcd=EtcdSettings(...)))
     while step < steps:
-        quorum = mgr.start_step()               # who trains this step (etcd quorum)
+        quorum = mgr.start_step()               # who trains this step
         grads = local_gradients(samples_for(step, quorum.rank(mgr.group), quorum.size))
         mgr.allreduce(grads)                    # sum across groups, time-bounded
-        if mgr.should_commit(step):             # every member reduced: apply
+        if mgr.should_commit(step):             # the reduction completed: apply
             optimizer_step(grads); step += 1
-        # else: nothing was applied anywhere; the same step is redone in the new quorum
+        # else: not applied here; the same step is redone in the new quorum
 
-The quorum and the commit vote live in etcd (`elastic.quorum`). The cross-group process
-group is rebuilt for every new quorum on a fresh store prefix (gloo on CPU), from the
-store the quorum's first healthy member hosts; every collective on it is bounded by
-`collective_timeout_s`, so a dead or frozen peer fails the step within a stated time
-instead of hanging it. Survivors never restart: a lost group costs the step in flight.
+Membership and quorums live in etcd (`elastic.quorum`); steps do not. In a standing
+quorum a step commits when its cross-group reduction completes: every member's
+contribution arrived, with a flag that says whether its membership watch saw a change
+(then every member agrees in etcd at the next step boundary, the same one for all).
+There is no etcd request between two steps. A group whose reduction failed or timed out
+does not apply the step, closes its side (the others fail at their next collective, at
+once) and votes the failure in etcd: the survivors re-form, and a member that applied
+fewer steps than another heals from it before anyone trains (docs/design/
+healing-step-protocol.md states why no two groups can train from different steps). The
+cross-group process group is rebuilt for every new quorum on a fresh store prefix (gloo
+on CPU), from the store the quorum's first healthy member hosts; every collective on it
+is bounded by `collective_timeout_s`, so a dead or frozen peer fails the step within a
+stated time instead of hanging it. Survivors never restart: a lost group costs the step
+in flight.
 
 **Groups of several ranks.** A group is a torch.distributed world of its own (one
 torchrun agent, any layout inside). Its first rank is the group's voice: it alone talks
@@ -52,11 +61,24 @@ import torch.distributed as dist
 
 from relight.ckpt.flatten import FlatState, TensorRef, flatten_state
 from relight.ckpt.layout import Piece, describe_placements, rank_layout
+from relight.ckpt.optim_state import materialize_optimizer_states
 from relight.ckpt.plan import RankLayout, layout_digest
 from relight.elastic.etcd_client import EtcdClient, EtcdSettings
-from relight.elastic.heal import HealError, HealStats, reshard_state, transfer_state
+from relight.elastic.heal import (
+    HealError,
+    HealMismatchError,
+    HealStats,
+    reshard_state,
+    transfer_state,
+)
 from relight.elastic.quorum import Quorum, QuorumClient, QuorumError
-from relight.elastic.regions import Transfer, plan_copy, plan_sum, sum_regions
+from relight.elastic.regions import (
+    RegionMismatchError,
+    Transfer,
+    plan_copy,
+    plan_sum,
+    sum_regions,
+)
 
 logger = logging.getLogger(__name__)
 
@@ -88,6 +110,11 @@ class ReplicaSettings:
     may be alive (its store still takes connections) before re-forming without it. A
     member whose process is gone is not waited for: the survivors' pause per lost group
     is then rebuilding the process group and redoing the step."""
+    max_heal_tries: int = 3
+    """A joiner whose heal failed this many times (damaged bytes, a member lost during it)
+    leaves the job and raises HealError in its loop: each try costs the live groups a
+    step. A state that cannot take the heal at all (another structure than the
+    source's) leaves at the first try (HealMismatchError)."""
     probe_timeout_s: float = 2.0
     """At start, the longest wait for a quorum member's store to take a connection. A store
     that refuses means a member gone (killed under a lease not yet expired): no source
@@ -97,6 +124,8 @@ class ReplicaSettings:
     def __post_init__(self) -> None:
         if self.min_groups < 1:
             raise ValueError("ReplicaSettings.min_groups must be >= 1")
+        if self.max_heal_tries < 1:
+            raise ValueError("ReplicaSettings.max_heal_tries must be >= 1")
         for name in ("lease_ttl", "collective_timeout_s", "quorum_timeout_s",
                      "failover_grace_s", "probe_timeout_s"):
             if getattr(self, name) <= 0:
@@ -113,6 +142,8 @@ class StepStats:
     allreduce_s: float = 0.0
     commit_s: float = 0.0
     rebuilt: bool = False
+    etcd_requests: int = 0
+    """etcd requests this group's first rank made for the step (0 on the happy path)."""
 
 
 class _GroupLink:
@@ -144,11 +175,16 @@ class _GroupLink:
 
     def all_ok(self, ok: bool) -> bool:
         """Whether every rank of the group says `ok`."""
+        return self.combine(ok, False)[0]
+
+    def combine(self, ok: bool, flag: bool) -> tuple[bool, bool]:
+        """Whether every rank of the group says `ok`, and whether any raises `flag`, in
+        one collective."""
         if self.size == 1:
-            return ok
-        flag = torch.tensor([1 if ok else 0], dtype=torch.int32)
-        dist.all_reduce(flag, op=dist.ReduceOp.MIN, group=self.pg)
-        return bool(flag.item())
+            return ok, flag
+        t = torch.tensor([1 if ok else 0, 0 if flag else 1], dtype=torch.int32)
+        dist.all_reduce(t, op=dist.ReduceOp.MIN, group=self.pg)
+        return bool(t[0].item()), not bool(t[1].item())
 
 
 @dataclass(slots=True)
@@ -203,10 +239,6 @@ class ReplicaManager:
 
     Call order per step, on every rank of the group: `start_step()` -> `allreduce(...)`
     (any number) -> `should_commit(step)`. `close()` at the end. Used by one thread.
-
-    To overlap the quorum with the step's computation: `start_step(tentative=True)`
-    before the forward pass, `confirm_step()` after the backward and before `allreduce`;
-    when it returns False, discard the gradients and start the step again.
     """
 
     def __init__(self, settings: ReplicaSettings, *,
@@ -273,14 +305,22 @@ class ReplicaManager:
         out."""
         self._ok = True
         self.stats = StepStats()
-        self._tentative_since: float | None = None
-        """When the step in progress began on the last step's quorum, unconfirmed."""
-        self._discarded_s = 0.0
-        """Computation thrown away because the quorum changed under a tentative step: it
-        counts in the next agreed step's quorum time."""
         self._agree_first = False
-        """The next step agrees before computing: the quorum changed under the last
-        tentative step, or groups wait to be taken in at this step boundary."""
+        """The next step agrees in etcd before computing: some member's watch saw the
+        job's keys change (a joiner, a leaver), said so in the last step's reduction."""
+        self._flags: tuple[float, float] | None = None
+        """This step's reduced flags `(members that contributed, members whose watch saw
+        a change)`, once its first reduction carried them."""
+        self._step_began = time.monotonic()
+        self._step_s = 0.0
+        """The last committed step's duration (start to commit): after a failure, a
+        member that applied the step needs about that long to reach its next reduction
+        and fail there, so the survivors wait that much beyond the failover grace."""
+        self._heal_refused: str | None = None
+        """Why this group gives up healing (set on the joiner): raised to its loop once
+        the group has left the job."""
+        self._heal_error: type[HealError] = HealMismatchError
+        self._heal_failures = 0
 
     def _join(self) -> None:
         """Register the group. A group that heals registers at its first `start_step`,
@@ -303,23 +343,22 @@ class ReplicaManager:
         """etcd requests this group's per-step calls made (0 on ranks other than the first)."""
         return 0 if self.quorum_client is None else self.quorum_client.requests
 
-    def start_step(self, *, tentative: bool = False) -> Quorum:
-        """Agree on this step's quorum; rebuild the cross-group process group if it is
-        a new one.
-
-        `tentative`: when the last step committed and its quorum's process group stands,
-        return that quorum at once, without asking etcd, so the step computes while the
-        quorum is read (the quorum is needed only at the reduction); `confirm_step()`
-        then agrees. Otherwise (a failed step, a new or unbuilt quorum, a heal) this
-        agrees here, as without it."""
+    def start_step(self) -> Quorum:
+        """This step's quorum. While it stands (the last step committed and no member's
+        watch saw the job's keys change) it is returned at once, with no etcd request.
+        Otherwise (the first step, a failed step, a membership change said in the last
+        reduction) the groups agree in etcd, and a new quorum's process group is built
+        (its first step begins with the heal of its joiners and of members behind)."""
         q = self.quorum
-        if (tentative and q is not None and self._pg_quorum == q.id and self._ok
-                and self._failed is None and self._absent is None and not self.healing
-                and not self._agree_first):
+        self._flags, self._step_began = None, time.monotonic()
+        if (q is not None and self._pg_quorum == q.id and self._ok and self._failed is None
+                and self._absent is None and not self.healing and not self._agree_first):
+            # The standing quorum: no etcd request (a change would have been said in the
+            # last step's reduction).
             self.stats = StepStats()
-            self._tentative_since = time.monotonic()
             return q
-        self._tentative_since, self._agree_first = None, False
+        self._agree_first = False
+        requests_before = self.requests
         t0 = time.monotonic()
         while True:
             doc = self._first_rank_says(self._agree)
@@ -337,38 +376,21 @@ class ReplicaManager:
             if not doc.get("again"):
                 break
         quorum = _quorum_of(doc)
-        self.stats = StepStats(quorum_s=time.monotonic() - t0 + self._discarded_s)
-        self._discarded_s = 0.0
+        self.stats = StepStats(quorum_s=time.monotonic() - t0)
         self.quorum, self._ok, self._failed = quorum, True, None
         if quorum.id != self._pg_quorum:
             t1 = time.monotonic()
             self._rebuild(quorum, doc["store"])
             self.stats.rebuild_s = time.monotonic() - t1
+        if self._heal_refused is not None:
+            self._leave_refused()
+        if self.quorum_client is not None:
+            # Watch from what this agreement read: a change after it is said in the next
+            # reduction.
+            self.quorum_client.watch_membership()
+        self.stats.etcd_requests = self.requests - requests_before
+        self._step_began = time.monotonic()
         return quorum
-
-    def confirm_step(self) -> bool:
-        """After `start_step(tentative=True)`, before the reduction: agree on the step's
-        quorum. True when it is the quorum the step computed in (or the step was not
-        tentative): reduce. Groups due to join wait for the next step boundary (that
-        step then agrees first), so a join keeps this step. False when the quorum
-        changed (a member is gone, or another group replaced it): the step's gradients
-        are for a share of the batch that may no longer be this group's; discard them
-        and call `start_step()` again, which enters the new quorum. The time from the
-        tentative start to here then counts as quorum time of the redone step; on True,
-        only this agreement's."""
-        since, self._tentative_since = self._tentative_since, None
-        if since is None:
-            return True
-        assert self.quorum is not None
-        t0 = time.monotonic()
-        doc = self._first_rank_says(self._agree, True)
-        if (doc.get("restore") or doc.get("enter") or doc["id"] != self.quorum.id
-                or doc["revision"] != self.quorum.revision):
-            self._discarded_s, self._agree_first = time.monotonic() - since, True
-            return False
-        self.stats.quorum_s += time.monotonic() - t0
-        self._agree_first = bool(doc.get("joiners"))
-        return True
 
     def _first_rank_says(self, decide: Callable[..., dict[str, Any]], *args: Any
                          ) -> dict[str, Any]:
@@ -379,12 +401,10 @@ class ReplicaManager:
             raise QuorumError(doc["error"])
         return doc
 
-    def _agree(self, defer_joiners: bool = False) -> dict[str, Any]:
+    def _agree(self) -> dict[str, Any]:
         """The first rank's part of `start_step`: the quorum to share with the group's
         ranks, `restore` set when this group must restore the state from storage first,
-        or the error every rank raises (none hangs). `defer_joiners` (from
-        `confirm_step`): groups due to be taken in wait for the next step boundary
-        (`joiners` set), so the step computed in the current quorum is kept."""
+        or the error every rank raises (none hangs)."""
         assert self.quorum_client is not None
         try:
             if not self._joined:
@@ -392,7 +412,7 @@ class ReplicaManager:
             failed, absent, self._failed, self._absent = self._failed, self._absent, None, None
             quorum, snap = self.quorum_client.agree(
                 failed=failed, absent=absent, min_groups=self.settings.min_groups,
-                defer_joiners=defer_joiners)
+                grace_s=self.settings.failover_grace_s + 2 * self._step_s)
             if quorum.healing and not quorum.healthy:
                 if self._restore is None:
                     raise QuorumError(
@@ -401,8 +421,7 @@ class ReplicaManager:
                         "the job from its storage checkpoint (ReplicaManager restore=)")
                 return {**_quorum_doc(quorum, None), "restore": True}
             store = self.quorum_client.store_of(snap, quorum.host) if quorum.size > 1 else None
-            doc = {**_quorum_doc(quorum, store),
-                   "joiners": self.quorum_client.joiners_waiting}
+            doc = _quorum_doc(quorum, store)
             # A new quorum is entered (`_enter`) once every rank has let go of the old one.
             return {**doc, "enter": True} if (quorum.size > 1
                                               and quorum.id != self._pg_quorum) else doc
@@ -464,6 +483,9 @@ class ReplicaManager:
                 hostname=self.settings.host)]
             base = dist.PrefixStore(f"quorum/{quorum.id}/", store)
             sd = None if self._state is None else self._state()
+            if sd is not None and self.group in quorum.healing:
+                # A fresh optimizer has no state until its first step; the source's has.
+                materialize_optimizer_states(sd)
             flat = None if sd is None else flatten_state(sd)
             layout = None if flat is None else _layout_of(flat, self.local_rank)
             mixed = self._mixed_quorum(quorum, base, layout)
@@ -482,18 +504,43 @@ class ReplicaManager:
                 self._heal(quorum, prefixed, sd, flat, layout)
         except (RuntimeError, dist.DistError, HealError) as exc:
             # A member died between the quorum and the connection: fail this step; the
-            # next quorum forms without it.
+            # next quorum forms without it. Our side closes now, so a member still in
+            # the heal's collectives with us fails at once, not at its timeout.
             logger.warning("[replica %s/%d] building quorum %d's process group failed: %s",
                            self.group, self.local_rank, quorum.id, exc)
             self._ok = healed = False
+            self._pg = None
+            if self.group in quorum.healing:
+                self._heal_failures += 1
+                if isinstance(exc, HealMismatchError):
+                    self._heal_refused, self._heal_error = str(exc), HealMismatchError
+                elif self._heal_failures >= self.settings.max_heal_tries:
+                    self._heal_refused = (f"the heal failed {self._heal_failures} times "
+                                          f"(last: {exc})")
+                    self._heal_error = HealError
         if self.group in quorum.healing:
-            # The group is ready only when every one of its ranks holds the state.
-            if self._link.all_ok(healed):
+            # The group is ready only when every one of its ranks holds the state; a state
+            # that cannot take the heal on any rank fails on every rank.
+            healed, refused = self._link.combine(healed, self._heal_refused is not None)
+            if refused and self._heal_refused is None:
+                self._heal_refused = ("another rank of this replica group could not take "
+                                      "the heal (its log says why)")
+            if healed:
                 self.healing = False
                 if self.quorum_client is not None:
                     self.quorum_client.set_ready(True)
             else:
                 self._ok = False
+
+    def _leave_refused(self) -> None:
+        """This group's state cannot take the heal (another structure than the source's):
+        it leaves the job (its key is deleted, so the survivors re-form without it at
+        once and lose the one step it was in) and its loop gets the reason. Trying again
+        would fail the same way and cost the survivors a step every time."""
+        reason, self._heal_refused = self._heal_refused, None
+        self.close()
+        raise self._heal_error(f"replica group {self.group} cannot heal from the live "
+                               f"groups and has left the job: {reason}")
 
     def _mixed_quorum(self, quorum: Quorum, base: dist.Store, layout: _Layout | None
                       ) -> _MixedQuorum | None:
@@ -535,7 +582,10 @@ class ReplicaManager:
             layouts = m.layouts("heal/layout", dataclasses.replace(mine, rank=m.me))
             source = m.groups[quorum.rank(quorum.healthy[0])]
             dests = [r for g in quorum.healing for r in m.groups[quorum.rank(g)]]
-            plan = plan_copy(layouts, source, dests, m.me)
+            try:
+                plan = plan_copy(layouts, source, dests, m.me)
+            except RegionMismatchError as exc:
+                raise HealMismatchError(f"live heal: {exc}") from exc
             stats = reshard_state(self._pg, m.store, flat, pieces, plan,
                                   publishes=m.me == source[0], receiving=receiving,
                                   timeout_s=self.settings.collective_timeout_s)
@@ -572,7 +622,7 @@ class ReplicaManager:
                     self._sum_mixed(tensors, names)
                 else:
                     self._sum_matched([t.to_local() if hasattr(t, "to_local") else t
-                                       for t in tensors])
+                                       for t in tensors], with_flags=self._flags is None)
             except (RuntimeError, dist.DistError) as exc:
                 logger.warning("[replica %s/%d] cross-group reduction failed in quorum %d: "
                                "%s", self.group, self.local_rank, self.quorum.id, exc)
@@ -604,19 +654,35 @@ class ReplicaManager:
             return value
         return float(t.item())
 
-    def _sum_matched(self, tensors: list[torch.Tensor]) -> None:
+    def _local_flags(self) -> torch.Tensor:
+        """What this rank adds to the step's flags: it contributed, and (the first rank
+        only, which alone watches etcd) whether the job's keys changed."""
+        changed = (self.quorum_client is not None
+                   and self.quorum_client.membership_changed.is_set())
+        return torch.tensor([1.0, 1.0 if changed else 0.0], dtype=torch.float64)
+
+    def _sum_matched(self, tensors: list[torch.Tensor], *, with_flags: bool = False) -> None:
         """The reduction of a quorum of one layout: each local rank's tensors all-reduced
         with the same rank of every other group, one flat buffer per dtype (one
         collective for all of them: a gloo allreduce of a list means one tensor per
-        device, not many tensors)."""
+        device, not many tensors). `with_flags`: the step's flags ride at the end of the
+        float32 or float64 buffer (exact: they count members), so the step's outcome
+        needs no collective of its own."""
         assert self._pg is not None
         by_dtype: dict[torch.dtype, list[torch.Tensor]] = {}
         for t in tensors:
             by_dtype.setdefault(t.dtype, []).append(t)
-        for group in by_dtype.values():
-            flat = (group[0] if len(group) == 1 and group[0].is_contiguous()
-                    else torch.cat([t.reshape(-1) for t in group]))
+        carrier = next((d for d in (torch.float32, torch.float64) if d in by_dtype), None)
+        for dtype, group in by_dtype.items():
+            flags = with_flags and dtype == carrier
+            parts = [t.reshape(-1) for t in group]
+            if flags:
+                parts.append(self._local_flags().to(dtype))
+            flat = (group[0] if len(parts) == 1 and group[0].is_contiguous()
+                    else torch.cat(parts))
             self._pg.allreduce([flat]).wait()
+            if flags:
+                self._flags = (float(flat[-2]), float(flat[-1]))
             if flat is not group[0]:
                 offset = 0
                 for t in group:
@@ -650,27 +716,67 @@ class ReplicaManager:
                     timeout_s=self.settings.collective_timeout_s)
 
     def should_commit(self, step: int) -> bool:
-        """Vote, and return whether every member of the quorum finished its reduction of
-        `step`. False: apply nothing; the same step is redone after `start_step()`."""
+        """Whether to apply `step`: True when this group's reductions of it completed on
+        every rank, each with every member's contribution (no etcd request). False: apply
+        nothing; the group has voted the failure in etcd and the same step is redone after
+        `start_step()` (a member that applied it meanwhile heals this group first)."""
         if self.quorum is None:
             raise QuorumError("ReplicaManager.should_commit before start_step()")
         t0 = time.monotonic()
         quorum = self.quorum
-        ok = self._link.all_ok(self._ok)
-        verdict = bool(self._first_rank_says(self._vote, quorum, step, ok)["commit"])
+        ok = self._ok
+        if ok and quorum.size > 1 and self._flags is None:
+            self._reduce_flags()  # no float tensor carried them (or a mixed quorum)
+            ok = self._ok
+        if quorum.size > 1:
+            flags = self._flags or (0.0, 0.0)
+            # One contribution per member on a matched quorum's per-rank groups; one per
+            # rank of every member on a mixed quorum's single group.
+            expected = (quorum.size if self._mixed is None
+                        else sum(len(g) for g in self._mixed.groups))
+            ok = ok and flags[0] == expected
+            changed = flags[1] > 0
+        else:
+            changed = bool(self._local_flags()[1])
+        ok, changed = self._link.combine(ok, changed)
+        if ok:
+            self._agree_first = changed
+            self._step_s = time.monotonic() - self._step_began
+            self.stats.commit_s = time.monotonic() - t0
+            return True
+        logger.warning("[replica %s/%d] step %d abandoned in quorum %d: redone in the "
+                       "next quorum", self.group, self.local_rank, step, quorum.id)
+        # Close our side first: a member still in (or about to start) a collective with
+        # us fails at once, and votes too.
+        self._failed, self._pg, self._pg_quorum = (quorum, step), None, -1
+        requests_before = self.requests
+        self._first_rank_says(self._vote_failed, quorum, step)
+        self.stats.etcd_requests += self.requests - requests_before
         self.stats.commit_s = time.monotonic() - t0
-        if not verdict:
-            logger.warning("[replica %s/%d] step %d abandoned in quorum %d: redone in the "
-                           "next quorum", self.group, self.local_rank, step, quorum.id)
-            self._failed, self._pg, self._pg_quorum = (quorum, step), None, -1
-        return verdict
+        return False
 
-    def _vote(self, quorum: Quorum, step: int, ok: bool) -> dict[str, Any]:
-        """The first rank's vote on `step` and the quorum's decision."""
+    def _reduce_flags(self) -> None:
+        """The step's flags in a collective of their own, when no reduction carried
+        them."""
+        assert self._pg is not None
+        flags = self._local_flags()
+        try:
+            self._pg.allreduce([flags]).wait(
+                timedelta(seconds=self.settings.collective_timeout_s))
+            self._flags = (float(flags[0]), float(flags[1]))
+        except (RuntimeError, dist.DistError) as exc:
+            logger.warning("[replica %s/%d] the step's flags failed in quorum %d: %s",
+                           self.group, self.local_rank, self.quorum.id if self.quorum
+                           else -1, exc)
+            self._ok, self._pg = False, None
+
+    def _vote_failed(self, quorum: Quorum, step: int) -> dict[str, Any]:
+        """The first rank's vote that `step` failed here (the fallback path: the
+        survivors re-form with every member that voted in the quorum)."""
         assert self.quorum_client is not None
         try:
-            voted = self.quorum_client.vote(quorum, step, ok)
-            return {"commit": bool(voted and self.quorum_client.decide(quorum, step))}
+            self.quorum_client.vote(quorum, step, False)
+            return {}
         except QuorumError as exc:
             return {"error": str(exc)}
 
@@ -678,3 +784,4 @@ class ReplicaManager:
         self._pg = None
         if self.quorum_client is not None:
             self.quorum_client.leave()
+            self.quorum_client = None

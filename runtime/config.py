@@ -472,11 +472,6 @@ class ReplicaConfig:
     waited for)."""
     quorum_timeout_s: float = 300.0
     """Longest wait for a quorum or a commit decision (a fault, not a slow step)."""
-    overlap_quorum: bool = True
-    """Compute each step in the last committed step's quorum while this step's quorum is
-    read from etcd, and agree only before the cross-group reduction (where it is first
-    needed); when it changed, the step's forward and backward are computed again in the
-    new quorum. False: agree before the forward pass."""
     digest_every: int = 0
     """Every this many steps each rank's crc32c of its parameter shards goes into the
     metrics record (``state_crc``), so replicas can be compared step by step (the chaos

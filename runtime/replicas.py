@@ -106,19 +106,13 @@ class ReplicaTraining:
         no live group held the state."""
         return self.manager.healing
 
-    def begin_step(self, *, tentative: bool = False) -> BatchPlan:
-        """The quorum of the next step (a heal may land first) and this rank's plan in it.
-        `tentative`: the last step's quorum when nothing says it changed, agreed on only
-        at `confirm()` (the step's computation overlaps the quorum read)."""
-        self.quorum = q = self.manager.start_step(tentative=tentative)
+    def begin_step(self) -> BatchPlan:
+        """The quorum of the next step (a heal may land first) and this rank's plan in it
+        (no etcd request while the quorum stands)."""
+        self.quorum = q = self.manager.start_step()
         self._sole.quorum(q.size)
         return dataclasses.replace(self.base_plan, replicas=q.size,
                                    replica_rank=q.rank(self.group))
-
-    def confirm(self) -> bool:
-        """Before `reduce`: whether the step's quorum is the one it computed in; False:
-        compute the step again from `begin_step()`."""
-        return self.manager.confirm_step()
 
     def reduce(self, params: list[torch.nn.Parameter], share: float, *,
                names: Sequence[str], extra: Sequence[torch.Tensor] = ()) -> None:

@@ -368,11 +368,10 @@ class Trainer:
             )
         return self._schedules[n_micro]
 
-    def _replica_plan(self, tentative: bool) -> None:
-        """Agree on the step's quorum (a heal may set the state first), or take the last
-        step's until `confirm()` (`tentative`), and this group's share of the global
-        batch in it."""
-        plan = self.replicas.begin_step(tentative=tentative)
+    def _replica_plan(self) -> None:
+        """The step's quorum (a heal may set the state first) and this group's share of
+        the global batch in it."""
+        plan = self.replicas.begin_step()
         if plan != self.plan:
             self.plan = self.data.plan = plan
             self.model.set_aux_scale(1.0 / plan.local_microbatches)
@@ -396,23 +395,15 @@ class Trainer:
     def train_step(self) -> dict[str, Any] | None:
         """One optimizer step; None when replica groups abandoned it (a member of the
         quorum failed): nothing was applied, and the same samples are redone."""
-        tentative = self.replicas is not None and self.cfg.replica.overlap_quorum
-        while True:
-            if self.replicas is not None:
-                self._replica_plan(tentative)
-            torch.manual_seed(_step_seed(self.cfg.train.seed, self.step))
-            lr = self.lr(self.step)
-            for group in self.optimizer.param_groups:
-                group["lr"] = lr
-            position = self.data.position
-            micro = self.data.next_step()
-            local_loss = self._forward_backward(micro)
-            if self.replicas is None or self.replicas.confirm():
-                break
-            # The quorum changed while the step computed in the last one: this group's
-            # share of the batch may differ. Compute it again in the new quorum.
-            self.optimizer.zero_grad(set_to_none=True)
-            self.data.position = position
+        if self.replicas is not None:
+            self._replica_plan()
+        torch.manual_seed(_step_seed(self.cfg.train.seed, self.step))
+        lr = self.lr(self.step)
+        for group in self.optimizer.param_groups:
+            group["lr"] = lr
+        position = self.data.position
+        micro = self.data.next_step()
+        local_loss = self._forward_backward(micro)
         norm = None
         if self.replicas is not None:
             # The loss rides in the gradients' cross-group sum, weighted like them: every

@@ -38,11 +38,11 @@ def test_without_a_coordinator_kill_etcd_is_one_member() -> None:
 
 def test_settings_reach_relights_arms_typed_after_the_benchmarks_own() -> None:
     cfg = GoodputConfig(settings=parse_settings([
-        "replica.overlap_quorum=false", "replica.collective_timeout_s=20",
+        "replica.failover_grace_s=2", "replica.collective_timeout_s=20",
         "parallel.pp_schedule=gpipe"]))
     for arm in ("heal", "restart"):
         o = parse_scenario(_scenario(arm, [], cfg)).training.overrides
-        assert o["replica.overlap_quorum"] is False and o["parallel.pp_schedule"] == "gpipe", o
+        assert o["replica.failover_grace_s"] == 2 and o["parallel.pp_schedule"] == "gpipe", o
         assert o["replica.collective_timeout_s"] == 20  # the benchmark's 15 replaced
     with pytest.raises(ValueError, match="'overlap': expected SECTION.KEY=VALUE"):
         parse_settings(["overlap"])

@@ -94,7 +94,7 @@ def test_survivors_keep_training_through_a_lost_group(etcd_cluster, tmp_path) ->
             [sys.executable, str(SCRIPTS / "replica_train.py"), "--endpoints",
              ",".join(etcd_cluster.endpoints), "--job", job, "--group", g, "--out",
              str(tmp_path), "--steps", "100000", "--stop-file", str(stop), "--min-groups",
-             "3", "--state-mb", "32", "--tentative", *extra],
+             "3", "--state-mb", "32", *extra],
             stdout=logs[log], stderr=subprocess.STDOUT, env=env, cwd=ROOT,
             start_new_session=True)
 

@@ -51,9 +51,6 @@ def main() -> None:
     p.add_argument("--heal", action=argparse.BooleanOptionalAction, default=None,
                    help="join without state and heal from a live group (default: heal "
                         "when other groups are training)")
-    p.add_argument("--tentative", action="store_true",
-                   help="compute each step in the last step's quorum and agree before the "
-                        "reduction (start_step(tentative=True), confirm_step())")
     a = p.parse_args()
     settings = ReplicaSettings(
         job=a.job, group=a.group, lease_ttl=5.0, collective_timeout_s=5.0,
@@ -69,7 +66,7 @@ def main() -> None:
     event(a.out, ev="start", group=a.group, heal=mgr.healing)
     target = a.steps
     while state["progress"]["step"] < target:
-        q = mgr.start_step(tentative=a.tentative)
+        q = mgr.start_step()
         step, w = state["progress"]["step"], state["w"]  # a heal may have set both
         if mgr.heal_stats is not None and not mgr.healing:
             event(a.out, ev="healed", group=a.group, step=step, quorum=q.id,
@@ -81,9 +78,6 @@ def main() -> None:
         for i in mine:
             total += grad_of(w, i)
         time.sleep(a.step_sleep)  # the forward/backward a real step would take
-        if not mgr.confirm_step():  # the quorum changed: this share may not be ours
-            event(a.out, ev="discarded", group=a.group, step=step, quorum=q.id)
-            continue
         mgr.allreduce([total])
         # Logged before the vote: a group killed after voting still accounts for its share.
         event(a.out, ev="reduced", group=a.group, step=step, quorum=q.id, samples=mine)
