@@ -6,14 +6,18 @@ All of it goes through `storage` and the public `ckpt` API (`ckpt.verify`, `ckpt
 the manifest reader); the names under a manager root (one prefix per step and the step
 records: `ckpt.root_layout`; in a step, `COMMIT` written last and
 `index/<attempt>/r<rank>.json` per rank: `ckpt.format`) are the checkpoint layer's, read
-here and nowhere else in `chaos/`.
+here and nowhere else in `chaos/`. So is the line a writer logs once it has committed a
+step (`writer_commits`): the writer's own record of when the commit happened.
 """
 
 from __future__ import annotations
 
 import logging
+import re
 import time
+from collections.abc import Iterable
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Any
 
 import torch
@@ -21,7 +25,7 @@ import torch
 # Imported here, not on first use: the first import costs seconds on a loaded machine, and
 # paid in the middle of a fault injection it would delay the fault by as much.
 from relight import ckpt
-from relight.chaos.verifier import WeightsComparison
+from relight.chaos.verifier import WeightsComparison, WriterCommit
 from relight.ckpt.export import iter_tensors
 from relight.ckpt.format import COMMIT_KEY, DATA_PREFIX, INDEX_PREFIX, MANIFEST_KEY
 from relight.ckpt.manifest import read_commit, read_manifest
@@ -30,9 +34,16 @@ from relight.storage import StorageError, Store
 
 logger = logging.getLogger(__name__)
 
-__all__ = ["CheckpointProbe", "StepDir", "compare_final_states"]
+__all__ = ["CheckpointProbe", "StepDir", "compare_final_states", "read_writer_commits",
+           "writer_commits"]
 
 PENDING_MAX_AGE_S = 60.0
+
+_WRITER_COMMIT = re.compile(
+    r"(\d{4}-\d\d-\d\d \d\d:\d\d:\d\d),(\d{3}) .* committed (\S+) \(\d+ tensors, ")
+"""The line `ckpt.writer` logs once its COMMIT marker exists (`<prefix> committed <url>
+(<n> tensors, <s> s)`), dated by `logging`'s default `%(asctime)s`, which the runtime's
+log format and the example script's both begin with."""
 
 
 @dataclass(frozen=True, slots=True)
@@ -58,12 +69,16 @@ class CheckpointProbe:
         self._commit_attempts: dict[str, str | None] = {}
 
     def scan(self) -> dict[int, StepDir]:
-        """Every step prefix under the root: committed or not, indexes written so far."""
+        """Every step prefix under the root: committed or not, indexes written so far
+        (nothing when the root cannot be listed)."""
         try:
-            keys = self.store.list()
+            return self._scan()
         except StorageError as exc:
             logger.debug("cannot list %s: %s", self.store.url, exc)
             return {}
+
+    def _scan(self) -> dict[int, StepDir]:
+        keys = self.store.list()
         per: dict[str, dict[str, Any]] = {}
         for key in keys:
             if "/" not in key:
@@ -97,9 +112,12 @@ class CheckpointProbe:
         """(step, attempt) of every committed checkpoint, the attempt named by its COMMIT
         marker: a step saved again after a fallback (its old checkpoint collected) shows
         up as a new pair, so its new commit is seen as one; a re-save refused because the
-        step is still committed leaves objects of a new attempt but is not a commit."""
+        step is still committed leaves objects of a new attempt but is not a commit.
+
+        Raises `StorageError` when the root cannot be listed: an empty answer would
+        claim that no step is committed at the time of the listing."""
         out = set()
-        for d in self.scan().values():
+        for d in self._scan().values():
             if d.committed:
                 out.add((d.step, self._committed_attempt(d.prefix)))
             else:
@@ -204,6 +222,38 @@ class CheckpointProbe:
         for name, value in manifest.values.items():
             out[f"value:{name}"] = value
         return out
+
+
+def writer_commits(lines: Iterable[str], root_url: str) -> list[WriterCommit]:
+    """The commits of checkpoints under `root_url` that the writers logged in `lines` (a
+    node's log, where its workers' output goes). A line prints local time (every node
+    runs on this machine, with its clock and zone) in milliseconds rounded down: a
+    millisecond is added, so that no record is dated before the commit it follows."""
+    root = root_url.rstrip("/")
+    out = []
+    for line in lines:
+        m = _WRITER_COMMIT.search(line)
+        if m is None:
+            continue
+        parent, _, name = m.group(3).rpartition("/")
+        step = step_of_dir(name)
+        if step is None or parent != root:
+            continue  # a checkpoint of another root
+        wall = time.mktime(time.strptime(m.group(1), "%Y-%m-%d %H:%M:%S"))
+        out.append(WriterCommit(step, wall + (int(m.group(2)) + 1) / 1000))
+    return out
+
+
+def read_writer_commits(paths: Iterable[Path], root_url: str) -> list[WriterCommit]:
+    """`writer_commits` of every log in `paths` (a log never written is skipped)."""
+    out: list[WriterCommit] = []
+    for path in paths:
+        try:
+            with open(path, errors="replace") as fh:
+                out += writer_commits(fh, root_url)
+        except FileNotFoundError:
+            continue
+    return out
 
 
 _LAYOUT_KEYS = ("layout", "config")

@@ -38,7 +38,11 @@ from typing import Any
 
 import psutil
 
-from relight.chaos.ckpt_probe import CheckpointProbe, compare_final_states
+from relight.chaos.ckpt_probe import (
+    CheckpointProbe,
+    compare_final_states,
+    read_writer_commits,
+)
 from relight.chaos.faults import (
     RESTARTING,
     SAVE_PHASES,
@@ -61,13 +65,14 @@ from relight.chaos.verifier import (
     RunEvidence,
     Tolerances,
     WeightsComparison,
+    WriterCommit,
     verify,
 )
 from relight.ckpt.local_tier import TIER_NODE_ENV, local_tier_dir
 from relight.elastic.etcd_server import EtcdCluster, EtcdServer, free_port
 from relight.errors import RelightError
 from relight.runtime.replicas import GROUP_ENV
-from relight.storage import Store, open_store
+from relight.storage import StorageError, Store, open_store
 from relight.storage.testing import FAULT_PLAN_ENV, corrupt_object, write_plan_file
 
 logger = logging.getLogger(__name__)
@@ -99,6 +104,8 @@ class RunOutcome:
     leaked: list[int] = field(default_factory=list)
     worker_starts: dict[int, int] = field(default_factory=dict)
     """Worker processes seen started on each node over the launch."""
+    writer_commits: list[WriterCommit] = field(default_factory=list)
+    """The commits the checkpoint writers logged (read from the nodes' logs at the end)."""
 
 
 # -- the command every node runs ------------------------------------------------------------
@@ -660,10 +667,12 @@ def launch(scenario: Scenario, run_dir: Path, etcd: Any, store_url: str, job_id:
     ended = time.time()
     (run_dir / "actions.json").write_text(json.dumps(cluster.actions, indent=1))
     events = sorted(loop.events, key=lambda e: e.index)
+    logs = [n.log_path for _, n in sorted(cluster.nodes.items())]
     return RunOutcome(records=loop.records, finished=finished and not leaked, detail=detail,
                       started_at=started, ended_at=ended, faults=events,
                       checkpoint_events=loop.ckpt_events, store_url=store_url, leaked=leaked,
-                      worker_starts={n: len(p) for n, p in sorted(loop.worker_pids.items())})
+                      worker_starts={n: len(p) for n, p in sorted(loop.worker_pids.items())},
+                      writer_commits=read_writer_commits(logs, cluster.store.url))
 
 
 class _Watch:
@@ -691,6 +700,9 @@ class _Watch:
         """The highest step logged when the last recovery ended (-1: none has)."""
         self.first_step_time: float | None = None
         self.next_ckpt_poll = 0.0
+        self.last_listing = time.time()
+        """When the newest listing of the checkpoint root that succeeded began (at first,
+        the watch's start: before any node started, so before any commit)."""
 
     def close(self) -> None:
         self.observed.close()
@@ -711,7 +723,7 @@ class _Watch:
             now = time.time()
             seen = len(self.records)
             new_at = self._read_metrics(now)
-            self._poll_commits(now)
+            self._poll_commits()
             workers = self.cluster.workers()
             for node, ws in workers.items():
                 known = self.worker_pids.setdefault(node, set())
@@ -755,7 +767,7 @@ class _Watch:
                 break
             time.sleep(POLL_S)
         # One last look: the final commit may land as the agents exit.
-        self._poll_commits(time.time(), force=True)
+        self._poll_commits(force=True)
         self._read_metrics(time.time())
         for p in self.pending:
             self.events.append(FaultEvent(index=p.index, kind=p.spec.kind, trigger=p.trigger,
@@ -791,14 +803,26 @@ class _Watch:
         self.observed.flush()
         return new_at
 
-    def _poll_commits(self, now: float, force: bool = False) -> None:
+    def _poll_commits(self, force: bool = False) -> None:
+        """New commits in the store, each dated by the end of the listing that first
+        showed it (a time it was committed by, never one before the commit) and bounded
+        below by the start of the listing before (it was not committed when that one
+        began)."""
         if not force and time.monotonic() < self.next_ckpt_poll:
             return
         self.next_ckpt_poll = time.monotonic() + CKPT_POLL_S
-        seen = self.cluster.probe.commits()
+        began = time.time()
+        try:
+            seen = self.cluster.probe.commits()
+        except StorageError as exc:
+            logger.debug("commit poll: %s", exc)
+            return  # a listing that failed shows nothing, not the absence of commits
+        listed = time.time()
         for step, _ in sorted(seen - self.committed, key=lambda c: c[0]):
-            self.ckpt_events.append(CheckpointEvent(step, now, "commit"))
+            self.ckpt_events.append(CheckpointEvent(step, listed, "commit",
+                                                    since=self.last_listing))
         self.committed |= seen
+        self.last_listing = began
 
     def _due(self, p: _Pending, now: float, phase: dict[str, Any] | None) -> bool:
         spec = p.spec
@@ -1050,6 +1074,7 @@ def _run_scenario(scenario: Scenario, out_dir: str | Path, *, seed: int | None,
             replica_groups=scenario.cluster.replica_groups,
             ranks_per_node=scenario.cluster.ranks_per_node,
             worker_starts=outcome.worker_starts,
+            writer_commits=outcome.writer_commits,
         )
         results = verify(evidence)
         report = build_report(

@@ -2,8 +2,9 @@
 faults the harness injected, and an uninterrupted reference run.
 
 Everything here is a pure function of a `RunEvidence`; the runner gathers the evidence
-(tails the metrics, polls the store for commits, verifies checkpoints, compares final
-states) and the unit tests build it by hand, including runs that are broken on purpose.
+(tails the metrics, polls the store for commits, reads the writers' own commit records
+from the nodes' logs, verifies checkpoints, compares final states) and the unit tests
+build it by hand, including runs that are broken on purpose.
 
 1. target    - the run reached its target step and the job ended by itself in time;
 2. weights   - final weights and optimizer state equal the reference's: bitwise when the
@@ -67,7 +68,9 @@ __all__ = [
     "RunEvidence",
     "Tolerances",
     "WeightsComparison",
+    "WriterCommit",
     "all_ok",
+    "settle_commit_times",
     "verify",
 ]
 
@@ -80,8 +83,24 @@ class CheckpointEvent:
 
     step: int
     time: float
+    """For a commit: a time by which the step was committed (never before the commit
+    itself); for a damage: when the harness did it."""
     kind: str
     """`commit` (observed committed) or `damage` (the harness corrupted it on purpose)."""
+    since: float = -math.inf
+    """For a commit the harness's probe saw: when the listing before the one that first
+    showed it began (the commit came after that). Tells which of a step's commits a
+    writer's own record belongs to (`settle_commit_times`)."""
+
+
+@dataclass(frozen=True, slots=True)
+class WriterCommit:
+    """A checkpoint writer's own record that it committed a step (its `committed` log
+    line, written once the COMMIT marker exists)."""
+
+    step: int
+    time: float
+    """No earlier than the commit it records."""
 
 
 @dataclass(frozen=True, slots=True)
@@ -146,6 +165,9 @@ class RunEvidence:
     ranks_per_node: int = 1
     worker_starts: dict[int, int] = field(default_factory=dict)
     """Worker processes the harness saw start on each node (node index -> count)."""
+    writer_commits: list[WriterCommit] = field(default_factory=list)
+    """The writers' own records of their commits: they date the commits the probe saw
+    (`checkpoint_events`) to when they happened, and add those it never saw."""
 
 
 @dataclass
@@ -183,6 +205,49 @@ def _result(number: int, name: str, problems: list[str], ok_summary: str, **kw: 
 
 def all_ok(results: Sequence[InvariantResult]) -> bool:
     return all(r.ok for r in results)
+
+
+# commit evidence ----------------------------------------------------------------------------
+
+def _owner(commits: Sequence[CheckpointEvent], record: WriterCommit) -> int | None:
+    """The index of the probe's commit of `record.step` that the writer's record dates:
+    the newest one whose window opened before the record (a commit the probe first
+    showed after a listing begun at `since` happened after `since`)."""
+    owners = [i for i, e in enumerate(commits)
+              if e.step == record.step and e.since < record.time]
+    return max(owners, key=lambda i: commits[i].since, default=None)
+
+
+def settle_commit_times(events: Sequence[CheckpointEvent],
+                        records: Sequence[WriterCommit]) -> list[CheckpointEvent]:
+    """The checkpoint events with each commit dated by the best evidence of it. The
+    probe samples the store (every half second at best, later while the harness is busy),
+    so a group that restores within that time of a commit would restore a checkpoint not
+    yet seen committed; the writer's record follows its commit by milliseconds. A commit
+    the probe saw is dated by the earlier of the two; a writer's record the probe has no
+    commit for (committed and collected between two samples) is a commit of its own.
+    Neither ever precedes the commit it dates: a restore that began before it still
+    fails."""
+    commits = [e for e in events if e.kind == "commit"]
+    dated: set[int] = set()
+    unseen: list[CheckpointEvent] = []
+    for record in sorted(records, key=lambda r: r.time):
+        i = _owner(commits, record)
+        if i is None or i in dated:
+            unseen.append(CheckpointEvent(record.step, record.time, "commit"))
+            continue
+        dated.add(i)
+        commits[i] = dataclasses.replace(commits[i], time=min(commits[i].time, record.time))
+    others = [e for e in events if e.kind != "commit"]
+    return sorted([*others, *commits, *unseen], key=lambda e: e.time)
+
+
+def _with_writer_commits(ev: RunEvidence) -> RunEvidence:
+    if not ev.writer_commits:
+        return ev
+    return dataclasses.replace(
+        ev, checkpoint_events=settle_commit_times(ev.checkpoint_events, ev.writer_commits),
+        writer_commits=[])
 
 
 # 0 ------------------------------------------------------------------------------------------
@@ -267,8 +332,14 @@ def check_weights(ev: RunEvidence) -> InvariantResult:
 # 3 ------------------------------------------------------------------------------------------
 
 def _valid_at(events: Sequence[CheckpointEvent], step: int, t: float) -> tuple[bool, str]:
-    """Was checkpoint `step` committed, and not damaged since, at time `t`?"""
-    state, why = False, f"step {step} was never observed committed before the restore"
+    """Was checkpoint `step` committed, and not damaged since, at time `t`? A commit's time
+    is one it is known committed by (`settle_commit_times`), so a commit dated after `t`
+    is not counted: nothing shows it came first."""
+    later = [e.time - t for e in events if e.step == step and e.kind == "commit"
+             and e.time > t]
+    state, why = False, (f"step {step} was never committed before the restore" + (
+        f" (first known committed {min(later):.3f} s after the restore began)" if later else
+        " (no commit of it at all)"))
     for e in sorted(events, key=lambda e: e.time):
         if e.step != step or e.time > t:
             continue
@@ -741,6 +812,7 @@ def verify(ev: RunEvidence) -> list[InvariantResult]:
     """The faults-injected check, then the six invariants in order (and check 7 when the
     scenario bounds what restores read from the persistent store; 8-11 with replica
     groups, whose checks 1-7 read the job's history: each step once)."""
+    ev = _with_writer_commits(ev)
     if ev.replica_groups:
         job = dataclasses.replace(ev, records=job_history(ev.records), replica_groups=False)
         return [*verify(job), check_survivors_never_restart(ev), check_replicas_identical(ev),

@@ -2,10 +2,14 @@
 
 from __future__ import annotations
 
+import logging
+import time
+
+import pytest
 import torch
 
 from relight import ckpt
-from relight.chaos.ckpt_probe import CheckpointProbe
+from relight.chaos.ckpt_probe import CheckpointProbe, read_writer_commits, writer_commits
 from relight.storage import open_store
 
 
@@ -47,8 +51,6 @@ def test_refused_resave_of_a_committed_step_is_not_a_new_commit(tmp_path) -> Non
     # refused (a committed checkpoint is never overwritten) but leaves objects of a new
     # attempt. The harness must not take that for a fresh commit (chaos seed 8 did, and then
     # expected the damaged checkpoint to verify).
-    import pytest
-
     root = tmp_path / "root"
     mgr = ckpt.CheckpointManager(str(root), keep_last=None)
     state = {"model": {"w": torch.ones(4)}, "train": {"step": 7}}
@@ -63,3 +65,110 @@ def test_refused_resave_of_a_committed_step_is_not_a_new_commit(tmp_path) -> Non
     stray = [k for k in store.list() if "/index/" in k or "/data/" in k]
     assert len({k.split("/")[2] for k in stray}) == 2  # the refused attempt left its error
     assert probe.commits() == first
+
+
+RUNTIME_LOG_FORMAT = "%(asctime)s %(levelname)s %(name)s: %(message)s"
+"""How `runtime.train` formats its log (`examples/user_train.py` leaves out the name)."""
+
+
+class _NodeLog(logging.Handler):
+    """A node's log as the harness reads it, noting whether the step's COMMIT marker
+    existed when each line was written."""
+
+    def __init__(self, fmt: str, store) -> None:
+        super().__init__()
+        self.setFormatter(logging.Formatter(fmt))
+        self.store = store
+        self.lines: list[str] = []
+        self.created: list[float] = []
+        self.marker_there: list[bool] = []
+
+    def emit(self, record: logging.LogRecord) -> None:
+        self.lines.append(self.format(record))
+        self.created.append(record.created)
+        self.marker_there.append(self.store.exists("step-000000000005/COMMIT"))
+
+
+@pytest.mark.parametrize("fmt", [RUNTIME_LOG_FORMAT, "%(asctime)s %(levelname)s %(message)s"])
+def test_writers_commit_line_dates_the_commit_no_earlier_than_it(tmp_path, fmt) -> None:
+    """The writer's `committed` line, as a node's log holds it, is the harness's record of
+    when a commit happened: it follows the marker, and its time (printed in whole
+    milliseconds) is read back no earlier than the line was written."""
+    root = tmp_path / "root"
+    store = open_store(root)
+    log = _NodeLog(fmt, store)
+    writer = logging.getLogger("relight.ckpt.writer")
+    writer.addHandler(log)
+    old_level = writer.level
+    writer.setLevel(logging.INFO)
+    try:
+        mgr = ckpt.CheckpointManager(str(root), keep_last=None)
+        mgr.save(5, {"model": {"w": torch.ones(4)}, "train": {"step": 5}}, async_save=False)
+    finally:
+        writer.removeHandler(log)
+        writer.setLevel(old_level)
+    got = writer_commits(log.lines, store.url)
+    assert [c.step for c in got] == [5]
+    line = next(i for i, text in enumerate(log.lines) if " committed " in text)
+    assert log.marker_there[line]
+    assert log.created[line] <= got[0].time <= log.created[line] + 0.0011
+
+
+def test_writer_commits_of_other_roots_and_other_lines_are_ignored(tmp_path) -> None:
+    root = "file:///tmp/run/ckpt-chaos"
+    lines = [
+        "2026-12-06 00:08:13,599 INFO relight.ckpt.writer: [rank 0 step 9] committed "
+        f"{root}/step-000000000009 (156 tensors, 0.056 s)",
+        "2026-12-06 00:08:13,700 INFO relight.ckpt.writer: [rank 0 step 9] committed "
+        "file:///tmp/run/ckpt-reference/step-000000000009 (156 tensors, 0.056 s)",
+        "2026-12-06 00:08:11,523 INFO __main__: [rank 1 step 0] no committed checkpoint "
+        f"under {root}; starting from scratch",
+        "2026-12-06 00:08:15,097 INFO __main__: [rank 0 step 13] checkpoint step 10 "
+        "committed: 2.0 MiB from this rank, 0.33 s from start to commit",
+    ]
+    got = writer_commits(lines, root + "/")
+    wall = time.mktime(time.strptime("2026-12-06 00:08:13", "%Y-%m-%d %H:%M:%S"))
+    assert [(c.step, round(c.time - wall, 6)) for c in got] == [(9, 0.6)]
+    log = tmp_path / "node-0.log"
+    log.write_text("\n".join(lines) + "\n")
+    assert read_writer_commits([log, tmp_path / "node-1.log"], root) == got
+
+
+class _Probe:
+    """Answers each listing from a script: a set of (step, attempt) or an error."""
+
+    def __init__(self, answers) -> None:
+        self.answers = list(answers)
+        self.listed: list[tuple[float, float]] = []
+
+    def commits(self):
+        began = time.time()
+        answer = self.answers.pop(0)
+        self.listed.append((began, time.time()))
+        if isinstance(answer, Exception):
+            raise answer
+        return answer
+
+
+def test_commit_poll_dates_a_commit_between_the_listings_around_it(tmp_path) -> None:
+    """A commit the probe first shows is dated by the end of that listing (committed by
+    then) and bounded below by the start of the listing before it that succeeded (not
+    committed when that one began): a listing that failed shows nothing about it."""
+    from types import SimpleNamespace
+
+    from relight.chaos.runner import _Watch
+    from relight.storage import StorageError
+
+    probe = _Probe([set(), StorageError("listing refused"), {(5, "a")}, {(5, "a")}])
+    watch = _Watch(SimpleNamespace(), SimpleNamespace(probe=probe), None,
+                   tmp_path / "metrics.jsonl", tmp_path / "observed.jsonl")
+    try:
+        for _ in range(4):
+            watch._poll_commits(force=True)
+    finally:
+        watch.close()
+    [event] = watch.ckpt_events
+    (empty, _), (failed, _), (_, showed), _ = probe.listed
+    assert (event.step, event.kind) == (5, "commit")
+    assert event.since <= empty < failed
+    assert event.time >= showed

@@ -19,6 +19,8 @@ from relight.chaos.verifier import (
     RunEvidence,
     StepRecord,
     WeightsComparison,
+    WriterCommit,
+    settle_commit_times,
     verify,
 )
 
@@ -191,6 +193,106 @@ def test_checkpoint_damaged_after_its_restore_began_is_not_blamed() -> None:
     assert failing(ev) == set()
     ev.checkpoint_events.append(CheckpointEvent(10, 16.0, "damage"))  # before it began
     assert 3 in failing(ev)
+
+
+# commit evidence: when each commit happened ----------------------------------------------
+
+NOTICE = 8.2
+"""The preemption notice lands while the group runs step 8."""
+EMERGENCY_COMMIT = 8.3
+"""The emergency save at the notice commits step 8 (its writer logs it a millisecond on)."""
+RESTORE = EMERGENCY_COMMIT + 0.34
+"""The new group begins restoring step 8 (its agent restarted it within half a second)."""
+
+
+def preempted_run(probe_sees_emergency_commit_at: float) -> RunEvidence:
+    """The preempt scenario's first fault as seed 4242 met it: a notice mid-interval, the
+    emergency save of the step in flight, and a new group restoring that save 0.34 s
+    after its commit. The harness's probe lists the store every half second, or later
+    when busy: it first shows the emergency commit at the time given, the listing
+    before it having begun just after the notice."""
+    records = [rec(s, float(s)) for s in range(1, 9)]
+    records += [replace(rec(s, s + 1.5, restored=8), restore_started_at=RESTORE if s == 9
+                        else None) for s in range(9, TARGET + 1)]
+    seen = {5: 5.6, 8: probe_sees_emergency_commit_at, 10: 11.9, 15: 16.9, 20: 21.9}
+    since = {8: NOTICE}
+    events = [CheckpointEvent(s, t, "commit", since=since.get(s, t - 0.5))
+              for s, t in seen.items()]
+    return RunEvidence(
+        records=records, target_step=TARGET, interval=INTERVAL, finished=True,
+        finish_detail="all agents exited 0", reference=reference(), checkpoint_events=events,
+        verified={s: None for s in seen},
+        faults=[FaultMark(0, FaultKind.PREEMPT, NOTICE)], weights=same_weights(),
+    )
+
+
+def writers_records(emergency_at: float = EMERGENCY_COMMIT + 0.001) -> list[WriterCommit]:
+    """What the writers logged: each commit, a millisecond after it."""
+    return [WriterCommit(5, 5.301), WriterCommit(8, emergency_at),
+            *(WriterCommit(s, s + 1.801) for s in (10, 15, 20))]
+
+
+def test_restore_right_after_an_emergency_save_passes_on_the_writers_record() -> None:
+    """The preempt scenario, seed 4242: the emergency save at the notice committed the step
+    in flight 0.34 s before the new group began restoring it, and the probe's next
+    listing ended after the restore began: a correct run failed check 3. The writer's
+    own record dates the commit before the restore."""
+    ev = preempted_run(probe_sees_emergency_commit_at=RESTORE + 0.25)
+    assert failing(ev) == {3}  # the probe's sample alone
+    assert "first known committed 0.250 s after the restore" in verify(ev)[3].summary
+    ev.writer_commits = writers_records()
+    assert failing(ev) == set()
+    assert verify(ev)[4].measured["max_lost"] == 0
+
+
+def test_restore_of_a_step_committed_only_after_it_began_still_fails() -> None:
+    """The runtime read the emergency save while it was still being written: its commit
+    came (by the writer's own record) after the restore began. No evidence may date a
+    commit before it happened, so the restore is still caught."""
+    ev = preempted_run(probe_sees_emergency_commit_at=RESTORE + 0.25)
+    ev.writer_commits = writers_records(emergency_at=RESTORE + 0.05)
+    assert failing(ev) == {3}
+    assert "first known committed 0.050 s after the restore" in verify(ev)[3].summary
+
+
+def test_restore_of_a_step_never_committed_still_fails_with_the_writers_records() -> None:
+    """The save at the notice never committed (no marker, no writer's record): a restore
+    that read it anyway fails whatever else the writers recorded."""
+    ev = preempted_run(probe_sees_emergency_commit_at=RESTORE + 0.25)
+    ev = replace(ev, checkpoint_events=[e for e in ev.checkpoint_events if e.step != 8],
+                 writer_commits=[r for r in writers_records() if r.step != 8])
+    del ev.verified[8]
+    assert 3 in failing(ev)
+    assert "no commit of it at all" in verify(ev)[3].summary
+
+
+def test_writers_record_dates_the_commit_the_probe_showed_and_never_later() -> None:
+    probe = [CheckpointEvent(10, 10.9, "commit", since=10.2)]
+    assert settle_commit_times(probe, [WriterCommit(10, 10.31)]) == [
+        CheckpointEvent(10, 10.31, "commit", since=10.2)]
+    # Logged after the listing that showed it (the writer was slow): the listing's time.
+    assert settle_commit_times(probe, [WriterCommit(10, 11.2)]) == probe
+
+
+def test_writers_record_of_a_commit_the_probe_never_saw_is_a_commit() -> None:
+    # Committed and collected between two listings.
+    got = settle_commit_times([], [WriterCommit(10, 10.31)])
+    assert got == [CheckpointEvent(10, 10.31, "commit")]
+
+
+def test_writers_record_dates_only_its_own_commit_of_a_step() -> None:
+    """Step 10 committed, damaged by the harness, and saved again after the fallback:
+    the first commit's record must not date the second (which would make the damaged
+    checkpoint look repaired from the start), nor a late record of the first revive it
+    after the damage."""
+    probe = [CheckpointEvent(10, 10.9, "commit", since=10.2),
+             CheckpointEvent(10, 12.0, "damage"),
+             CheckpointEvent(10, 25.9, "commit", since=25.1)]
+    got = settle_commit_times(probe, [WriterCommit(10, 10.31), WriterCommit(10, 25.31)])
+    assert [(e.time, e.kind) for e in got] == [(10.31, "commit"), (12.0, "damage"),
+                                              (25.31, "commit")]
+    late = settle_commit_times(probe[:2], [WriterCommit(10, 12.5)])
+    assert [(e.time, e.kind) for e in late] == [(10.9, "commit"), (12.0, "damage")]
 
 
 def test_damaged_checkpoint_that_still_verifies_fails() -> None:
