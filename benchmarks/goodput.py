@@ -54,6 +54,7 @@ from pathlib import Path
 from typing import Any
 
 from relight.benchmarks.goodput_metrics import (
+    JOBS,
     fleet_goodput,
     heal_times,
     live_fraction,
@@ -75,6 +76,8 @@ __all__ = ["GoodputConfig", "main", "parse_settings", "run_arm", "schedule"]
 
 @dataclass(frozen=True, slots=True)
 class GoodputConfig:
+    job: str = "small"
+    """The job every arm trains (`goodput_metrics.JOBS`)."""
     groups: int = 4
     """Replica groups (nodes) of the fleet."""
     ranks: int = 1
@@ -95,6 +98,12 @@ class GoodputConfig:
     settings: tuple[tuple[str, Any], ...] = ()
     """Training settings (`("section.key", value)`) for Relight's arms, after the
     benchmark's own: to compare settings on the same schedule."""
+    torchft_timeout_s: float = 15.0
+    """torchft's Manager timeout (quorum, commit, heal): Relight's heal arm bounds its
+    cross-group collectives by the same 15 s (`replica.collective_timeout_s`)."""
+    torchft_pg_timeout_s: float = 5.0
+    """torchft's ProcessGroupGloo timeout: what bounds its collectives, below Relight's
+    (a killed process is seen at once by both: its connections reset)."""
 
 
 def parse_settings(items: list[str]) -> tuple[tuple[str, Any], ...]:
@@ -109,10 +118,12 @@ def parse_settings(items: list[str]) -> tuple[tuple[str, Any], ...]:
     return tuple(out)
 
 
-def schedule(mtbf_s: float, cfg: GoodputConfig) -> list[float]:
+def schedule(mtbf_s: float | None, cfg: GoodputConfig) -> list[float]:
     """Fault times (seconds after the first step) inside the window: exponential gaps of
-    mean `mtbf_s`, the same for every arm. None in the last 20 s, where a fault's cost
-    would fall outside the window."""
+    mean `mtbf_s`, the same for every arm (none for `None`: the fault-free window). None
+    in the last 20 s, where a fault's cost would fall outside the window."""
+    if mtbf_s is None:
+        return []
     count = max(1, int(4 * cfg.duration_s / mtbf_s))
     draws = draw_mtbf_schedule([FaultKind.KILL_NODE], count, mtbf_s, 0.0, cfg.seed)
     return [t for t, _ in draws if t < cfg.duration_s - 20.0]
@@ -122,8 +133,7 @@ def _scenario(arm: str, times: list[float], cfg: GoodputConfig) -> dict[str, Any
     replica = arm == "heal"
     plain = arm == "torchrun"
     overrides: dict[str, Any] = {
-        "model.n_layers": 2, "data.global_batch_size": 24, "data.micro_batch_size": 2,
-        "train.log_every": 50, "train.watchdog_timeout_s": 300.0,
+        **JOBS[cfg.job], "train.log_every": 50, "train.watchdog_timeout_s": 300.0,
         "train.collective_timeout_s": 30.0}
     if replica:
         # digest_every = 1: check 9 (replicas bitwise identical) compares every step.
@@ -175,7 +185,8 @@ def _records(metrics: Path, replica: bool, ranks: int) -> list[dict[str, Any]]:
         protocol = (r.get("quorum_s") or 0.0) + (r.get("rebuild_s") or 0.0)
         out.append({"group": r.get("replica_group", "job"), "step": r["step"],
                     "time": r["time"], "step_time_s": r["step_time_s"],
-                    "participants": participants, "quorum_s": protocol})
+                    "participants": participants, "quorum_s": protocol,
+                    "etcd_requests": r.get("etcd_requests")})
     return out
 
 
@@ -230,6 +241,11 @@ def _harness_arm(arm: str, times: list[float], cfg: GoodputConfig, out: Path
     if arm == "heal":
         summary["invariants_broken"] = [
             i["name"] for i in rep["invariants"] if not i["ok"] and i["number"] >= 8]
+        counted = [r["etcd_requests"] for r in records if r["etcd_requests"] is not None]
+        summary["etcd_requests_per_group_step"] = (
+            round(sum(counted) / len(counted), 4) if counted else None)
+        summary["steps_without_etcd"] = (
+            round(sum(1 for c in counted if c == 0) / len(counted), 4) if counted else None)
     return summary
 
 
@@ -258,7 +274,8 @@ def _torchft_arm(times: list[float], cfg: GoodputConfig, out: Path, python: str 
     proc = subprocess.run(
         [python, str(ROOT / "benchmarks" / "torchft_arm.py"), "--groups", str(cfg.groups),
          "--duration", str(cfg.duration_s), "--schedule", str(sched), "--out", str(out),
-         "--seed", str(cfg.seed)],
+         "--seed", str(cfg.seed), "--job", cfg.job, "--timeout", str(cfg.torchft_timeout_s),
+         "--pg-timeout", str(cfg.torchft_pg_timeout_s)],
         cwd=ROOT, env={**os.environ, "PYTHONPATH": str(ROOT)}, capture_output=True,
         text=True, timeout=cfg.duration_s + 600)
     if proc.returncode != 0:
@@ -271,7 +288,7 @@ def _torchft_arm(times: list[float], cfg: GoodputConfig, out: Path, python: str 
     return summary
 
 
-def run_arm(arm: str, mtbf_s: float, cfg: GoodputConfig, out: Path,
+def run_arm(arm: str, mtbf_s: float | None, cfg: GoodputConfig, out: Path,
             torchft_python: str | None = None) -> dict[str, Any]:
     """One arm at one MTBF; the machine's load average before and after."""
     times = schedule(mtbf_s, cfg)
@@ -296,26 +313,45 @@ def run_arm(arm: str, mtbf_s: float, cfg: GoodputConfig, out: Path,
     return summary
 
 
-def _table(results: list[dict[str, Any]]) -> str:
-    rows = ["| MTBF s | arm | faults | fleet goodput | ÷ live fraction | "
-            "steps kept in the window | survivors' pause median s | heal time median s | "
-            "coordinator killed: pause s | load before / after |",
-            "| ---: | --- | ---: | ---: | ---: | ---: | ---: | ---: | ---: | --- |"]
+def _mtbf_label(mtbf_s: float | None) -> str:
+    return "none" if mtbf_s is None else f"{mtbf_s:g}"
+
+
+def add_work_done(results: list[dict[str, Any]]) -> None:
+    """The headline: each run's steps kept in the window (the same global batch per step
+    in every arm: samples trained) divided by the most any arm kept in its fault-free
+    window of the same invocation."""
+    free = [r["steps_in_window"] for r in results
+            if r["mtbf_s"] is None and r.get("steps_in_window")]
+    best = max(free) if free else None
     for r in results:
+        kept = r.get("steps_in_window")
+        r["work_done"] = None if not best or kept is None else round(kept / best, 4)
+
+
+def _table(results: list[dict[str, Any]]) -> str:
+    rows = ["| MTBF s | arm | faults | work done (steps kept ÷ best fault-free arm) | "
+            "steps kept in the window | etcd requests per group step | fleet goodput | "
+            "survivors' pause median s | heal time median s | coordinator killed: pause s | "
+            "load before / after |",
+            "| ---: | --- | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | --- |"]
+    for r in results:
+        label = _mtbf_label(r["mtbf_s"])
         if "skipped" in r or "error" in r:
-            rows.append(f"| {r['mtbf_s']:g} | {r['arm']} | - | - | - | - | - | - | - | "
+            rows.append(f"| {label} | {r['arm']} | - | - | - | - | - | - | - | - | "
                         f"{r.get('skipped') or r.get('error', '')[:80]} |")
             continue
-        g, over_live = r.get("fleet_goodput"), r.get("goodput_over_live")
+        g, work = r.get("fleet_goodput"), r.get("work_done")
         coord = [p for p in r.get("coordinator_pauses_s") or [] if p is not None]
         pause = r.get("pauses_median_s")
         if pause is None and r.get("faults"):
             pause = "no step within 30 s"
+        etcd = r.get("etcd_requests_per_group_step")
         rows.append(
-            f"| {r['mtbf_s']:g} | {r['arm']} | {r.get('faults', '-')} | "
+            f"| {label} | {r['arm']} | {r.get('faults', '-')} | "
+            f"{'-' if work is None else f'{work:.3f}'} | "
+            f"{r.get('steps_in_window', '-')} | {'-' if etcd is None else etcd} | "
             f"{'-' if g is None else f'{g:.3f}'} | "
-            f"{'-' if over_live is None else f'{over_live:.3f}'} | "
-            f"{r.get('steps_in_window', '-')} | "
             f"{'-' if pause is None else pause} | "
             f"{r.get('rejoins_median_s', '-')} | "
             f"{', '.join(f'{p:.2f}' for p in coord) or '-'} | {r['loadavg_before'][0]} / "
@@ -330,7 +366,12 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--groups", type=int, default=4)
     p.add_argument("--ranks", type=int, default=1)
     p.add_argument("--duration", type=float, default=150.0)
-    p.add_argument("--mtbf", type=float, nargs="+", default=[60.0, 15.0])
+    p.add_argument("--job", choices=sorted(JOBS), default="small",
+                   help="the job every arm trains (small: steps of tens of ms; large: "
+                        "about half a second to a second on 2 cores)")
+    p.add_argument("--mtbf", type=float, nargs="+", default=[60.0, 15.0],
+                   help="mean seconds between group kills; every arm also runs a "
+                        "fault-free window first, the headline's yardstick")
     p.add_argument("--replace-after", type=float, default=10.0)
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--arms", nargs="+", choices=ARMS, default=list(ARMS))
@@ -351,7 +392,8 @@ def main(argv: list[str] | None = None) -> int:
         settings = parse_settings(args.set)
     except ValueError as exc:
         p.error(str(exc))
-    cfg = GoodputConfig(groups=args.groups, ranks=args.ranks, duration_s=args.duration,
+    cfg = GoodputConfig(job=args.job, groups=args.groups, ranks=args.ranks,
+                        duration_s=args.duration,
                         replace_after_s=args.replace_after, seed=args.seed,
                         coordinator_kill_s=args.coordinator_kill_at,
                         coordinator_down_s=args.coordinator_down,
@@ -360,10 +402,12 @@ def main(argv: list[str] | None = None) -> int:
     python = _torchft_python(args.torchft_python)
     results = []
     try:
-        for mtbf in args.mtbf:
+        for mtbf in [None, *args.mtbf]:
             for arm in args.arms:
-                print(f"goodput: arm {arm}, MTBF {mtbf:g} s ...", file=sys.stderr, flush=True)
-                results.append(run_arm(arm, mtbf, cfg, base / f"mtbf{mtbf:g}-{arm}", python))
+                label = _mtbf_label(mtbf)
+                print(f"goodput: arm {arm}, MTBF {label} s ...", file=sys.stderr, flush=True)
+                results.append(run_arm(arm, mtbf, cfg, base / f"mtbf{label}-{arm}", python))
+                add_work_done(results)
                 print(_table(results[-1:]).splitlines()[-1], file=sys.stderr, flush=True)
     finally:
         if not args.out:

@@ -33,6 +33,22 @@ class MetricsError(RelightError, ValueError):
     """A record lacks a field the figures need, or a figure's input is out of range."""
 
 
+JOBS: dict[str, dict[str, int]] = {
+    "small": {"model.n_layers": 2, "data.global_batch_size": 24, "data.micro_batch_size": 2},
+    "large": {"model.n_layers": 4, "model.dim": 192, "model.mlp_hidden": 768,
+              "model.n_heads": 4, "data.seq_len": 64, "model.max_seq_len": 64,
+              "data.global_batch_size": 96, "data.micro_batch_size": 4},
+}
+"""The jobs every goodput arm trains (overrides of `configs/tiny.toml`): `small`, a step
+of tens of milliseconds, where per-step costs weigh most; `large`, a step of about half a
+second to a second on a 2-core machine shared by four groups, closer to a real step."""
+
+
+def job_arguments(job: str) -> list[str]:
+    """`JOBS[job]` as the trainer's command-line overrides."""
+    return [f"--{key}={value}" for key, value in JOBS[job].items()]
+
+
 def read_records(path: str | Path) -> list[dict[str, Any]]:
     """The JSON objects of a JSON-lines file, one a line; a missing file is none. A line
     that does not parse (cut by a kill mid-write) is left out."""

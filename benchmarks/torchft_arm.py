@@ -62,6 +62,7 @@ if str(ROOT) not in sys.path:
 from relight.benchmarks.goodput_metrics import (  # noqa: E402
     fleet_goodput,
     heal_times,
+    job_arguments,
     kept_steps,
     outage_pause,
     pauses,
@@ -69,11 +70,6 @@ from relight.benchmarks.goodput_metrics import (  # noqa: E402
     steps_in_window,
     window_start,
 )
-
-JOB_OVERRIDES = ["--model.n_layers=2", "--data.global_batch_size=24",
-                 "--data.micro_batch_size=2"]
-"""The job of `benchmarks.goodput`'s Relight arms: the tiny transformer with two layers,
-a global batch of 24 samples in micro-batches of 2."""
 
 FAULT_KINDS = ("kill_group", "kill_lighthouse")
 PAUSE_WINDOW_S = 30.0
@@ -197,7 +193,8 @@ def worker(args: argparse.Namespace) -> int:
                             "bytes": _tensor_bytes(sd)})
             return sd
 
-    cfg = load_config(ROOT / "configs" / "tiny.toml", JOB_OVERRIDES)
+    # The job of `benchmarks.goodput`'s Relight arms (`goodput_metrics.JOBS`).
+    cfg = load_config(ROOT / "configs" / "tiny.toml", job_arguments(args.job))
     model = build_model(cfg.model, cfg.train.seed)
     params = [p for p in model.parameters() if p.requires_grad]
     opt = torch.optim.AdamW(params, lr=cfg.optim.lr)
@@ -349,7 +346,7 @@ class Fleet:
         a = self.args
         cmd = [sys.executable, str(Path(__file__).resolve()), "--worker", "--group", str(gid),
                "--out", str(self.out), "--lighthouse", f"http://127.0.0.1:{self.lighthouse_port}",
-               "--steps", str(a.steps), "--timeout", str(a.timeout),
+               "--steps", str(a.steps), "--job", a.job, "--timeout", str(a.timeout),
                "--pg-timeout", str(a.pg_timeout), "--quorum-retries", str(a.quorum_retries)]
         if go is not None:
             cmd += ["--go", str(go)]
@@ -558,6 +555,8 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--out", required=True)
     p.add_argument("--steps", type=int, default=1_000_000)
     p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--job", choices=("small", "large"), default="small",
+                   help="the job trained (benchmarks.goodput_metrics.JOBS)")
     p.add_argument("--timeout", type=float, default=30.0,
                    help="torchft Manager timeout (collectives, commit vote, heal), seconds")
     p.add_argument("--pg-timeout", type=float, default=5.0,

@@ -173,7 +173,8 @@ class ReplicaTraining:
             "quorum_size": q.size if q else None, "quorum_s": round(st.quorum_s, 4),
             "rebuild_s": round(st.rebuild_s, 4),
             "cross_group_reduce_s": round(st.allreduce_s, 4),
-            "commit_s": round(st.commit_s, 4), "abandoned_steps": self.abandoned}
+            "commit_s": round(st.commit_s, 4), "abandoned_steps": self.abandoned,
+            "etcd_requests": st.etcd_requests}
         healed = self.manager.heal_stats
         if healed is not None:
             rec.update(healed_bytes=healed.bytes, heal_s=round(healed.seconds, 4))

@@ -5,7 +5,16 @@ from __future__ import annotations
 
 import pytest
 
-from relight.benchmarks.goodput import ARMS, GoodputConfig, _scenario, parse_settings, schedule
+from relight.benchmarks.goodput import (
+    ARMS,
+    GoodputConfig,
+    _scenario,
+    _table,
+    add_work_done,
+    parse_settings,
+    schedule,
+)
+from relight.benchmarks.goodput_metrics import JOBS, job_arguments
 from relight.chaos.scenario import parse_scenario
 
 
@@ -60,3 +69,33 @@ def test_the_torchrun_arms_script_runs_as_torchrun_starts_it() -> None:
                          capture_output=True, text=True, timeout=300, cwd="/")
     assert res.returncode == 0, res.stderr[-2000:]
     assert "--config" in res.stdout
+
+
+def test_the_headline_is_work_done_against_the_best_fault_free_arm() -> None:
+    """Steps kept in the window over the most any arm kept without faults in the same
+    invocation: a slower step can never raise it."""
+    results = [
+        {"arm": "heal", "mtbf_s": None, "steps_in_window": 3000},
+        {"arm": "torchft", "mtbf_s": None, "steps_in_window": 3200},
+        {"arm": "heal", "mtbf_s": 60.0, "steps_in_window": 2880},
+        {"arm": "torchft", "mtbf_s": 60.0, "steps_in_window": 2400},
+        {"arm": "torchft", "mtbf_s": 15.0, "skipped": "no torchft environment"},
+    ]
+    add_work_done(results)
+    assert [r["work_done"] for r in results] == [0.9375, 1.0, 0.9, 0.75, None]
+    for r in results:
+        r.update(loadavg_before=[1.0], loadavg_after=[2.0])
+    table = _table(results).splitlines()
+    assert table[2].startswith("| none | heal |") and "| 0.938 | 3000 |" in table[2]
+    assert "no torchft environment" in table[-1]
+
+
+def test_the_fault_free_window_has_no_faults_and_each_job_is_a_valid_scenario() -> None:
+    assert schedule(None, GoodputConfig()) == []
+    for job in JOBS:
+        cfg = GoodputConfig(job=job)
+        s = parse_scenario(_scenario("heal", [], cfg))
+        assert not s.faults
+        for key, value in JOBS[job].items():
+            assert s.training.overrides[key] == value
+        assert job_arguments(job) == [f"--{k}={v}" for k, v in JOBS[job].items()]

@@ -51,6 +51,8 @@ def main() -> None:
     p.add_argument("--heal", action=argparse.BooleanOptionalAction, default=None,
                    help="join without state and heal from a live group (default: heal "
                         "when other groups are training)")
+    p.add_argument("--die-before-apply-at", type=int, default=None, metavar="STEP",
+                   help="exit at once after this step's reduction, before its apply")
     a = p.parse_args()
     settings = ReplicaSettings(
         job=a.job, group=a.group, lease_ttl=5.0, collective_timeout_s=5.0,
@@ -81,6 +83,8 @@ def main() -> None:
         mgr.allreduce([total])
         # Logged before the vote: a group killed after voting still accounts for its share.
         event(a.out, ev="reduced", group=a.group, step=step, quorum=q.id, samples=mine)
+        if step == a.die_before_apply_at:
+            os._exit(9)  # killed between the reduction and the apply
         if mgr.should_commit(step):
             w.sub_(LR * total * size / BATCH_R)
             state["progress"]["step"] = step + 1
