@@ -23,6 +23,11 @@ __all__ = ["materialize_optimizer_states"]
 
 def _optimizers(value: Any, found: list[torch.optim.Optimizer]) -> None:
     if isinstance(value, torch.optim.Optimizer):
+        # A wrapper that is an Optimizer and holds the real one as `.optimizer` (as
+        # `relight.ReplicaOptimizer` does): the real one's step creates the state.
+        inner = getattr(value, "optimizer", None)
+        if isinstance(inner, torch.optim.Optimizer):
+            value = inner
         if all(o is not value for o in found):
             found.append(value)
     elif isinstance(value, Mapping):

@@ -1,5 +1,7 @@
 """A user's own training loop whose replica groups heal in place: plain PyTorch (a model,
-AdamW, data addressed by global sample index) plus a few lines of `relight`.
+AdamW, data addressed by global sample index) plus a few lines of `relight`: a
+`ReplicaManager`, and the optimizer wrapped in a `ReplicaOptimizer`, whose `zero_grad()`
+starts the step and whose `step()` applies it only when the groups' reduction committed.
 
 Start one process per replica group, each with its own `--group`, all with the same
 `--job` and etcd; kill one and start it again: the others never stop, and the new one
@@ -74,13 +76,14 @@ def main(argv: list[str] | None = None) -> int:
     a = p.parse_args(argv)
 
     model = make_model(a.width)
-    optimizer = torch.optim.AdamW(model.parameters(), lr=3e-3, weight_decay=0.01)
-    state = {"model": model, "optim": optimizer, "progress": {"step": 0}}
     replicas = relight.ReplicaManager(
         relight.ReplicaSettings(job=a.job, group=a.group, min_groups=a.min_groups,
                                 etcd=EtcdSettings(endpoints=tuple(a.etcd.split(","))),
                                 lease_ttl=5.0, collective_timeout_s=5.0),
         state=lambda: state)  # what a joining group receives, and where it lands
+    optimizer = relight.ReplicaOptimizer(
+        replicas, torch.optim.AdamW(model.parameters(), lr=3e-3, weight_decay=0.01))
+    state = {"model": model, "optim": optimizer}  # the optimizer carries the step count
 
     def record(**fields: object) -> None:
         if a.events:
@@ -91,26 +94,22 @@ def main(argv: list[str] | None = None) -> int:
 
     record(ev="start", heal=replicas.healing)
     try:
-        while state["progress"]["step"] < a.steps:
+        while optimizer.steps < a.steps:
             if a.stop_file and os.path.exists(a.stop_file):
                 break
             t0 = time.monotonic()
-            quorum = replicas.start_step()        # the groups that train this step
-            step = state["progress"]["step"]      # a heal may just have set it
-            x, y, indices = batch(step, quorum.rank(a.group), quorum.size)
+            optimizer.zero_grad()                 # starts the step: a heal may land here
+            step, quorum = optimizer.steps, optimizer.quorum
+            x, y, indices = batch(step, optimizer.rank, optimizer.size)
             loss = nn.functional.mse_loss(model(x), y)
             loss.backward()
             time.sleep(max(0.0, a.step_s - (time.monotonic() - t0)))
-            replicas.allreduce([q.grad for q in model.parameters()])  # mean over groups
-            if replicas.should_commit(step):      # the reduction completed: apply
-                optimizer.step()
-                state["progress"]["step"] = step + 1
+            if optimizer.step():                  # summed across groups; applied if committed
                 record(ev="step", step=step, quorum=quorum.id, size=quorum.size,
                        samples=indices, digest=digest(model),
                        etcd_requests=replicas.stats.etcd_requests)
             else:                                 # not applied: redone next quorum
                 record(ev="abandoned", step=step, quorum=quorum.id)
-            optimizer.zero_grad()
     except relight.RelightError as exc:
         record(ev="error", type=type(exc).__name__, message=str(exc))
         raise

@@ -35,6 +35,7 @@ _PUBLIC: dict[str, str] = {
     "open_store": "relight.storage",
     "StorageError": "relight.storage",
     "ReplicaManager": "relight.elastic.replica",
+    "ReplicaOptimizer": "relight.elastic.replica_optim",
     "ReplicaSettings": "relight.elastic.replica",
 }
 _PACKAGES = ("chaos", "ckpt", "elastic", "runtime", "storage")
@@ -44,6 +45,7 @@ __all__ = [
     "CheckpointManager",
     "RelightError",
     "ReplicaManager",
+    "ReplicaOptimizer",
     "ReplicaSettings",
     "SaveHandle",
     "SaveOptions",
@@ -72,6 +74,7 @@ if TYPE_CHECKING:
         verify,
     )
     from relight.elastic.replica import ReplicaManager, ReplicaSettings
+    from relight.elastic.replica_optim import ReplicaOptimizer
     from relight.storage import StorageError, open_store
 
 

@@ -155,3 +155,55 @@ def test_a_group_killed_between_its_reduction_and_its_apply(etcd_server, tmp_pat
             trained += [i for e in evs if e["ev"] == "reduced" and e["group"] == "g2"
                         and e["step"] == 6 for i in e["samples"]]
         assert sorted(trained) == list(range(s * 12, s * 12 + 12)), (s, done)
+
+
+def test_the_optimizer_wrapper_trains_two_groups_alike_under_an_lr_schedule(
+        etcd_server) -> None:
+    """Two groups, each a model with AdamW wrapped in `ReplicaOptimizer` and a warm-up
+    schedule on the wrapper: `zero_grad` starts the step, `step` applies the mean of the
+    groups' gradients, the wrapper counts the steps and carries the count in its state."""
+    from relight import ReplicaOptimizer
+
+    job = f"optim-{uuid.uuid4().hex[:8]}"
+
+    def group(g: str) -> tuple[torch.nn.Module, ReplicaOptimizer,
+                               torch.optim.lr_scheduler.LRScheduler]:
+        torch.manual_seed(0)
+        model = torch.nn.Linear(3, 1)
+        mgr = ReplicaManager(ReplicaSettings(
+            job=job, group=g, etcd=EtcdSettings(endpoints=(etcd_server.endpoint,),
+                                                prefix="/relight-test"),
+            lease_ttl=30.0, collective_timeout_s=30.0, min_groups=2), heal=False)
+        opt = ReplicaOptimizer(mgr, torch.optim.AdamW(model.parameters(), lr=0.1))
+        sched = torch.optim.lr_scheduler.LambdaLR(opt, lambda s: min(1.0, (s + 1) / 3))
+        return model, opt, sched
+
+    groups = {g: group(g) for g in ("a", "b")}
+    done: dict[str, list] = {g: [] for g in groups}
+
+    def train(g: str) -> None:
+        model, opt, sched = groups[g]
+        while opt.steps < 4:
+            opt.zero_grad()
+            x = torch.full((2, 3), float(opt.steps + opt.rank + 1))  # differs per group
+            model(x).sum().backward()
+            if opt.step():
+                sched.step()
+                done[g].append(opt.steps)
+
+    try:
+        threads = [threading.Thread(target=train, args=(g,), daemon=True) for g in groups]
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join(120)
+        assert done == {"a": [1, 2, 3, 4], "b": [1, 2, 3, 4]}, done
+        (ma, oa, sa), (mb, _, _) = groups["a"], groups["b"]
+        assert all(torch.equal(p, q) for p, q in zip(ma.parameters(), mb.parameters(),
+                                                      strict=True))
+        assert oa.param_groups[0]["lr"] == pytest.approx(0.1) and sa.last_epoch == 4
+        sd = oa.state_dict()
+        assert sd["steps"] == 4 and "state" in sd["optimizer"]
+    finally:
+        for _, opt, _ in groups.values():
+            opt.manager.close()
