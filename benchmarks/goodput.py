@@ -369,7 +369,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--job", choices=sorted(JOBS), default="small",
                    help="the job every arm trains (small: steps of tens of ms; large: "
                         "about half a second to a second on 2 cores)")
-    p.add_argument("--mtbf", type=float, nargs="+", default=[60.0, 15.0],
+    p.add_argument("--mtbf", type=float, nargs="*", default=[60.0, 15.0],
                    help="mean seconds between group kills; every arm also runs a "
                         "fault-free window first, the headline's yardstick")
     p.add_argument("--replace-after", type=float, default=10.0)

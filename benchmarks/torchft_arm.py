@@ -53,12 +53,16 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from relight.errors import RelightError
-
 ROOT = Path(__file__).resolve().parents[1]
 if str(ROOT) not in sys.path:
     sys.path.insert(0, str(ROOT))
 
+try:
+    from relight.errors import RelightError
+except ModuleNotFoundError as exc:  # run by torchft's own interpreter
+    raise SystemExit(f"torchft arm: {exc}: this interpreter's environment has no relight; "
+                     "run scripts/torchft-env.sh (it installs relight there, without "
+                     "dependencies)") from None
 from relight.benchmarks.goodput_metrics import (  # noqa: E402
     fleet_goodput,
     heal_times,

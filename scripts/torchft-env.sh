@@ -12,6 +12,9 @@ root="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
 venv="${1:-$root/.venv-torchft}"
 python3 -m venv "$venv"
 "$venv/bin/pip" install --quiet torch==2.13.0 torchft==0.2.0 numpy==2.4.6
+# Relight's own model, data and metrics code, without its dependencies (the arm needs
+# torch and numpy only), installed as the `relight` package it imports.
+"$venv/bin/pip" install --quiet --no-deps -e "$root"
 "$venv/bin/python" -c "import torch, torchft, numpy; print('torchft env:', torch.__version__)"
 test -x "$venv/bin/torchft_lighthouse"
 echo "RELIGHT_TORCHFT_PYTHON=$venv/bin/python"
