@@ -24,7 +24,17 @@ Arms:
   Relight's (`benchmarks/dcp_train.py`), cold worker starts;
 - `torchft`: torchft's own Manager and lighthouse (`benchmarks/torchft_arm.py`, run
   with the interpreter of its own environment, `scripts/torchft-env.sh`; skipped with a
-  note when none is found).
+  note when none is found);
+- `sync`: the same job as one synchronous job without replica groups: the restart
+  path's job with the groups as its replicated data-parallel dimension
+  (`parallel.dp_replicate` = groups, each group's ranks sharded inside), in the
+  fault-free window only (a fixed replicate size does not survive the loss of a group):
+  the yardstick of what replica groups cost when nothing fails.
+
+The headline is the work done: each run's steps kept in its window (every arm trains the
+same global batch per step, so steps are samples) divided by the most steps any arm kept
+in its fault-free window of the same invocation; every arm runs that fault-free window
+first.
 
 Reported per arm and MTBF, every figure by the same functions
 (`benchmarks.goodput_metrics`) from each arm's per-step records: fleet goodput (the
@@ -68,7 +78,8 @@ from relight.chaos.faults import FaultKind, draw_mtbf_schedule
 from relight.runtime.config import parse_value
 
 ROOT = Path(__file__).resolve().parents[1]
-ARMS = ("heal", "restart", "torchrun", "torchft")
+ARMS = ("heal", "restart", "torchrun", "torchft", "sync")
+FAULT_FREE_ONLY = ("sync",)
 TORCHFT_ENV = "RELIGHT_TORCHFT_PYTHON"
 
 __all__ = ["GoodputConfig", "main", "parse_settings", "run_arm", "schedule"]
@@ -139,6 +150,10 @@ def _scenario(arm: str, times: list[float], cfg: GoodputConfig) -> dict[str, Any
         # digest_every = 1: check 9 (replicas bitwise identical) compares every step.
         overrides.update({"replica.lease_ttl_s": 5.0, "replica.collective_timeout_s": 15.0,
                           "replica.digest_every": 1})
+    if arm == "sync":
+        if times:
+            raise ValueError("the sync arm runs the fault-free window only")
+        overrides["parallel.dp_replicate"] = cfg.groups
     overrides.update(cfg.settings)
     faults: list[dict[str, Any]] = [
         {"kind": "kill_node", "at_time_s": t, "replace_after_s": cfg.replace_after_s}
@@ -404,6 +419,8 @@ def main(argv: list[str] | None = None) -> int:
     try:
         for mtbf in [None, *args.mtbf]:
             for arm in args.arms:
+                if mtbf is not None and arm in FAULT_FREE_ONLY:
+                    continue
                 label = _mtbf_label(mtbf)
                 print(f"goodput: arm {arm}, MTBF {label} s ...", file=sys.stderr, flush=True)
                 results.append(run_arm(arm, mtbf, cfg, base / f"mtbf{label}-{arm}", python))

@@ -18,7 +18,7 @@ from relight.benchmarks.goodput_metrics import JOBS, job_arguments
 from relight.chaos.scenario import parse_scenario
 
 
-@pytest.mark.parametrize("arm", [a for a in ARMS if a != "torchft"])
+@pytest.mark.parametrize("arm", [a for a in ARMS if a not in ("torchft", "sync")])
 def test_every_harness_arm_is_a_valid_scenario_with_the_same_faults(arm: str) -> None:
     cfg = GoodputConfig(groups=4, duration_s=150.0, coordinator_kill_s=40.0)
     times = schedule(15.0, cfg)
@@ -99,3 +99,12 @@ def test_the_fault_free_window_has_no_faults_and_each_job_is_a_valid_scenario() 
         for key, value in JOBS[job].items():
             assert s.training.overrides[key] == value
         assert job_arguments(job) == [f"--{k}={v}" for k, v in JOBS[job].items()]
+
+
+def test_the_sync_arm_is_one_job_replicated_over_the_groups_without_faults() -> None:
+    cfg = GoodputConfig(groups=4, ranks=2)
+    s = parse_scenario(_scenario("sync", [], cfg))
+    assert not s.cluster.replica_groups and not s.faults
+    assert s.training.overrides["parallel.dp_replicate"] == 4
+    with pytest.raises(ValueError, match="fault-free window only"):
+        _scenario("sync", schedule(60.0, cfg), cfg)
