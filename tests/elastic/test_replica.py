@@ -401,3 +401,25 @@ def test_groups_of_different_sizes_reduce_and_heal_by_region(etcd_server, tmp_pa
     assert healed[0]["bytes"] == 8 * 8 + 4096 * 4, healed
     done = [e for e in evs if e["ev"] == "done"]
     assert len(done) == 3 and len({e["extra"] for e in done}) == 1, done
+
+
+def test_members_whose_newest_vote_is_older_are_behind() -> None:
+    """After a reduction that completed on b and c and failed on a: a voted on step 2,
+    b and c (which applied 2) on step 3. a is behind and must heal; a joiner's vote, on
+    whatever its own counter says, neither makes anyone behind nor counts as a holder."""
+    from relight.elastic.quorum import _behind, _voted_steps
+
+    q = Quorum(4, ("a", "b", "c"), 10)
+    kvs = [_kv(f"groups/{g}", json.dumps({"store": ["h", 1], "ready": True}))
+           for g in ("a", "b", "c")]
+    kvs.append(_kv("groups/j", json.dumps({"store": ["h", 1], "ready": False, "heal": True})))
+    kvs.append(_kv("quorum", q.to_json().decode(), q.revision))
+    kvs += [_kv("votes/4/2/a", "fail"), _kv("votes/4/3/b", "fail"), _kv("votes/4/3/c", "fail"),
+            _kv("votes/4/9/j", "fail"), _kv("votes/3/7/a", "fail")]
+    snap = Snapshot.parse(kvs, ROOT_KEY, 100)
+    assert _voted_steps(snap, q) == {"a": 2, "b": 3, "c": 3, "j": 9}  # quorum 3's ignored
+    assert _behind(q, ("a", "b", "c", "j"), snap) == ("a",)
+    # Everyone failed the same step: nobody applied it, nobody is behind.
+    same = Snapshot.parse([*kvs[:5], _kv("votes/4/3/a", "fail"), _kv("votes/4/3/b", "fail")],
+                          ROOT_KEY, 100)
+    assert _behind(q, ("a", "b"), same) == ()
