@@ -5,7 +5,8 @@
     result = run_scenario(scenario, "runs/chaos/ci-smoke")
     result.passed, result.report["invariants"]
 
-`relight chaos run|report` is the command line (`chaos.cli`). The verifier
+`relight chaos run|check-script|report` is the command line (`chaos.cli`); `check-script`
+(`chaos.check_script`) tells whether a user's training script meets the contract. The verifier
 (`chaos.verifier.verify`) is a pure function of the evidence a run leaves: metrics,
 checkpoint commits, injected faults, final states. See docs/chaos.md.
 """

@@ -27,6 +27,7 @@ from typing import Any, Protocol
 
 import psutil
 
+from relight.chaos.proc_clock import start_time
 from relight.elastic.warm import worker_of
 from relight.errors import RelightError
 
@@ -192,7 +193,9 @@ class WorkerProc:
     rank: int
     local_rank: int
     restart_count: int
-    create_time: float
+    started_at: float
+    """Unix time the worker process started, at most one clock tick early
+    (`proc_clock.start_time`; never psutil's, which reads up to a second early)."""
 
 
 def process_tree(pid: int) -> list[psutil.Process]:
@@ -235,10 +238,10 @@ def find_workers(agent_pid: int) -> list[WorkerProc]:
                     rank=int(env.get("RANK", "-1")),
                     local_rank=int(env["LOCAL_RANK"]),
                     restart_count=int(env.get("TORCHELASTIC_RESTART_COUNT", "0")),
-                    create_time=target.create_time(),
+                    started_at=start_time(target.pid),
                 )
             )
-        except (psutil.NoSuchProcess, psutil.AccessDenied, ValueError):
+        except (psutil.NoSuchProcess, psutil.AccessDenied, ProcessLookupError, ValueError):
             continue
     return sorted(out, key=lambda w: w.local_rank)
 

@@ -313,7 +313,8 @@ def write_png(rep: dict[str, Any], path: str | Path) -> None:
     ax.set_ylabel("loss")
     ax.set_title(f"{rep['scenario']} seed {rep['seed']}: "
                  f"{'passed' if rep['passed'] else 'FAILED'}")
-    ax.legend(fontsize=7)
+    if ax.get_legend_handles_labels()[0]:  # a run that logged no step has no curve
+        ax.legend(fontsize=7)
     fig.tight_layout()
     fig.savefig(path, dpi=100)
     plt.close(fig)

@@ -29,6 +29,7 @@ import shutil
 import signal
 import subprocess
 import sys
+import tempfile
 import threading
 import time
 from collections.abc import Callable, Iterator
@@ -56,7 +57,10 @@ from relight.chaos.faults import (
     kill_tree,
     process_tree,
 )
+from relight.chaos.fingerprint import files_digest, local_imports
 from relight.chaos.logs import StepRecord, parse_metrics
+from relight.chaos.node_logs import closed_rendezvous, last_errors
+from relight.chaos.proc_clock import started_after
 from relight.chaos.report import build_report, write_junit, write_report
 from relight.chaos.scenario import FaultSpec, Scenario
 from relight.chaos.verifier import (
@@ -77,16 +81,19 @@ from relight.storage.testing import FAULT_PLAN_ENV, corrupt_object, write_plan_f
 
 logger = logging.getLogger(__name__)
 
-__all__ = ["ChaosRunError", "RunOutcome", "run_scenario"]
+__all__ = ["ChaosRunError", "RunOutcome", "TrainingFileError", "run_scenario"]
 
-REPO_ROOT = Path(__file__).resolve().parents[1]
 POLL_S = 0.2
 DAMAGE = (FaultKind.CORRUPT_CHECKPOINT, FaultKind.TRUNCATE_CHECKPOINT)
 CKPT_POLL_S = 0.5
 
 
 class ChaosRunError(RelightError, RuntimeError):
-    """The harness itself could not run the scenario (servers, launcher, paths)."""
+    """The harness itself could not run the scenario (servers, launcher)."""
+
+
+class TrainingFileError(RelightError, FileNotFoundError):
+    """A file the scenario's [training] names (its script, its config) is not there."""
 
 
 @dataclass
@@ -110,13 +117,31 @@ class RunOutcome:
 
 # -- the command every node runs ------------------------------------------------------------
 
-def _resolve(path: str, scenario: Scenario) -> str:
-    for base in (Path.cwd(), REPO_ROOT, scenario.base_dir):
-        candidate = (base / path).resolve()
-        if candidate.exists():
-            return str(candidate)
-    raise ChaosRunError(f"training file {path!r} not found relative to {Path.cwd()}, "
-                        f"{REPO_ROOT} or {scenario.base_dir}")
+def resolve_path(path: str, scenario: Scenario) -> str:
+    """A file the scenario names (`training.command`'s script, `training.config`): an
+    absolute path as it is, a relative one against the scenario file's folder (a
+    scenario built in code, with no file: the current directory). One rule, so a
+    scenario means the same files from whatever directory it is run; a path that is not
+    there is an error naming where it was looked for, never a file of the same name
+    found elsewhere."""
+    candidate = (scenario.base_dir / path).resolve()
+    if not candidate.exists():
+        where = (f"the scenario file's folder {scenario.base_dir}" if scenario.source
+                 else f"the current directory {scenario.base_dir} (no scenario file)")
+        raise TrainingFileError(f"training file {path!r} not found: {candidate} does not "
+                                f"exist (relative paths in a scenario are resolved against "
+                                f"{where})")
+    return str(candidate)
+
+
+def check_training_files(scenario: Scenario) -> None:
+    """Raise `TrainingFileError` now, before any server starts, if the script or the
+    config the scenario names is not where the one rule says."""
+    tr = scenario.training
+    if tr.config:
+        resolve_path(tr.config, scenario)
+    if tr.command and tr.command[0].endswith(".py"):
+        resolve_path(tr.command[0], scenario)
 
 
 def threads_per_rank(scenario: Scenario) -> int:
@@ -140,7 +165,8 @@ def training_command(scenario: Scenario, ckpt_url: str, metrics: Path) -> tuple[
         "metrics": str(metrics),
         "target_step": str(scenario.target_step),
         "interval": str(scenario.checkpoint.interval),
-        "config": _resolve(tr.config, scenario) if tr.config else "",
+        "config": resolve_path(tr.config, scenario) if tr.config else "",
+        "scenario_dir": str(scenario.base_dir),
     }
     env = {
         "RELIGHT_CKPT_URL": ckpt_url,
@@ -149,13 +175,17 @@ def training_command(scenario: Scenario, ckpt_url: str, metrics: Path) -> tuple[
         "RELIGHT_CKPT_INTERVAL": values["interval"],
         **({} if "OMP_NUM_THREADS" in os.environ
            else {"OMP_NUM_THREADS": str(threads_per_rank(scenario))}),
+        # runtime.train gets it as an argument; for a user's script it is a hint only
+        # (what it keeps is its own retention policy).
+        **({"RELIGHT_CKPT_KEEP_LAST": str(scenario.checkpoint.keep_last)}
+           if scenario.checkpoint.keep_last else {}),
         **tr.env,
     }
     overrides = [f"--{k}={_toml_value(v)}" for k, v in tr.overrides.items()]
     if tr.command:
         argv = [a.format(**values) for a in tr.command]
         if argv and argv[0].endswith(".py"):
-            argv = [sys.executable, _resolve(argv[0], scenario), *argv[1:]]
+            argv = [sys.executable, resolve_path(argv[0], scenario), *argv[1:]]
         return argv + overrides, env
     argv = [
         sys.executable, "-m", "relight.runtime.train", "--config", values["config"],
@@ -225,9 +255,12 @@ class Cluster:
 
     def __init__(self, scenario: Scenario, run_dir: Path, etcd: Any, store: Store,
                  job_id: str, train_argv: list[str], env: dict[str, str],
-                 fault_plan: Path | None) -> None:
+                 fault_plan: Path | None, workdir: Path | None = None) -> None:
         self.scenario = scenario
         self.run_dir = run_dir
+        self.workdir = workdir or Path.cwd()
+        """The training processes' working directory: the one the harness was started in
+        (a user's repository), so a script's relative paths mean what they mean there."""
         self.etcd = etcd
         self.store = store
         self.probe = CheckpointProbe(store)
@@ -277,7 +310,7 @@ class Cluster:
             env = {**env, TIER_NODE_ENV: _node_name(index)}
         with open(log_path, "ab") as fh:
             proc = subprocess.Popen(argv, stdout=fh, stderr=subprocess.STDOUT, env=env,
-                                    cwd=REPO_ROOT, start_new_session=True)
+                                    cwd=self.workdir, start_new_session=True)
         self.nodes[index] = _Node(index, proc, log_path, time.time())
         self._track(proc.pid)
         logger.info("node %d started: agent pid %d (log %s)", index, proc.pid, log_path)
@@ -522,11 +555,13 @@ class _Recovery:
                new_record_at: float | None) -> bool:
         e = self.event
         current = {w.pid for ws in workers.values() for w in ws}
-        fresh = [w for ws in workers.values() for w in ws if w.create_time >= e.time - 0.05]
+        # Start times exact to a clock tick (`proc_clock`): a group restarted within
+        # milliseconds of the fault still counts as started after it.
+        fresh = [w for ws in workers.values() for w in ws if started_after(w.started_at, e.time)]
         if e.detected_at is None and ((self.before - current) or fresh):
             e.detected_at = now
         complete = bool(workers) and all(
-            len(ws) == ranks_per_node and all(w.create_time >= e.time - 0.05 for w in ws)
+            len(ws) == ranks_per_node and all(started_after(w.started_at, e.time) for w in ws)
             for ws in workers.values())
         if e.detected_at is not None and complete and current != self.group:
             # A group that fails again before its first step (a stale peer address, a
@@ -620,6 +655,19 @@ class _QuorumRecovery:
         return lost_done and join_done
 
 
+def came_after_finish(codes: dict[int, int | None], workers_seen: dict[int, set[int]],
+                      log_of: Callable[[int], str]) -> set[int]:
+    """Nodes that came after the job had finished: another node exited 0, and this one
+    started no worker and left because the job's rendezvous was closed (a replacement
+    whose agent started late, on a loaded machine, after the survivors reached the
+    target). Such a node did nothing wrong and nothing of the job's; its exit status 1
+    is no evidence against the run."""
+    if not any(c == 0 for c in codes.values()):
+        return set()
+    return {i for i, c in codes.items()
+            if c != 0 and not workers_seen.get(i) and closed_rendezvous(log_of(i))}
+
+
 def _metrics_tail(path: Path, offset: int) -> tuple[list[str], int]:
     try:
         with open(path, "rb") as fh:
@@ -634,8 +682,11 @@ def _metrics_tail(path: Path, offset: int) -> tuple[list[str], int]:
 
 
 def launch(scenario: Scenario, run_dir: Path, etcd: Any, store_url: str, job_id: str,
-           base_env: dict[str, str], faults: bool, deadline_s: float, seed: int) -> RunOutcome:
-    """Run the job once (with or without faults); always tears the nodes down."""
+           base_env: dict[str, str], faults: bool, deadline_s: float, seed: int,
+           cluster_type: type[Cluster] | None = None) -> RunOutcome:
+    """Run the job once (with or without faults); always tears the nodes down.
+    `cluster_type`: what starts the nodes (`Cluster`, the default: `relight run`
+    agents; tests pass stand-ins)."""
     run_dir.mkdir(parents=True, exist_ok=True)
     metrics = run_dir / "metrics.jsonl"
     train_argv, train_env = training_command(scenario, store_url, metrics)
@@ -648,8 +699,9 @@ def launch(scenario: Scenario, run_dir: Path, etcd: Any, store_url: str, job_id:
         env[FAULT_PLAN_ENV] = f"@{fault_plan}"  # storage.open_store follows this file
     (run_dir / "command.json").write_text(json.dumps({"train_argv": train_argv,
                                                       "env": train_env}, indent=1))
-    cluster = Cluster(scenario, run_dir, etcd, open_store(store_url), job_id, train_argv, env,
-                      fault_plan)
+    job_tmp = _job_tmpdir(scenario, env)
+    cluster = (cluster_type or Cluster)(scenario, run_dir, etcd, open_store(store_url), job_id,
+                                        train_argv, env, fault_plan)
     loop = _Watch(scenario, cluster, Injector(cluster, random.Random(f"victims:{seed}")),
                   metrics, run_dir / "metrics.observed.jsonl")
     if faults:
@@ -664,15 +716,61 @@ def launch(scenario: Scenario, run_dir: Path, etcd: Any, store_url: str, job_id:
         if fault_plan is not None:
             write_plan_file(fault_plan, None)
         loop.close()
+        _keep_warm_logs(run_dir)
+        if job_tmp is not None:
+            shutil.rmtree(job_tmp, ignore_errors=True)
     ended = time.time()
     (run_dir / "actions.json").write_text(json.dumps(cluster.actions, indent=1))
     events = sorted(loop.events, key=lambda e: e.index)
     logs = [n.log_path for _, n in sorted(cluster.nodes.items())]
+    if not finished:
+        detail = _with_last_errors(detail, loop.records, logs)
     return RunOutcome(records=loop.records, finished=finished and not leaked, detail=detail,
                       started_at=started, ended_at=ended, faults=events,
                       checkpoint_events=loop.ckpt_events, store_url=store_url, leaked=leaked,
                       worker_starts={n: len(p) for n, p in sorted(loop.worker_pids.items())},
                       writer_commits=read_writer_commits(logs, cluster.store.url))
+
+
+def _job_tmpdir(scenario: Scenario, env: dict[str, str]) -> Path | None:
+    """A temporary directory for one launch's processes (`TMPDIR` in their environment),
+    deleted after its teardown: each agent makes its warm-start socket's directory there,
+    and a SIGKILLed agent or worker cleans nothing up. None when the scenario's
+    `training.env` names a TMPDIR of its own (the user's to keep)."""
+    if "TMPDIR" in scenario.training.env:
+        return None
+    # Short, under the system's temp directory: an AF_UNIX socket path must stay
+    # under ~100 bytes, which a run directory deep in a CI workspace may not.
+    path = Path(tempfile.mkdtemp(prefix="relight-chaos-"))
+    env["TMPDIR"] = str(path)
+    return path
+
+
+def _keep_warm_logs(run_dir: Path) -> None:
+    """Each node's `warm.log` is a link into the launch's temporary directory: replace it
+    with a copy of what it points to before that directory is deleted."""
+    for link in run_dir.glob("nodes/*/warm.log"):
+        if not link.is_symlink():
+            continue
+        try:
+            text = link.read_bytes()
+        except OSError:
+            text = None
+        link.unlink()
+        if text is not None:
+            link.write_bytes(text)
+
+
+def _with_last_errors(detail: str, records: list[StepRecord], logs: list[Path]) -> str:
+    """`detail` of a run that did not finish, with the last errors its node logs show:
+    a script that failed before its first step left nothing in the metrics, and the
+    reason is only there."""
+    errors = last_errors(logs)
+    if not errors:
+        return detail
+    what = ("the training script failed before its first step" if not records
+            else "last error in the node logs")
+    return f"{detail}; {what}: {'; '.join(errors)}"
 
 
 class _Watch:
@@ -746,12 +844,7 @@ class _Watch:
             self.cluster.run_due()
             self._fire(now)
             if self.cluster.all_exited() and not self.cluster.pending_follow_ups():
-                codes = self.cluster.exit_codes()
-                kept = {i: c for i, c in codes.items() if not self.cluster.nodes[i].removed}
-                detail = f"agents exited {kept}" + (
-                    f" (removed nodes: {sorted(set(codes) - set(kept))})"
-                    if len(kept) != len(codes) else "")
-                finished = bool(kept) and all(c == 0 for c in kept.values())
+                finished, detail = self._ending()
                 break
             window = self.scenario.run_for_s
             if (window and self.first_step_time is not None
@@ -774,6 +867,28 @@ class _Watch:
                                           time=time.time(), step=self.high, ok=False,
                                           error="never fired: the run ended first"))
         return finished, detail
+
+    def _ending(self) -> tuple[bool, str]:
+        """Whether the job ended by itself (every agent the run kept exited 0), and the
+        exit codes that say so. Nodes the faults removed do not count, nor does a node
+        that came after the job had finished (below)."""
+        codes = self.cluster.exit_codes()
+        kept = {i: c for i, c in codes.items() if not self.cluster.nodes[i].removed}
+        late = came_after_finish(kept, self.worker_pids, self._node_log)
+        counted = {i: c for i, c in kept.items() if i not in late}
+        detail = f"agents exited {counted}"
+        if len(kept) != len(codes):
+            detail += f" (removed nodes: {sorted(set(codes) - set(kept))})"
+        if late:
+            detail += (f" (nodes {sorted(late)} not counted: they came after the job had "
+                       "finished, started no worker and found its rendezvous closed)")
+        return bool(counted) and all(c == 0 for c in counted.values()), detail
+
+    def _node_log(self, node: int) -> str:
+        try:
+            return self.cluster.nodes[node].log_path.read_text(errors="replace")
+        except OSError:
+            return ""
 
     def _read_metrics(self, now: float) -> float | None:
         """New metrics lines -> records; fires step-triggered faults line by line. Returns
@@ -939,13 +1054,39 @@ def _mtbf_spec(kind: FaultKind, m: Any, interval: int) -> FaultSpec:
 
 # -- the whole scenario ---------------------------------------------------------------------
 
-def reference_key(scenario: Scenario) -> str:
-    """Runs with equal keys produce the same reference (the seed only moves the faults)."""
+def reference_key(scenario: Scenario, workdir: Path | None = None) -> str:
+    """Runs with equal keys produce the same reference (the seed only moves the faults):
+    the training setup, and the content of the files it runs (`training_files`), so an
+    edited script never meets the reference of its previous version."""
+    files = training_files(scenario, workdir or Path.cwd())
     ident = {"training": scenario.to_dict()["training"], "target": scenario.target_step,
              "interval": scenario.checkpoint.interval, "world": scenario.cluster.world_size,
              "ranks_per_node": scenario.cluster.ranks_per_node,
-             "nodes": scenario.cluster.nodes, "storage": scenario.storage.kind}
+             "nodes": scenario.cluster.nodes, "storage": scenario.storage.kind,
+             "files": files_digest(files, scenario.base_dir)}
     return hashlib.sha256(json.dumps(ident, sort_keys=True).encode()).hexdigest()[:16]
+
+
+def training_files(scenario: Scenario, workdir: Path) -> list[Path]:
+    """The files the training command runs: its Python script and the modules the script
+    imports from its own folder (`fingerprint.local_imports`), runtime.train's config,
+    and any other argument of the command that names a file (relative to `workdir`, as
+    the script would open it). Installed packages, Relight included, are not covered."""
+    tr = scenario.training
+    files: list[Path] = []
+    if tr.config:
+        with contextlib.suppress(TrainingFileError):
+            files.append(Path(resolve_path(tr.config, scenario)))
+    args = list(tr.command)
+    if args and args[0].endswith(".py"):
+        with contextlib.suppress(TrainingFileError):
+            files.extend(local_imports(Path(resolve_path(args[0], scenario))))
+        args = args[1:]
+    for arg in args:
+        path = workdir / arg
+        if "{" not in arg and path.is_file():
+            files.append(path.resolve())
+    return files
 
 
 @dataclass
@@ -982,31 +1123,50 @@ def _sigterm_unwinds() -> Iterator[None]:
 
 def run_scenario(scenario: Scenario, out_dir: str | Path, *, seed: int | None = None,
                  junit: str | Path | None = None,
-                 reference_cache: str | Path | None = None) -> ScenarioResult:
+                 reference_cache: str | Path | None = None,
+                 keep_etcd_data: bool = False) -> ScenarioResult:
     """Run `scenario` end to end and write the report under `out_dir`. A SIGTERM while it
-    runs tears down every process it started, then raises SystemExit(143)."""
+    runs tears down every process it started, then raises SystemExit(143).
+    `keep_etcd_data`: keep etcd's data directory under `out_dir/etcd` (tens of MB of
+    preallocated write-ahead log; by default it lives in a temporary directory, deleted
+    at the end, and only etcd's log is kept)."""
     with _sigterm_unwinds():
         return _run_scenario(scenario, out_dir, seed=seed, junit=junit,
-                             reference_cache=reference_cache)
+                             reference_cache=reference_cache, keep_etcd_data=keep_etcd_data)
+
+
+def _etcd_for(scenario: Scenario, out: Path, data_root: Path) -> EtcdServer | _EtcdMembers:
+    """The run's etcd: its data under `data_root`, its log(s) under `out/etcd`."""
+    (out / "etcd").mkdir(parents=True, exist_ok=True)
+    if scenario.cluster.etcd_members == 1:
+        return EtcdServer(data_root / "data", log_path=out / "etcd" / "etcd.log")
+    return _EtcdMembers(EtcdCluster(data_root, size=scenario.cluster.etcd_members))
+
+
+def _keep_etcd_logs(data_root: Path, out: Path) -> None:
+    """A cluster's members log beside their data: copy the logs out before the data goes."""
+    for log in data_root.glob("*.etcd.log"):
+        shutil.copyfile(log, out / "etcd" / log.name)
 
 
 def _run_scenario(scenario: Scenario, out_dir: str | Path, *, seed: int | None,
-                  junit: str | Path | None, reference_cache: str | Path | None
-                  ) -> ScenarioResult:
+                  junit: str | Path | None, reference_cache: str | Path | None,
+                  keep_etcd_data: bool) -> ScenarioResult:
     if seed is not None:
         scenario = scenario.with_seed(seed)
+    check_training_files(scenario)
     out = Path(out_dir).resolve()
     if out.exists():
         shutil.rmtree(out)
     out.mkdir(parents=True)
     (out / "scenario.json").write_text(json.dumps(scenario.to_dict(), indent=1))
     notes: list[str] = []
-    etcd: EtcdServer | _EtcdMembers = (
-        EtcdServer(out / "etcd" / "data") if scenario.cluster.etcd_members == 1
-        else _EtcdMembers(EtcdCluster(out / "etcd", size=scenario.cluster.etcd_members)))
+    data_root = (out / "etcd" if keep_etcd_data
+                 else Path(tempfile.mkdtemp(prefix="relight-chaos-etcd-")))
+    etcd = _etcd_for(scenario, out, data_root)
     s3 = None
-    etcd.start()
     try:
+        etcd.start()
         base_env: dict[str, str] = {}
         if scenario.storage.kind == "s3":
             from relight.chaos.s3_server import S3Server
@@ -1023,7 +1183,8 @@ def _run_scenario(scenario: Scenario, out_dir: str | Path, *, seed: int | None,
         ref_outcome: RunOutcome | None = None
         ref_records: list[StepRecord] | None = None
         ref_url = None
-        cache = Path(reference_cache) / reference_key(scenario) if reference_cache else None
+        cache = (Path(reference_cache) / reference_key(scenario) if reference_cache
+                 else None)
         if scenario.verify.reference:
             if cache is not None and (cache / "reference.json").is_file():
                 cached = json.loads((cache / "reference.json").read_text())
@@ -1047,10 +1208,20 @@ def _run_scenario(scenario: Scenario, out_dir: str | Path, *, seed: int | None,
                     lines = (out / "reference" / "metrics.observed.jsonl").read_text()
                     (cache / "reference.json").write_text(json.dumps(
                         {"metrics": lines.splitlines()}))
-        logger.info("chaos run (seed %d) ...", scenario.seed)
-        outcome = launch(scenario, out / "chaos", etcd, url("chaos"), f"chaos-{out.name}",
-                         base_env, faults=True, deadline_s=scenario.deadline_s,
-                         seed=scenario.seed)
+        if ref_outcome is not None and not ref_outcome.finished:
+            # Faults on a run that fails without them prove nothing, and cost the whole
+            # chaos deadline: the report says why the reference failed instead.
+            logger.error("the reference run failed: %s; not starting the chaos run",
+                         ref_outcome.detail)
+            outcome = _not_run(scenario, url("chaos"),
+                               f"not run: the reference run (no faults) failed: "
+                               f"{ref_outcome.detail}")
+            ref_url = None
+        else:
+            logger.info("chaos run (seed %d) ...", scenario.seed)
+            outcome = launch(scenario, out / "chaos", etcd, url("chaos"), f"chaos-{out.name}",
+                             base_env, faults=True, deadline_s=scenario.deadline_s,
+                             seed=scenario.seed)
         if outcome.leaked:
             notes.append(f"processes leaked past teardown: {outcome.leaked}")
         # Bring etcd back if a fault left it down, for nothing else needs it now; evidence.
@@ -1094,6 +1265,19 @@ def _run_scenario(scenario: Scenario, out_dir: str | Path, *, seed: int | None,
         if s3 is not None:
             s3.stop()
         etcd.stop()
+        if not keep_etcd_data:
+            _keep_etcd_logs(data_root, out)
+            shutil.rmtree(data_root, ignore_errors=True)
+
+
+def _not_run(scenario: Scenario, store_url: str, why: str) -> RunOutcome:
+    """The outcome of a chaos run that was not started: no step, every fault unfired."""
+    now = time.time()
+    faults = [FaultEvent(index=i, kind=spec.kind, trigger="-", time=now, step=-1, ok=False,
+                         error="never fired: the chaos run was not started")
+              for i, spec in enumerate(scenario.faults)]
+    return RunOutcome(records=[], finished=False, detail=why, started_at=now, ended_at=now,
+                      faults=faults, store_url=store_url)
 
 
 class _EtcdMembers:

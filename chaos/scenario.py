@@ -17,7 +17,7 @@ Layout of a scenario file::
     max_nodes = 2
 
     [training]                # runtime.train by default; any command meeting the contract
-    config = "configs/tiny.toml"
+    config = "../configs/tiny.toml"   # paths: relative to this file's folder
     overrides = { "model.n_layers" = 2 }
 
     [storage]                 # "local" (a dir under the run dir) or "s3" (SeaweedFS)
@@ -63,6 +63,11 @@ __all__ = [
     "load_scenario",
     "parse_scenario",
 ]
+
+
+DEFAULT_CONFIG = str(Path(__file__).resolve().parents[1] / "configs" / "tiny.toml")
+"""runtime.train's config for a scenario without a [training] table: the checkout's tiny
+model (an absolute path, so the one rule for relative paths does not apply to it)."""
 
 
 class ScenarioError(RelightError, ValueError):
@@ -194,14 +199,24 @@ class TrainingSpec:
     `--key=value` overrides. A user's own `command` gets the same values as environment
     variables (`RELIGHT_CKPT_URL`, `RELIGHT_METRICS_PATH`, `RELIGHT_TARGET_STEP`,
     `RELIGHT_CKPT_INTERVAL`) and as `{ckpt_url}`, `{metrics}`, `{target_step}`,
-    `{interval}`, `{config}`, `{python}` placeholders in its arguments."""
+    `{interval}`, `{config}`, `{python}`, `{scenario_dir}` placeholders in its arguments
+    (docs/chaos.md, "The contract for your own training script").
+
+    Relative paths the harness opens (`config`, a `command` that starts with a `.py`
+    script) are resolved against the scenario file's folder, and only there (a scenario
+    built in code, with no file: the current directory). The training processes run in
+    the directory the harness was started in, so the script's own relative paths mean
+    what they mean there."""
 
     config: str = ""
-    """Training config TOML (relative to the repository root or the scenario file)."""
+    """Training config TOML (relative to the scenario file's folder)."""
     overrides: dict[str, Any] = field(default_factory=dict)
-    """`section.key = value` overrides passed as `--section.key=value`."""
+    """`section.key = value` overrides, appended to the command as `--section.key=value`
+    (strings JSON-quoted): runtime.train reads them, a user's script must accept them."""
     command: tuple[str, ...] = ()
-    """A user's own training command (argv); empty means runtime.train."""
+    """A user's own training command (argv); empty means runtime.train. A first element
+    ending in `.py` is a script (relative to the scenario file's folder) run with the
+    harness's Python."""
     env: dict[str, str] = field(default_factory=dict)
     """Extra environment for the training processes."""
 
@@ -414,7 +429,7 @@ class Scenario:
     """Stop the chaos run this long after its first step, whatever step it reached (a
     benchmark's window: `relight bench goodput`); 0 runs it to `target_step`."""
     cluster: ClusterSpec = field(default_factory=ClusterSpec)
-    training: TrainingSpec = field(default_factory=lambda: TrainingSpec(config="configs/tiny.toml"))
+    training: TrainingSpec = field(default_factory=lambda: TrainingSpec(config=DEFAULT_CONFIG))
     storage: StorageSpec = field(default_factory=StorageSpec)
     checkpoint: CheckpointSpec = field(default_factory=CheckpointSpec)
     verify: VerifySpec = field(default_factory=VerifySpec)

@@ -277,7 +277,10 @@ def check_target(ev: RunEvidence) -> InvariantResult:
     if reached < ev.target_step:
         problems.append(f"reached step {reached}, target is {ev.target_step}")
     if not ev.finished:
-        problems.append(f"the job did not end by itself: {ev.finish_detail or 'unknown'}")
+        ended = f"the job did not end by itself: {ev.finish_detail or 'unknown'}"
+        # With no step logged, why it ended is all there is to say (a script that failed
+        # at start, its error): first, where the summary line shows it.
+        problems.insert(0 if reached == 0 else len(problems), ended)
     return _result(1, "target step reached", problems,
                    f"reached step {reached} of {ev.target_step}; {ev.finish_detail}",
                    measured={"reached_step": reached})

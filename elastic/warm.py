@@ -56,11 +56,14 @@ from relight.errors import RelightError
 __all__ = ["DEFAULT_PRELOAD", "PARENT_ENV", "WarmServer", "client_command", "run", "serve",
            "worker_of"]
 
-DEFAULT_PRELOAD = ("torch", "torch.distributed.tensor", "torch._dynamo", "ckpt", "storage")
-"""What a Relight worker imports (torch, DTensor, the checkpoint engine, storage); a
-caller adds its training module. torch._dynamo is there because the first
-`DTensor.from_local` of a process imports it (torch._compile's disable wrapper): 1.6 s
-on this 2-core machine under load, paid inside every restarted worker's restore otherwise."""
+DEFAULT_PRELOAD = ("torch", "torch.distributed.tensor", "torch._dynamo", "relight.ckpt",
+                   "relight.storage")
+"""What a Relight worker imports (torch, DTensor, the checkpoint engine, storage), by
+their installed names (a bare `ckpt` resolved only from inside a Relight checkout, and
+failed the server, so every worker started cold, anywhere else); a caller adds its
+training module. torch._dynamo is there because the first `DTensor.from_local` of a
+process imports it (torch._compile's disable wrapper): 1.6 s on this 2-core machine
+under load, paid inside every restarted worker's restore otherwise."""
 
 PARENT_ENV = "RELIGHT_WARM_PARENT_PID"
 """Set in a warm-started worker's environment to the pid of the process that started its
@@ -88,15 +91,15 @@ def _pid_file(socket_path: str) -> Path:
 def serve(socket_path: str, preload: Sequence[str], *, warm_s3: bool = True) -> None:
     """Import `preload`, then fork a worker for every client on `socket_path` until
     SIGTERM. Never returns in a forked child. If an import fails, say so next to the
-    socket (clients then start cold) and raise. `warm_s3`: with `storage` preloaded, also
-    do the S3 SDK's one-time set-up (off for a job whose checkpoints are not on S3: a
-    second of a core its workers would never use)."""
+    socket (clients then start cold) and raise. `warm_s3`: with `relight.storage`
+    preloaded, also do the S3 SDK's one-time set-up (off for a job whose checkpoints are
+    not on S3: a second of a core its workers would never use)."""
     t0 = time.monotonic()
     inherited = sum(1 for name in preload if name in sys.modules)
     try:
         for name in preload:
             importlib.import_module(name)
-        if warm_s3 and "storage" in preload:
+        if warm_s3 and "relight.storage" in preload:
             # botocore's one-time client set-up, done here once instead of in every
             # worker's first S3 operation (no thread or connection outlives it: safe to
             # fork after).
@@ -209,6 +212,7 @@ def _become_worker(conn: socket.socket, header: dict, fds: list[int]) -> None:
         threading.Thread(target=_die_with_client, args=(conn,), daemon=True,
                          name="warm-client-watch").start()
         argv = list(header["argv"])
+        _set_path_entry(argv, header["cwd"])
         try:
             if argv[0] == "-m":
                 sys.argv = argv[1:]
@@ -230,6 +234,22 @@ def _become_worker(conn: socket.socket, header: dict, fds: list[int]) -> None:
             sys.stdout.flush()
             sys.stderr.flush()
         os._exit(code)
+
+
+def _set_path_entry(argv: Sequence[str], cwd: str) -> None:
+    """Put first on sys.path what `python` would have put there for `argv`: the script's
+    own folder (`script.py ...`, symbolic links resolved) or the working directory (`-m
+    module ...`). The server's own first entry (its agent's) is replaced: without this a
+    script that imports a module beside it runs cold and fails warm. With `-P` (or
+    PYTHONSAFEPATH) Python puts nothing there, and neither does this."""
+    if sys.flags.safe_path:
+        return
+    entry = cwd if argv[0] == "-m" else os.path.dirname(
+        os.path.realpath(os.path.join(cwd, argv[0])))
+    if sys.path:
+        sys.path[0] = entry
+    else:
+        sys.path.insert(0, entry)
 
 
 def _die_with_client(conn: socket.socket) -> None:

@@ -28,3 +28,15 @@ def test_invalid_scenario_is_a_usage_error(tmp_path: Path, capsys) -> None:  # n
     assert main(["run", str(bad), "--out", str(tmp_path / "out")]) == EXIT_USAGE
     assert "cluster.nodes" in capsys.readouterr().err
     assert not (tmp_path / "out").exists()
+
+
+def test_a_missing_training_file_is_a_usage_error(tmp_path: Path, capsys) -> None:  # noqa: ANN001
+    (tmp_path / "ci").mkdir()
+    (tmp_path / "train.py").write_text("")  # beside the scenario's folder, not in it
+    scenario = tmp_path / "ci" / "chaos.toml"
+    scenario.write_text('name = "x"\n[training]\ncommand = ["train.py"]\n')
+    assert main(["run", str(scenario), "--out", str(tmp_path / "out")]) == EXIT_USAGE
+    err = capsys.readouterr().err
+    assert str(tmp_path / "ci" / "train.py") in err and "scenario file's folder" in err
+    assert not (tmp_path / "out").exists()
+    assert main(["check-script", str(tmp_path / "nope.py")]) == EXIT_USAGE

@@ -3,17 +3,18 @@
 `ci-smoke` is what CI runs on every submission: it must pass, and within its 5-minute
 budget. `replica-ci` and `replica-pp` hold replica groups (of FSDP ranks; of pipeline
 stages) to heal in place (checks 8-11). `tiers` proves restores after a worker kill and
-a node loss read nothing from checkpoint storage. The user-script test runs
-`examples/user_train.py` (not runtime.train) under the same harness, proving the
-documented contract is enough. They need runtime/, ckpt/ and
+a node loss read nothing from checkpoint storage. The user-script tests run
+`examples/user_train.py` and a user's repository of its own (not runtime.train) under
+the same harness, proving the documented contract is enough. They need runtime/, ckpt/ and
 elastic/ (`elastic.launch`); they are marked slow and never skipped: if a piece is
-missing they fail and say which. `tiers`, the user script and the broken resume are
+missing they fail and say which. `tiers`, the user scripts and the broken resume are
 `long` (run by `scripts/test.sh --long`, not by CI).
 """
 
 from __future__ import annotations
 
 import os
+import shutil
 import time
 from pathlib import Path
 
@@ -161,7 +162,7 @@ def test_user_script_under_chaos(tmp_path: Path) -> None:
         "deadline_s": 200,
         "cluster": {"nodes": 2, "ranks_per_node": 1, "min_nodes": 1, "max_nodes": 2,
                     "max_restarts": 10},
-        "training": {"command": ["examples/user_train.py"],
+        "training": {"command": ["../examples/user_train.py"],
                      "env": {"USER_TRAIN_MIN_STEP_S": "0.3"}},
         "checkpoint": {"interval": 5},
         "verify": {"loss_rtol": 1e-4, "weights_rtol": 1e-4, "weights_atol": 1e-6},
@@ -179,6 +180,28 @@ def test_user_script_under_chaos(tmp_path: Path) -> None:
 
 
 @pytest.mark.long
+@pytest.mark.timeout(400)
+def test_a_users_repository_under_chaos(tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+                                        ) -> None:
+    """A user's repository outside the Relight checkout (tests/chaos/scripts/user_repo):
+    its script imports a module beside it (warm starts), opens a file relative to the
+    working directory, and is named relative to the scenario file; worker kills that
+    wait for the recovery before them (warm restarts take well under a second), then a
+    node lost for good."""
+    repo = tmp_path / "my-model"
+    shutil.copytree(ROOT / "tests" / "chaos" / "scripts" / "user_repo", repo)
+    monkeypatch.chdir(repo)
+    out = tmp_path / "out"
+    result = run_scenario(load_scenario("ci/chaos.toml"), out)
+    assert result.passed, render_markdown(result.report, None)
+    assert [f["ok"] for f in result.report["faults"]] == [True] * 4
+    size = sum(p.stat().st_size for p in out.rglob("*") if p.is_file())
+    assert size < 10 << 20, f"{size} bytes of output"
+    assert not (out / "etcd" / "data").exists()
+    assert not _ours(out)
+
+
+@pytest.mark.long
 @pytest.mark.timeout(330)
 def test_harness_catches_a_broken_resume(tmp_path: Path) -> None:
     """A real run whose resume skips a batch: the whole pipeline (logs, store, verifier)
@@ -188,7 +211,7 @@ def test_harness_catches_a_broken_resume(tmp_path: Path) -> None:
         "target_step": 20,
         "deadline_s": 200,
         "cluster": {"nodes": 1, "ranks_per_node": 2, "max_restarts": 5},
-        "training": {"command": ["tests/chaos/scripts/broken_resume_train.py"],
+        "training": {"command": ["../tests/chaos/scripts/broken_resume_train.py"],
                      "env": {"USER_TRAIN_MIN_STEP_S": "0.3"}},
         "checkpoint": {"interval": 5},
         "faults": [{"kind": "kill_worker", "at_step": 8}],

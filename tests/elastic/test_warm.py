@@ -71,6 +71,35 @@ def test_exit_status_stdio_env_cwd(server, tmp_path, mode, status) -> None:
     assert ("RuntimeError: worker failed" in err) == (mode == "raise")
 
 
+# A script that imports a module beside it, as a user's training script does: run warm,
+# it must find it as `python train.py` would, from whatever directory it is started in.
+BESIDE = """
+import json, sys
+import helper_beside
+with open(sys.argv[1], "a") as f:
+    f.write(json.dumps({"path0": sys.path[0], "helper": helper_beside.NAME}) + "\\n")
+"""
+
+
+def test_a_script_imports_the_modules_beside_it(server, tmp_path) -> None:
+    project, elsewhere = tmp_path / "project", tmp_path / "elsewhere"
+    project.mkdir()
+    elsewhere.mkdir()
+    (project / "train.py").write_text(BESIDE)
+    (project / "helper_beside.py").write_text("NAME = 'beside'\n")
+    for argv, cwd, entry in (([str(project / "train.py")], elsewhere, project),
+                             (["../project/train.py"], elsewhere, project),
+                             (["-m", "train"], project, project)):
+        out = tmp_path / "o"
+        out.unlink(missing_ok=True)
+        client = subprocess.run(client_command(server.socket_path, [*argv, str(out)]),
+                                cwd=cwd, env={**os.environ, "PYTHONPATH": str(ROOT)},
+                                capture_output=True, text=True, timeout=60)
+        assert client.returncode == 0, (argv, client.stderr)
+        (rec,) = _records(tmp_path)
+        assert rec == {"path0": str(entry.resolve()), "helper": "beside"}, argv
+
+
 def test_sigterm_is_forwarded(server, tmp_path) -> None:
     client = _start(server, tmp_path, "wait")
     (rec,) = _records(tmp_path)
