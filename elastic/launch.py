@@ -22,7 +22,12 @@ supervises the workers; nothing here restarts anything. What it adds:
 - `--metrics-port` serves the agent's Prometheus metrics (elastic.agent_metrics);
 - the agent (elastic.agent) retries a rendezvous whose round store died with its host
   node while ranks were being assigned, instead of exiting, and a worker group stopped
-  by a preemption (exit 76) does not spend a `--max-restarts` slot.
+  by a preemption (exit 76) does not spend a `--max-restarts` slot;
+- where the training layout cannot use every node count of `--nnodes=MIN:MAX` (its
+  fixed parallel degrees do not divide that many ranks), the rendezvous gets the counts
+  it can use (`--rdzv-conf node_counts=...`, read from the training config): a round
+  trains on the largest usable count it holds and the other nodes wait as hot spares,
+  instead of starting workers that would refuse the world; one line says so at start.
 
 Every other option is torchrun's, with torchrun's meaning (`--nnodes`,
 `--nproc-per-node`, `--max-restarts`, `--rdzv-conf`, `--monitor-interval`, ...).
@@ -58,7 +63,7 @@ if TYPE_CHECKING:
 # agent's own (torchrun, the rendezvous) run side by side and torch is imported once.
 
 __all__ = ["DEFAULT_PREEMPTION_GRACE_S", "HintReader", "LaunchError", "TrainingHints", "main",
-           "needs_s3_sdk", "shutdown_timeout_s", "split_command"]
+           "needs_s3_sdk", "shutdown_timeout_s", "split_command", "usable_node_counts"]
 
 DEFAULT_SHUTDOWN_TIMEOUT_S = 30
 """torchrun's default (`TORCH_ELASTIC_SHUTDOWN_TIMEOUT`)."""
@@ -108,6 +113,11 @@ class TrainingHints:
     """The workers' preemption grace period; None when preemption handling is off."""
     ckpt_url: str | None
     """The checkpoint root, when the training command's config names one."""
+    layout_refusal: Callable[[int], str | None] | None = None
+    """Why the training layout cannot use a world of that many ranks (None: it can);
+    None when the command's layout is not known. Gives the rendezvous the node counts
+    to train on (`node_counts`): the nodes beyond the largest usable count wait as hot
+    spares instead of starting workers that would refuse the world."""
 
 
 DEFAULT_PREEMPTION_GRACE_S = 30.0
@@ -272,6 +282,8 @@ def _launch(args: argparse.Namespace, opts: Sequence[str], positional: list[str]
               f"preemption grace is {hints.preemption_grace_s:.0f} s", file=sys.stderr)
     args.shutdown_timeout = timeout
     _log_to_stderr()
+    if args.rdzv_backend == BACKEND_NAME:
+        _add_node_counts(args, hints)
 
     etcd: EtcdServer | None = None
     if not args.rdzv_endpoint and args.rdzv_backend == BACKEND_NAME:
@@ -334,6 +346,47 @@ def _launch(args: argparse.Namespace, opts: Sequence[str], positional: list[str]
             metrics.close()
         if etcd is not None:
             etcd.stop()
+
+
+def usable_node_counts(min_nodes: int, max_nodes: int, nproc_per_node: int,
+                       refusal: Callable[[int], str | None],
+                       ) -> tuple[list[int], dict[int, str]]:
+    """(the node counts up to `max_nodes` whose world the layout trains on, {each count
+    from `min_nodes` to `max_nodes` it cannot: why})."""
+    why = {n: refusal(n * nproc_per_node) for n in range(1, max_nodes + 1)}
+    usable = [n for n, reason in why.items() if reason is None]
+    unfit = {n: reason for n, reason in why.items()
+             if reason is not None and n >= min_nodes}
+    return usable, unfit
+
+
+def _add_node_counts(args: argparse.Namespace, hints: TrainingHints) -> None:
+    """Give the rendezvous the node counts the layout can use, when some count of
+    `--nnodes` is not one of them, and say in one line which sizes train and which wait."""
+    from torch.distributed.run import parse_min_max_nnodes
+
+    from relight.elastic.rendezvous import NODE_COUNTS_SEP
+
+    if hints.layout_refusal is None or not str(args.nproc_per_node).isdigit():
+        return
+    if "node_counts=" in (args.rdzv_conf or ""):
+        return  # the user's own list
+    min_nodes, max_nodes = parse_min_max_nnodes(str(args.nnodes))
+    nproc = int(args.nproc_per_node)
+    usable, unfit = usable_node_counts(min_nodes, max_nodes, nproc, hints.layout_refusal)
+    if not unfit or not usable:
+        return  # every count trains; or none does, which the trainer reports (status 2)
+    counts = NODE_COUNTS_SEP.join(map(str, usable))
+    args.rdzv_conf = ",".join(c for c in (args.rdzv_conf, f"node_counts={counts}") if c)
+    sizes = []
+    for n in sorted(unfit):
+        k = max((u for u in usable if u <= n), default=0)
+        sizes.append(f"{n} up: {k} train, {n - k} wait as hot spares" if k
+                     else f"{n} up: they wait for more")
+    first = min(unfit)
+    print(f"relight run: the layout trains on {' or '.join(map(str, usable))} node(s) of "
+          f"{nproc} ranks, not on {', '.join(map(str, sorted(unfit)))} (world "
+          f"{first * nproc}: {unfit[first]}); {'; '.join(sizes)}", file=sys.stderr, flush=True)
 
 
 def _start_warm(opts: Sequence[str], positional: list[str],

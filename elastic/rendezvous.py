@@ -92,6 +92,7 @@ __all__ = [
     "add_listener",
     "assign_ranks",
     "create_handler",
+    "parse_node_counts",
     "record_event",
     "release_leases",
     "remove_listener",
@@ -179,6 +180,11 @@ class RendezvousSettings:
     """Conf `poll_interval`: how stale num_nodes_waiting() may be (one etcd read per interval)."""
     local_addr: str | None = None
     """Address others use to reach this node's TCPStore (torchrun `--local-addr`)."""
+    node_counts: tuple[int, ...] | None = None
+    """Conf `node_counts` (`2+4+8`): the numbers of nodes the job's layout can train on
+    (`relight run` reads them from the training config). A round of another size trains
+    on the largest of them it holds, and the nodes left over wait as hot spares until a
+    loss, or enough newcomers, make a larger one. None: any number."""
 
     def __post_init__(self) -> None:
         if not self.run_id or "/" in self.run_id:
@@ -192,6 +198,18 @@ class RendezvousSettings:
                 raise ValueError(f"rendezvous setting {name} must be > 0")
         if self.lease_ttl < 1:
             raise ValueError("rendezvous setting lease_ttl must be >= 1 s (etcd's granularity)")
+        if self.node_counts is not None and (
+                not self.node_counts or min(self.node_counts) < 1):
+            raise ValueError(f"rendezvous setting node_counts needs counts >= 1, got "
+                             f"{self.node_counts}")
+
+    def fit(self, nodes: int) -> int:
+        """How many of `nodes` present nodes train: the largest usable count up to
+        `nodes` (and `max_nodes`); 0 when none is."""
+        nodes = min(nodes, self.max_nodes)
+        if self.node_counts is None:
+            return nodes
+        return max((c for c in self.node_counts if c <= nodes), default=0)
 
     @property
     def namespace(self) -> str:
@@ -202,7 +220,7 @@ class RendezvousSettings:
         conf = params.config
         known = {"timeout", "join_timeout", "last_call_timeout", "rejoin_timeout", "lease_ttl",
                  "etcd_timeout", "attempt_timeout", "store_timeout", "poll_interval", "prefix",
-                 "username", "ca_file", "cert_file", "key_file"}
+                 "username", "ca_file", "cert_file", "key_file", "node_counts"}
         unknown = sorted(set(conf) - known)
         if "password" in unknown:
             raise ValueError(
@@ -251,7 +269,24 @@ class RendezvousSettings:
             store_timeout=num("store_timeout", 300.0),
             poll_interval=num("poll_interval", 1.0),
             local_addr=params.local_addr,
+            node_counts=parse_node_counts(conf.get("node_counts")),
         )
+
+
+NODE_COUNTS_SEP = "+"
+"""Separates the counts of conf `node_counts` (`,` separates torchrun's conf keys)."""
+
+
+def parse_node_counts(value: object) -> tuple[int, ...] | None:
+    """Conf `node_counts` (`"2+4"`, or an int) as sorted counts; None when unset."""
+    if value is None or value == "":
+        return None
+    try:
+        counts = sorted({int(v) for v in str(value).split(NODE_COUNTS_SEP)})
+    except ValueError:
+        raise ValueError(f"--rdzv-conf node_counts={value!r}: expected node counts joined "
+                         f"by {NODE_COUNTS_SEP!r}, e.g. 2{NODE_COUNTS_SEP}4") from None
+    return tuple(counts)
 
 
 @dataclass(slots=True)
@@ -335,10 +370,12 @@ _RETRY = _Retry.RETRY
 
 @dataclass(frozen=True, slots=True)
 class _Spare:
-    """`_step`'s answer when the group is full: wait (at most `wait` seconds per watch)
-    without a join deadline."""
+    """`_step`'s answer when the group is full, or trains on as many nodes as its layout
+    can use: wait (at most `wait` seconds per watch) without a join deadline."""
 
     wait: float
+    why: str = ""
+    """What the spare's one log line says (empty: the group is full)."""
 
 
 class _Unregistered(Exception):
@@ -703,8 +740,11 @@ class EtcdRendezvousHandler(RendezvousHandler):
                 # the job's keys (a lost member's key expiring, a new round, the close).
                 if spare_since is None:
                     spare_since = _now()
-                    self._log("the group is full (%d nodes): waiting as a spare",
-                              s.max_nodes)
+                    if step.why:
+                        self._log("%s: waiting as a hot spare", step.why)
+                    else:
+                        self._log("the group is full (%d nodes): waiting as a spare",
+                                  s.max_nodes)
                 wait = step.wait
             else:
                 if spare_since is not None:
@@ -747,10 +787,17 @@ class EtcdRendezvousHandler(RendezvousHandler):
             if me in state.participants and state.round > prev_round:
                 return self._finish(state)
             dead = any(p not in alive for p in state.participants)
-            if (me in state.participants or len(state.participants) < s.max_nodes or dead):
-                self._cas_state(kv, RoundState(round=state.round + 1, phase="open",
-                                               members=[me], previous=state.participants))
-                return _RETRY
+            if me in state.participants or dead:
+                return self._reopen(state, kv)
+            if len(state.participants) < s.max_nodes:
+                # Re-form only when the nodes waiting make a larger group the layout can
+                # use: otherwise every round would stop the job to leave them out again.
+                waiting = len(alive.fetch() - set(state.participants))
+                grown = s.fit(len(state.participants) + waiting)
+                if grown > len(state.participants):
+                    return self._reopen(state, kv)
+                return _Spare(spare.wait, why=self._unfit_note(len(state.participants),
+                                                               waiting))
             return spare
         # Open round.
         now = _now()
@@ -795,7 +842,7 @@ class EtcdRendezvousHandler(RendezvousHandler):
             self._cas_state(kv, self._joined(
                 state, [*members, me, *self._fold(state, members, seats - 1)]))
             return _RETRY
-        if len(members) < s.min_nodes:
+        if len(members) < s.min_nodes or s.fit(len(members)) == 0:
             return s.lease_ttl  # any join or lease expiry wakes us earlier
         since = self._min_seen.setdefault(state.round, now)
         awaited = [p for p in state.previous if p in alive and p not in members]
@@ -810,21 +857,44 @@ class EtcdRendezvousHandler(RendezvousHandler):
         if not ready:
             limit = s.rejoin_timeout if state.previous else s.last_call_timeout
             return max(0.05, min(since + limit - now, s.lease_ttl))
-        complete = RoundState(round=state.round, phase="complete",
-                              participants=assign_ranks(members, state.previous))
+        complete = self._completed(state, members)
         if self._cas_state(kv, complete):
             self._log("round %d complete: %s", state.round, complete.participants)
+            if len(complete.participants) < len(members):
+                self._log("%s", self._unfit_note(len(complete.participants),
+                                                 len(members) - len(complete.participants)),
+                          level=logging.WARNING)
         return _RETRY
+
+    def _reopen(self, state: RoundState, kv: KeyValue | None) -> _Retry:
+        """Open the round after the complete `state`, with this node its first member."""
+        self._cas_state(kv, RoundState(round=state.round + 1, phase="open",
+                                       members=[self.node_id], previous=state.participants))
+        return _RETRY
+
+    def _completed(self, state: RoundState, members: list[str]) -> RoundState:
+        """The open round `state` completed by `members`: as many of them as the layout
+        can use (`RendezvousSettings.fit`), members of the previous round first; the
+        others are left out and wait as hot spares."""
+        ranked = assign_ranks(members, state.previous)
+        return RoundState(round=state.round, phase="complete",
+                          participants=ranked[:self.settings.fit(len(members))])
+
+    def _unfit_note(self, training: int, waiting: int) -> str:
+        """The one line that says why nodes wait although the group is not full."""
+        s = self.settings
+        return (f"{training} node(s) train and {waiting} wait as hot spares: the layout "
+                f"trains on {NODE_COUNTS_SEP.join(map(str, s.node_counts or ()))} nodes "
+                f"(of {s.min_nodes}:{s.max_nodes}), not on {training + waiting}")
 
     def _joined(self, state: RoundState, members: list[str]) -> RoundState:
         """The open round `state` with `members`; complete at once when they fill the
         group. A full round has nothing left to wait for, and writing it complete in the
         join itself saves every member a wakeup, a read and a CAS that all but one
         would lose (N-1 conflicts per round)."""
-        if len(members) < self.settings.max_nodes:
+        if len(members) < self.settings.max_nodes or self.settings.fit(len(members)) == 0:
             return dataclasses.replace(state, members=members)
-        return RoundState(round=state.round, phase="complete",
-                          participants=assign_ranks(members, state.previous))
+        return self._completed(state, members)
 
     def _fold(self, state: RoundState, members: list[str], seats: int) -> list[str]:
         """Registered nodes the first round's leader (or a newcomer joining by itself)

@@ -2,8 +2,9 @@
 
 The launcher (`relight.elastic.launch`) knows no trainer; the `relight` command hands it
 this reader, so that a job of `-m relight.runtime.train` or `relight train` gets an agent
-shutdown timeout above its configured preemption grace, and its metrics the checkpoint
-root, without the user repeating them as flags.
+shutdown timeout above its configured preemption grace, its metrics the checkpoint
+root, and its rendezvous the node counts its layout can train on, without the user
+repeating them as flags.
 """
 
 from __future__ import annotations
@@ -11,12 +12,12 @@ from __future__ import annotations
 import argparse
 import os
 import sys
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 
 from relight.elastic.launch import TrainingHints
-from relight.runtime.config import ConfigError, load_config
+from relight.runtime.config import Config, ConfigError, load_config
 
-__all__ = ["training_hints", "trainer_arguments"]
+__all__ = ["layout_refusal", "training_hints", "trainer_arguments"]
 
 
 def trainer_arguments(positional: Sequence[str]) -> list[str] | None:
@@ -50,4 +51,21 @@ def training_hints(positional: Sequence[str]) -> TrainingHints | None:
               "default preemption grace", file=sys.stderr)
         return None
     grace = cfg.preemption.grace_s if cfg.preemption.enabled else None
-    return TrainingHints(grace, cfg.checkpoint.url or None)
+    return TrainingHints(grace, cfg.checkpoint.url or None, layout_refusal(cfg))
+
+
+def layout_refusal(cfg: Config) -> Callable[[int], str | None]:
+    """Why `cfg`'s layout cannot train on a world of that many ranks (None: it can): the
+    trainer's own check (`runtime.mesh.plan_layout`), asked ahead of the rendezvous."""
+
+    def why(world: int) -> str | None:
+        # Imported when asked: the launcher reads hints before it imports torch.
+        from relight.runtime.mesh import LayoutError, plan_layout
+
+        try:
+            plan_layout(world, cfg)
+        except LayoutError as exc:
+            return str(exc)
+        return None
+
+    return why

@@ -10,6 +10,10 @@ Layout rules:
 * Expert parallelism borrows data-parallel ranks, as in torchtitan: the ``ep`` ranks each
   read different data, and every expert is held by ``dp / ep`` of them. ``ep`` must divide
   ``dp_shard`` (or ``dp_replicate`` when ``dp_shard`` is 1).
+* The global batch is dealt over any ``dp`` (`runtime.data.BatchPlan`): when ``dp`` does not
+  divide its micro-batches the data ranks take uneven, weighted shares, so a job keeps its
+  batch on any number of ranks the fixed degrees divide. Pipelines deal whole micro-batches
+  (at least one per data rank; 1F1B at least ``pp``), replica groups runs of ``dp`` of them.
 
 The root mesh has fine-grained dims ``pp, rep_out, rep_ep, shard_out, shard_ep, tp`` (a size-1
 dim costs nothing). Flattened dims give the names the parallelisms use: ``dp_replicate``,
@@ -66,6 +70,35 @@ class Layout:
         return "x".join(parts) or "single"
 
 
+def _check_batch_split(cfg: Config, dp: int) -> None:
+    """Refuse the data-parallel sizes the global batch cannot be dealt over. Any ``dp``
+    takes it by samples (`runtime.data.BatchPlan`: uneven shares, weighted); a pipeline
+    needs whole micro-batches on every data rank, 1F1B at least ``pp`` of them, and
+    replica groups deal the batch in runs of ``dp`` micro-batches."""
+    p = cfg.parallel
+    local_batch = cfg.data.global_batch_size // cfg.data.micro_batch_size
+    if cfg.replica.enabled and local_batch % dp:
+        raise LayoutError(
+            f"global_batch_size/micro_batch_size = {cfg.data.global_batch_size}/"
+            f"{cfg.data.micro_batch_size} = {local_batch} micro-batches do not split over "
+            f"dp={dp} data-parallel ranks, and replica groups deal the batch in runs of dp "
+            f"micro-batches; make it a multiple of {dp}")
+    if p.pp == 1:
+        return
+    if local_batch < dp:
+        raise LayoutError(
+            f"pipeline parallelism runs whole micro-batches: {local_batch} micro-batches "
+            f"(global_batch_size/micro_batch_size = {cfg.data.global_batch_size}/"
+            f"{cfg.data.micro_batch_size}) cannot give each of dp={dp} data ranks one; "
+            f"lower data.micro_batch_size or use fewer ranks")
+    fewest = local_batch // dp
+    if p.pp_schedule == PipelineSchedule.ONE_F_ONE_B and fewest < p.pp:
+        raise LayoutError(
+            f"1f1b needs at least pp={p.pp} micro-batches per data rank, and {local_batch} "
+            f"micro-batches over dp={dp} leave {fewest} to the fewest; raise "
+            f"data.global_batch_size, lower data.micro_batch_size, or use pp_schedule=gpipe")
+
+
 def plan_layout(world: int, cfg: Config) -> Layout:
     """Check the config against ``world`` and return the layout (raises LayoutError)."""
     p, m = cfg.parallel, cfg.model
@@ -117,20 +150,17 @@ def plan_layout(world: int, cfg: Config) -> Layout:
         )
     else:
         rep_ep, shard_ep = 1, 1
-    local_batch = cfg.data.global_batch_size // cfg.data.micro_batch_size
-    dp = p.dp_replicate * dp_shard
-    if local_batch % dp:
-        raise LayoutError(
-            f"global_batch_size/micro_batch_size = {cfg.data.global_batch_size}/"
-            f"{cfg.data.micro_batch_size} = {local_batch} micro-batches do not split over "
-            f"dp={dp} data-parallel ranks; make it a multiple of {dp}"
-        )
-    if p.pp > 1 and p.pp_schedule == PipelineSchedule.ONE_F_ONE_B and local_batch // dp < p.pp:
-        raise LayoutError(
-            f"1f1b needs at least pp={p.pp} micro-batches per data rank, got "
-            f"{local_batch}/{dp} = {local_batch // dp}; raise data.global_batch_size, lower "
-            f"data.micro_batch_size, or use pp_schedule=gpipe"
-        )
+    edp_shard = dp_shard // shard_ep
+    if p.ep > 1 and edp_shard > 1:
+        # Stacked experts are split over ep on dim 0 already, so FSDP shards them on dim 1
+        # (`runtime.parallel.dp_fsdp`), and FSDP cannot shard a dim other than 0 unevenly.
+        for name, size in (("model.dim", m.dim), ("model.mlp_hidden", m.mlp_hidden)):
+            if size % edp_shard:
+                raise LayoutError(
+                    f"experts are FSDP-sharded on their {name}={size} dim over "
+                    f"dp_shard/ep = {dp_shard}/{shard_ep} = {edp_shard} ranks, which must "
+                    f"divide it; change the number of ranks or parallel.ep")
+    _check_batch_split(cfg, p.dp_replicate * dp_shard)
     if cfg.data.seq_len % p.tp and p.sequence_parallel:
         raise LayoutError(
             f"sequence_parallel needs data.seq_len={cfg.data.seq_len} divisible by tp={p.tp}"

@@ -60,10 +60,10 @@ from relight.exit_codes import (
 from relight.runtime import state as st
 from relight.runtime.checkpointing import Checkpointer, all_gather
 from relight.runtime.config import Config, ConfigError, MixedPrecision, load_config
-from relight.runtime.data import BatchPlan, DataLoader, build_corpus
+from relight.runtime.data import BatchPlan, DataLoader, Deal, MicroBatch, build_corpus
 from relight.runtime.device import Device, bound_mesh_timeouts, init_process_group, resolve_device
 from relight.runtime.evaluate import eval_loss
-from relight.runtime.mesh import LayoutError, ParallelMesh, build_mesh, plan_layout
+from relight.runtime.mesh import Layout, LayoutError, ParallelMesh, build_mesh, plan_layout
 from relight.runtime.metrics import MetricsWriter, flops_per_token, memory_mb, peak_flops
 from relight.runtime.model import Transformer
 from relight.runtime.models import create_model, model_vocab_size
@@ -144,6 +144,18 @@ def _bytes_of(t: torch.Tensor) -> Any:
     return t.contiguous().cpu().reshape(-1).view(torch.uint8).numpy()
 
 
+def _deal(cfg: Config, layout: Layout) -> Deal:
+    """How the data ranks split the batch when their number does not divide it: whole
+    micro-batches under pipelining (its schedules need equal chunks) and where the model
+    adds a load-balance loss per micro-batch (exact only on the same micro-batches);
+    otherwise by samples, which leaves the largest share the least work."""
+    if layout.pp > 1:
+        return Deal.PIPELINE
+    if cfg.model.num_experts > 0 and cfg.model.aux_loss_coef > 0:
+        return Deal.MICRO_BATCHES
+    return Deal.SAMPLES
+
+
 def _step_seed(seed: int, step: int) -> int:
     return (seed * 1_000_003 + step * 7919 + 17) % (2**63)
 
@@ -173,7 +185,7 @@ class Trainer:
                              cfg.optim.min_lr_ratio)
         self.plan = BatchPlan(
             global_batch=cfg.data.global_batch_size, micro_batch=cfg.data.micro_batch_size,
-            dp=self.layout.dp, dp_rank=self.pmesh.dp_rank,
+            dp=self.layout.dp, dp_rank=self.pmesh.dp_rank, deal=_deal(cfg, self.layout),
         )
         corpus = build_corpus(cfg.data, model_vocab=model_vocab_size(self.model, cfg),
                               model=cfg.model.factory or cfg.model.name)
@@ -187,10 +199,8 @@ class Trainer:
             self.replicas = ReplicaTraining(cfg.replica, self.plan, state=self.state_dict,
                                             load=self.load_state_dict,
                                             restore=lambda: self.checkpointer.restore())
-        n_micro = self.plan.local_microbatches
-        self.model.set_aux_scale(1.0 / n_micro)
-        self._schedules: dict[int, Any] = {}
-        self.schedule = self._pipeline(n_micro) if self.layout.pp > 1 else None
+        self._schedules: dict[tuple[int, float], Any] = {}
+        self.schedule = self._pipeline(self.plan) if self.layout.pp > 1 else None
         self.pp_group = self.pmesh["pp"].get_group() if self.layout.pp > 1 else None
         # The rank that reports the loss for its data shard: last stage, first tp rank.
         self.reports_loss = (self.pmesh.pp_rank == self.layout.pp - 1
@@ -282,8 +292,11 @@ class Trainer:
     def _loss(self, logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
         return F.cross_entropy(logits.flatten(0, 1).float(), targets.flatten())
 
-    def _forward_backward(self, micro: list[tuple[torch.Tensor, torch.Tensor]]) -> torch.Tensor:
-        """Returns this rank's mean micro-batch loss (0 on ranks that do not compute it)."""
+    def _forward_backward(self, micro: list[tuple[torch.Tensor, torch.Tensor, MicroBatch]],
+                          ) -> torch.Tensor:
+        """Returns this rank's share of the step's mean loss, weighted like its gradients
+        (`MicroBatch.divisor`): the mean over the ranks that compute it is the global
+        batch's mean loss (0 on ranks that do not compute it)."""
         n = len(micro)
         if self.schedule is not None:
             x = torch.cat([m[0] for m in micro]).to(self.device)
@@ -297,14 +310,20 @@ class Trainer:
                 return torch.stack([t.detach().float() for t in losses]).sum()
             return torch.zeros((), device=self.device)
         total = torch.zeros((), device=self.device)
-        for i, (x, y) in enumerate(micro):
+        for i, (x, y, mb) in enumerate(micro):
             if self.fsdp:
                 self.model.set_requires_gradient_sync(i == n - 1)
+            self.model.set_aux_scale(0.0 if mb.divisor is None else 1.0 / mb.divisor)
             with self.dev.autocast(torch.bfloat16 if self.autocast else None):
                 logits = self.model(x.to(self.device))
             loss = self._loss(logits, y.to(self.device))
-            (loss / n).backward()
-            total += loss.detach().float() / n
+            if mb.divisor is None:
+                # Padding: its forward and backward keep FSDP's collectives paired with
+                # the ranks that run more micro-batches; the gradients it adds are zeros.
+                (loss * 0.0).backward()
+                continue
+            (loss / mb.divisor).backward()
+            total += loss.detach().float() / mb.divisor
         return total
 
     def _group_loss(self, local_loss: torch.Tensor) -> torch.Tensor:
@@ -356,17 +375,24 @@ class Trainer:
         all_gather(every, mine)
         return [int(v) for v in every.cpu().tolist()]
 
-    def _pipeline(self, n_micro: int) -> Any:
-        """The pipeline schedule for `n_micro` micro-batches per rank, built at its first
+    def _pipeline(self, plan: BatchPlan) -> Any:
+        """The pipeline schedule of `plan`'s micro-batches on this rank, built at its first
         use and kept: in replica groups the count follows the quorum's size, and a count
-        seen before comes back with the groups that rejoin."""
-        if n_micro not in self._schedules:
-            self._schedules[n_micro] = build_pipeline(
-                self.model, self.pmesh["pp"], device=self.device, n_microbatches=n_micro,
-                loss_fn=lambda out, tgt: self._loss(out, tgt) / n_micro,
+        seen before comes back with the groups that rejoin. Its micro-batches are whole
+        ones (`Deal.PIPELINE`), all of one weight, which sets the load-balance loss's
+        scale too."""
+        micro = plan.micro_batches(0)
+        divisor = micro[0].divisor
+        assert divisor is not None, "pipelined plans deal whole micro-batches, no padding"
+        key = (len(micro), divisor)
+        if key not in self._schedules:
+            self._schedules[key] = build_pipeline(
+                self.model, self.pmesh["pp"], device=self.device, n_microbatches=len(micro),
+                loss_fn=lambda out, tgt: self._loss(out, tgt) / divisor,
                 schedule=self.cfg.parallel.pp_schedule,
             )
-        return self._schedules[n_micro]
+        self.model.set_aux_scale(1.0 / divisor)
+        return self._schedules[key]
 
     def _replica_plan(self) -> None:
         """The step's quorum (a heal may set the state first) and this group's share of
@@ -374,9 +400,8 @@ class Trainer:
         plan = self.replicas.begin_step()
         if plan != self.plan:
             self.plan = self.data.plan = plan
-            self.model.set_aux_scale(1.0 / plan.local_microbatches)
             if self.schedule is not None:
-                self.schedule = self._pipeline(plan.local_microbatches)
+                self.schedule = self._pipeline(plan)
 
     def _warm_up(self) -> None:
         """One forward and backward on the next batch, thrown away, before a healing group
@@ -478,9 +503,9 @@ class Trainer:
             tokens = cfg.data.global_batch_size * cfg.data.seq_len
             if self.rank == 0:
                 rnd = "" if self.rdzv_round is None else f", rendezvous round {self.rdzv_round}"
-                self.log.info("layout %s on %d ranks, %d steps, %d micro-batches per rank; "
-                              "restart %d%s", self.layout.describe(), self.world,
-                              cfg.train.steps, self.plan.local_microbatches, self.restarts, rnd)
+                self.log.info("layout %s on %d ranks, %d steps, %s; restart %d%s",
+                              self.layout.describe(), self.world, cfg.train.steps,
+                              self.plan.describe(), self.restarts, rnd)
             end = min(cfg.train.steps, cfg.train.stop_at or cfg.train.steps)
             self.watcher.phase = "training"
             first: dict[str, Any] = {"startup_s": _process_age_s(), "restore_s": ck.restore_s,

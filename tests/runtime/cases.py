@@ -111,3 +111,32 @@ def train_on_slow_storage(plan_json: str, overrides: list[str]) -> dict[str, Any
                 "waited": mgr.waited_saves, "committed": mgr.committed_steps()}
     finally:
         os.environ.pop("RELIGHT_FAULT_PLAN", None)
+
+
+def train_recording_samples(config: str = "configs/tiny.toml",
+                            overrides: list[str] | None = None,
+                            dump: bool = False) -> dict[str, Any]:
+    """Train per config and report, besides the losses, the samples each step's counted
+    micro-batches held on this rank (`(step, first sample, samples)`; weight-0 padding left
+    out), and optionally the final state as full tensors."""
+    from relight.runtime.state import flat_names
+
+    trainer = _trainer(config, overrides)
+    samples: list[tuple[int, int, int]] = []
+    read = trainer.data.next_step
+
+    def recording() -> list:
+        for m in trainer.plan.micro_batches(trainer.data.position):
+            if not m.padding:
+                samples.append((trainer.step, m.start, m.size))
+        return read()
+
+    trainer.data.next_step = recording
+    res = trainer.run()
+    out: dict[str, Any] = {"losses": res.losses, "layout": res.layout,
+                           "final_step": res.final_step, "restored_step": res.restored_step,
+                           "samples": samples, "dp": trainer.layout.dp,
+                           "plan": trainer.plan.describe()}
+    if dump:
+        out["state"] = {k: _full(v) for k, v in flat_names(trainer.state_dict()).items()}
+    return out

@@ -16,6 +16,7 @@ from relight.runtime.config import (
     DataConfig,
     ModelConfig,
     ParallelConfig,
+    ReplicaConfig,
     config_from_dict,
     config_to_dict,
     load_config,
@@ -115,12 +116,31 @@ def test_dp_shard_fills_the_world() -> None:
     (6, {"ep": 3}, r"num_experts=4 is not divisible by ep=3"),
     (4, {"tp": 2, "ep": 2}, r"ep=2 with tp=2 is not supported"),
     (4, {"dp_replicate": 2, "dp_shard": 2, "ep": 4}, r"ep=4 must divide dp_shard=2"),
-    (16, {}, r"4 micro-batches do not split over dp=16"),
-    (8, {"pp": 4}, r"1f1b needs at least pp=4 micro-batches per data rank, got 4/2 = 2"),
+    (8, {"pp": 4}, r"1f1b needs at least pp=4 micro-batches per data rank, and 4 "
+                   r"micro-batches over dp=2 leave 2 to the fewest"),
+    (6, {"ep": 2}, r"experts are FSDP-sharded on their model.dim=\d+ dim over "
+                   r"dp_shard/ep = 6/2 = 3 ranks"),
+    (10, {"pp": 2, "pp_schedule": "gpipe"},
+     r"whole micro-batches: 4 micro-batches .* cannot give each of dp=5 data ranks one"),
 ])
 def test_impossible_layouts_name_the_numbers(world: int, parallel: dict, message: str) -> None:
     with pytest.raises(LayoutError, match=message):
         plan_layout(world, _cfg(**parallel))
+
+
+@pytest.mark.parametrize("world", [1, 2, 3, 4, 5, 6, 7, 8, 12, 16, 24])
+def test_any_world_takes_a_batch_dp_does_not_divide(world: int) -> None:
+    """The main job's batch (16 samples in micro-batches of 8) on any number of ranks: the
+    data ranks take uneven shares instead of refusing to start."""
+    cfg = Config(data=DataConfig(global_batch_size=16, micro_batch_size=8))
+    assert plan_layout(world, cfg).dp == world
+
+
+def test_replica_groups_still_need_dp_to_divide_the_micro_batches() -> None:
+    cfg = Config(data=DataConfig(global_batch_size=16, micro_batch_size=8),
+                 replica=ReplicaConfig(job="j", etcd="127.0.0.1:2379"))
+    with pytest.raises(LayoutError, match="replica groups deal the batch in runs of dp"):
+        plan_layout(3, cfg)
 
 
 def test_ep_needs_experts() -> None:
@@ -147,4 +167,6 @@ def test_any_layout_either_fits_the_world_or_is_refused(world: int, tp: int, pp:
     assert lay.pp <= 4 and 8 % lay.ep == 0
     assert lay.rep_ep * lay.shard_ep == lay.ep
     assert lay.dp_replicate % lay.rep_ep == 0 and lay.dp_shard % lay.shard_ep == 0
-    assert (64 // lay.dp) * lay.dp == 64
+    # Any dp takes the batch (uneven shares); a pipeline needs a whole micro-batch per
+    # data rank.
+    assert lay.pp == 1 or lay.dp <= 64

@@ -38,6 +38,13 @@ LAYOUTS = [
     ("moe-hsdp2x2xep2", MOE, ["--parallel.dp_replicate=2", "--parallel.ep=2"], 4),
     ("moe-tp2", MOE, ["--parallel.tp=2"], 2),
     ("moe-pp2xep2", MOE, ["--parallel.pp=2", "--parallel.ep=2"], 4),
+    # A dp that does not divide the batch's 4 micro-batches: uneven, weighted shares (by
+    # samples; by whole micro-batches under pipelining and with a load-balance loss).
+    ("fsdp3-uneven", DENSE, [], 3),
+    ("fsdp3xtp2-uneven", DENSE, ["--parallel.tp=2"], 6),
+    ("pp2xfsdp3-gpipe-uneven", DENSE, ["--parallel.pp=2", "--parallel.pp_schedule=gpipe"], 6),
+    ("pp2xfsdp3-1f1b-uneven", DENSE, ["--parallel.pp=2", "--data.micro_batch_size=2"], 6),
+    ("moe-fsdp3-uneven", MOE, [], 3),
 ]
 
 _refs: dict[str, dict] = {}
@@ -63,13 +70,16 @@ def merged_grads(results: list[dict]) -> dict[str, torch.Tensor]:
     return out
 
 
-LONG = {"fsdp2xtp2xpp2", "dp4", "tp2", "moe-ep2", "dp2xtp2", "moe-pp2xep2"}
+LONG = {"fsdp2xtp2xpp2", "dp4", "tp2", "moe-ep2", "dp2xtp2", "moe-pp2xep2",
+        "fsdp3xtp2-uneven", "pp2xfsdp3-gpipe-uneven", "pp2xfsdp3-1f1b-uneven"}
 """In the long tier: eight ranks (the only case that grows the pool to eight workers),
 three one-dimensional cases whose parallelism CI runs inside a two-dimensional one (dp4
 in hsdp2x2, tp2 in tp2-sp, moe-ep2 in moe-dp2xep2 and moe-fsdp4xep2), and two
 combinations whose dimensions CI runs in others (dp2xtp2: replication in hsdp2x2, TP
 in tp2-sp, and a resharded resume checks FSDP x TP against an unbroken run,
-tests/runtime/test_resume.py; moe-pp2xep2: pp2xtp2-sp-ac and the EP cases)."""
+tests/runtime/test_resume.py; moe-pp2xep2: pp2xtp2-sp-ac and the EP cases), and the
+six-rank uneven cases (CI runs uneven shares in fsdp3-uneven and moe-fsdp3-uneven, and
+resumes over 2, 3, 4 and 3 ranks in tests/runtime/test_resize.py)."""
 
 
 @pytest.mark.parametrize(("config", "overrides", "world"),
