@@ -13,7 +13,7 @@ import signal
 import subprocess
 import sys
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterable, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -100,6 +100,15 @@ def _kill(pid: int) -> None:
             fn()
         except (ProcessLookupError, PermissionError):
             pass
+
+
+def kill_sessions(procs: Iterable[subprocess.Popen]) -> None:
+    """SIGKILL the session of every child still running (each started with
+    `start_new_session=True`, so its own children go too) and reap it."""
+    for p in procs:
+        if p.poll() is None:
+            os.killpg(p.pid, signal.SIGKILL)
+            p.wait(10)
 
 
 def events(out: Path) -> list[dict[str, Any]]:

@@ -22,7 +22,7 @@ import pytest
 
 from relight.elastic.etcd_client import KeyValue
 from relight.elastic.quorum import Quorum, Snapshot, decide_votes
-from tests.elastic.agents import ROOT, SCRIPTS, events, wait_for
+from tests.elastic.agents import ROOT, SCRIPTS, events, kill_sessions, wait_for
 from tests.elastic.rdzv_util import job_id
 
 ROOT_KEY = "/p/job/replicas/"
@@ -144,10 +144,7 @@ def test_survivors_keep_training_through_a_lost_group(etcd_cluster, tmp_path) ->
             procs[g].wait(240)
             assert procs[g].returncode == 0, logs_text()
     finally:
-        for p in procs.values():
-            if p.poll() is None:
-                os.killpg(p.pid, signal.SIGKILL)
-                p.wait(10)
+        kill_sessions(procs.values())
         for f in logs.values():
             f.close()
 

@@ -17,7 +17,7 @@ from pathlib import Path
 
 import pytest
 
-from tests.elastic.agents import ROOT, wait_for
+from tests.elastic.agents import ROOT, kill_sessions, wait_for
 from tests.elastic.rdzv_util import job_id
 
 pytestmark = [pytest.mark.etcd, pytest.mark.multirank]
@@ -93,10 +93,7 @@ def test_a_users_adamw_loop_heals_and_a_mismatched_joiner_is_told(etcd_server,
             procs[name].wait(60)
             assert procs[name].returncode == 0, logs()
     finally:
-        for p in procs.values():
-            if p.poll() is None:
-                os.killpg(p.pid, signal.SIGKILL)
-                p.wait(10)
+        kill_sessions(procs.values())
 
     evs = _events(events)
     # The survivor never restarted: one process for g0 from start to end.
