@@ -756,14 +756,20 @@ def check_heals_read_no_storage(ev: RunEvidence) -> InvariantResult:
     problems = []
     heals = [r.healed_bytes for r in ev.records if r.healed_bytes]
     healed = sum(heals)
-    groups = by_group(ev.records)
-    for g, att in _group_attempts(ev):
+    attempts = _group_attempts(ev)
+    for g, att in attempts:
         first = att.first
         if first.restored_step is None or first.time is None:
             continue
         begun = first.restore_started_at or first.time
-        live = sorted({o for o, recs in groups.items() if o != g and any(
-            r.time is not None and begun <= r.time <= first.time for r in recs)})
+        # A group trained while this one restored if one of its runs had logged a step
+        # before the restore began and logged one during it. Groups that restored
+        # together when every replica was lost (none had a step logged yet) are peers,
+        # not sources this one should have healed from.
+        live = sorted({o for o, other in attempts if o != g
+                       and other.first.time is not None and other.first.time < begun
+                       and any(r.time is not None and begun <= r.time <= first.time
+                               for r in other.records)})
         if live:
             problems.append(f"group {g} restored step {first.restored_step} from storage "
                             f"(line {first.line}) while {live} trained: it should have "

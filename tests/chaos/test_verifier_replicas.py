@@ -162,3 +162,27 @@ def test_a_run_with_no_join_while_training_holds_check_10_and_says_it_was_vacuou
     assert result.measured["vacuous"] and "nothing to check" in result.summary
     healed = check_heals_read_no_storage(correct_run())
     assert healed.ok and not healed.measured["vacuous"] and healed.measured["heals"] == 1
+
+
+def test_groups_that_restore_together_after_every_replica_is_lost_are_peers() -> None:
+    """Every replica lost after step 8; two replacements restore step 8 from storage at
+    about the same moment (0.1 s apart) and form a quorum: neither could heal from the
+    other, so check 10 holds. A group that restores while another had been training
+    since before it began still fails the check."""
+    from relight.chaos.verifier import check_heals_read_no_storage
+
+    lost = [rec(g, s, float(s)) for s in range(1, 9) for g in ("node-0", "node-1")]
+    again = []
+    for s in range(9, 13):
+        again += [replace(rec("node-2", s, 30.0 + s, quorum=5, restored=8),
+                          restore_started_at=29.0 if s == 9 else None),
+                  replace(rec("node-3", s, 30.1 + s, quorum=5, restored=8),
+                          restore_started_at=29.1 if s == 9 else None)]
+    together = check_heals_read_no_storage(replace(correct_run(), records=lost + again))
+    assert together.ok, together.summary
+    # node-3 restored while node-2 had been training since t=39 (before node-3 began).
+    late = [r if r.replica_group == "node-2" else replace(
+        r, time=r.time + 10.0, restore_started_at=40.0 if r.step == 9 else None)
+        for r in again]
+    alone = check_heals_read_no_storage(replace(correct_run(), records=lost + late))
+    assert not alone.ok and "node-3 restored step 8" in alone.details[0], alone.details
