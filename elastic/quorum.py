@@ -283,8 +283,6 @@ class QuorumClient:
         self.timeout = timeout
         self.failover_grace_s = failover_grace_s
         self._last_quorum: int | None = None
-        self.joiners_waiting = False
-        """Set by `agree(defer_joiners=True)`: groups wait to be taken in next step."""
         self._admit_before: int | None = None
         """The revision of the last vote of the step this group last saw commit: groups
         that asked to join before it are taken in at the next step boundary, later ones
@@ -484,8 +482,7 @@ class QuorumClient:
 
     def agree(self, *, failed: tuple[Quorum, int] | None = None,
               absent: tuple[Quorum, tuple[str, ...]] | None = None,
-              min_groups: int = 1, defer_joiners: bool = False,
-              grace_s: float | None = None) -> tuple[Quorum, Snapshot]:
+              min_groups: int = 1, grace_s: float | None = None) -> tuple[Quorum, Snapshot]:
         """The quorum to train the next step in.
 
         Normally the current one, when it names exactly the groups entitled to train:
@@ -506,13 +503,7 @@ class QuorumClient:
         its next `agree` then proposes a quorum that names it healthy, and the other
         joiners, which waited, heal from it.
 
-        `defer_joiners` (asked in the middle of a step, before its reduction): when the
-        only change due is groups to take in, keep the current quorum for this step and
-        set `joiners_waiting`; the next `agree` (at the step boundary) takes them in.
-        Every member decides this alike: the joiners due are those that asked before the
-        last vote of the step that committed last, which every member saw.
         """
-        self.joiners_waiting = False
         deadline = time.monotonic() + self.timeout
         prefetched = self._take_prefetched()
         while True:
@@ -594,13 +585,6 @@ class QuorumClient:
                 if current is not None and current.members == entitled and all(
                         g in current.healing for g in entitled if g in snap.healing) and (
                         current.healthy or all(g in snap.healing for g in entitled)):
-                    self._last_quorum = current.id
-                    return current, snap
-                if (defer_joiners and current is not None and current.healthy
-                        and set(current.members) < set(entitled)
-                        and all(g in current.healing for g in current.members
-                                if g in snap.healing)):
-                    self.joiners_waiting = True
                     self._last_quorum = current.id
                     return current, snap
                 if current is None and len(entitled) < min_groups:

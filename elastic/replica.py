@@ -654,12 +654,17 @@ class ReplicaManager:
             return value
         return float(t.item())
 
+    def _watch_saw_change(self) -> bool:
+        """Whether this rank's etcd watch saw the job's keys change (the first rank only:
+        it alone watches)."""
+        return (self.quorum_client is not None
+                and self.quorum_client.membership_changed.is_set())
+
     def _local_flags(self) -> torch.Tensor:
-        """What this rank adds to the step's flags: it contributed, and (the first rank
-        only, which alone watches etcd) whether the job's keys changed."""
-        changed = (self.quorum_client is not None
-                   and self.quorum_client.membership_changed.is_set())
-        return torch.tensor([1.0, 1.0 if changed else 0.0], dtype=torch.float64)
+        """What this rank adds to the step's flags: it contributed, and whether its watch
+        saw a change."""
+        return torch.tensor([1.0, 1.0 if self._watch_saw_change() else 0.0],
+                            dtype=torch.float64)
 
     def _sum_matched(self, tensors: list[torch.Tensor], *, with_flags: bool = False) -> None:
         """The reduction of a quorum of one layout: each local rank's tensors all-reduced
@@ -737,7 +742,7 @@ class ReplicaManager:
             ok = ok and flags[0] == expected
             changed = flags[1] > 0
         else:
-            changed = bool(self._local_flags()[1])
+            changed = self._watch_saw_change()
         ok, changed = self._link.combine(ok, changed)
         if ok:
             self._agree_first = changed
