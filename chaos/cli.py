@@ -115,7 +115,7 @@ def _check_scenario(args: argparse.Namespace) -> Scenario:
 
 def _check_script(args: argparse.Namespace) -> int:
     from relight.chaos.check_script import check_script
-    from relight.chaos.runner import TrainingFileError, check_training_files
+    from relight.chaos.commands import TrainingFileError, check_training_files
 
     try:
         scenario = _check_scenario(args)
@@ -177,7 +177,8 @@ def main(argv: list[str] | None = None) -> int:
         return EXIT_USAGE
     seed = scenario.seed if args.seed is None else args.seed
     out = Path(args.out or f"runs/chaos/{scenario.name}-seed{seed}")
-    from relight.chaos.runner import TrainingFileError, check_training_files, run_scenario
+    from relight.chaos.commands import TrainingFileError, check_training_files
+    from relight.chaos.runner import run_scenario
 
     try:
         check_training_files(scenario)

@@ -266,7 +266,7 @@ def kill_tree(pid: int) -> list[int]:
 
 
 class ClusterControl(Protocol):
-    """What the injectors need from the runner's cluster."""
+    """What the injectors need from the cluster of a launch (`cluster.Cluster`)."""
 
     def live_nodes(self) -> list[int]: ...
 

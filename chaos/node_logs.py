@@ -8,10 +8,13 @@ report names that error instead of only "reached step 0".
 
 from __future__ import annotations
 
-from collections.abc import Iterable, Sequence
+from collections.abc import Callable, Iterable, Sequence
 from pathlib import Path
 
-__all__ = ["closed_rendezvous", "last_error", "last_errors"]
+from relight.chaos.logs import StepRecord
+
+__all__ = ["came_after_finish", "closed_rendezvous", "last_error", "last_errors",
+           "with_last_errors"]
 
 TRACEBACK = "Traceback (most recent call last):"
 LAUNCHER_ERRORS = ("ChildFailedError", "SignalException")
@@ -60,3 +63,28 @@ def closed_rendezvous(text: str) -> bool:
     """Whether an agent's log shows it left because the job's rendezvous was closed
     (the job had finished, or was stopped, before the agent could join)."""
     return CLOSED in text
+
+
+def came_after_finish(codes: dict[int, int | None], workers_seen: dict[int, set[int]],
+                      log_of: Callable[[int], str]) -> set[int]:
+    """Nodes that came after the job had finished: another node exited 0, and this one
+    started no worker and left because the job's rendezvous was closed (a replacement
+    whose agent started late, on a loaded machine, after the survivors reached the
+    target). Such a node did nothing wrong and nothing of the job's; its exit status 1
+    is no evidence against the run."""
+    if not any(c == 0 for c in codes.values()):
+        return set()
+    return {i for i, c in codes.items()
+            if c != 0 and not workers_seen.get(i) and closed_rendezvous(log_of(i))}
+
+
+def with_last_errors(detail: str, records: list[StepRecord], logs: list[Path]) -> str:
+    """`detail` of a run that did not finish, with the last errors its node logs show:
+    a script that failed before its first step left nothing in the metrics, and the
+    reason is only there."""
+    errors = last_errors(logs)
+    if not errors:
+        return detail
+    what = ("the training script failed before its first step" if not records
+            else "last error in the node logs")
+    return f"{detail}; {what}: {'; '.join(errors)}"

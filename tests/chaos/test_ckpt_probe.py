@@ -32,13 +32,13 @@ def test_probe_reads_committed_state_whole(tmp_path) -> None:
 def test_reference_copied_out_of_its_store_reads_the_same(tmp_path) -> None:
     # --reference-cache keeps the reference checkpoints in a local dir whatever store the
     # reference run wrote them to (the S3 server dies with the run).
-    from relight.chaos.runner import _copy_store
+    from relight.chaos.reference import copy_store
 
     src_url = "memory://chaos-ref-copy"
     mgr = ckpt.CheckpointManager(src_url, keep_last=None)
     weights = torch.arange(6, dtype=torch.float32)
     mgr.save(3, {"model": {"w": weights}, "train": {"step": 3}}, async_save=False)
-    copied = _copy_store(open_store(src_url), open_store(tmp_path / "cache"))
+    copied = copy_store(open_store(src_url), open_store(tmp_path / "cache"))
     assert copied == len(open_store(src_url).list()) > 0
     probe = CheckpointProbe(open_store(tmp_path / "cache"))
     assert probe.committed_steps() == [3]
@@ -132,43 +132,3 @@ def test_writer_commits_of_other_roots_and_other_lines_are_ignored(tmp_path) -> 
     log = tmp_path / "node-0.log"
     log.write_text("\n".join(lines) + "\n")
     assert read_writer_commits([log, tmp_path / "node-1.log"], root) == got
-
-
-class _Probe:
-    """Answers each listing from a script: a set of (step, attempt) or an error."""
-
-    def __init__(self, answers) -> None:
-        self.answers = list(answers)
-        self.listed: list[tuple[float, float]] = []
-
-    def commits(self):
-        began = time.time()
-        answer = self.answers.pop(0)
-        self.listed.append((began, time.time()))
-        if isinstance(answer, Exception):
-            raise answer
-        return answer
-
-
-def test_commit_poll_dates_a_commit_between_the_listings_around_it(tmp_path) -> None:
-    """A commit the probe first shows is dated by the end of that listing (committed by
-    then) and bounded below by the start of the listing before it that succeeded (not
-    committed when that one began): a listing that failed shows nothing about it."""
-    from types import SimpleNamespace
-
-    from relight.chaos.runner import _Watch
-    from relight.storage import StorageError
-
-    probe = _Probe([set(), StorageError("listing refused"), {(5, "a")}, {(5, "a")}])
-    watch = _Watch(SimpleNamespace(), SimpleNamespace(probe=probe), None,
-                   tmp_path / "metrics.jsonl", tmp_path / "observed.jsonl")
-    try:
-        for _ in range(4):
-            watch._poll_commits(force=True)
-    finally:
-        watch.close()
-    [event] = watch.ckpt_events
-    (empty, _), (failed, _), (_, showed), _ = probe.listed
-    assert (event.step, event.kind) == (5, "commit")
-    assert event.since <= empty < failed
-    assert event.time >= showed

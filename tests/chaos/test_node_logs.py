@@ -6,8 +6,13 @@ from __future__ import annotations
 from pathlib import Path
 
 from relight.chaos.logs import StepRecord
-from relight.chaos.node_logs import closed_rendezvous, last_error, last_errors
-from relight.chaos.runner import _with_last_errors, came_after_finish
+from relight.chaos.node_logs import (
+    came_after_finish,
+    closed_rendezvous,
+    last_error,
+    last_errors,
+    with_last_errors,
+)
 
 # A node's log as `relight run` leaves it when a warm-started script cannot import a
 # module: the worker's traceback twice (the agent restarted it once), the launcher's
@@ -58,10 +63,10 @@ def test_last_errors_names_each_log_once(tmp_path: Path) -> None:
 
 def test_a_run_without_a_step_says_why(tmp_path: Path) -> None:
     (tmp_path / "node-0.log").write_text(FAILED_IMPORT)
-    detail = _with_last_errors("agents exited {0: 1}", [], [tmp_path / "node-0.log"])
+    detail = with_last_errors("agents exited {0: 1}", [], [tmp_path / "node-0.log"])
     assert detail == ("agents exited {0: 1}; the training script failed before its first "
                       "step: ModuleNotFoundError: No module named 'helpers' (node-0.log)")
-    later = _with_last_errors("x", [StepRecord(step=1, loss=1.0)], [tmp_path / "node-0.log"])
+    later = with_last_errors("x", [StepRecord(step=1, loss=1.0)], [tmp_path / "node-0.log"])
     assert "last error in the node logs: ModuleNotFoundError" in later
 
 

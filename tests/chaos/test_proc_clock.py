@@ -13,9 +13,10 @@ from pathlib import Path
 
 import pytest
 
+from relight.chaos.cluster import Cluster, Node
 from relight.chaos.faults import FaultKind
 from relight.chaos.proc_clock import CLOCK_TICK_S, start_time, started_after
-from relight.chaos.runner import Cluster, _Node, launch
+from relight.chaos.runner import launch
 from relight.chaos.scenario import parse_scenario
 
 
@@ -84,7 +85,7 @@ class _FastAgents(Cluster):
                 [sys.executable, "-c", FAST_AGENT, str(self.run_dir / "metrics.jsonl"),
                  str(self.scenario.target_step)],
                 stdout=fh, stderr=subprocess.STDOUT, start_new_session=True)
-        self.nodes[index] = _Node(index, proc, log_path, time.time())
+        self.nodes[index] = Node(index, proc, log_path, time.time())
         self._track(proc.pid)
         return index
 

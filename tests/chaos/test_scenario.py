@@ -101,7 +101,7 @@ def test_seed_override_and_mtbf_schedule_is_deterministic() -> None:
 
 
 def test_rendezvous_timings_reach_the_agents_only_when_set() -> None:
-    from relight.chaos.runner import agent_command
+    from relight.chaos.commands import agent_command
 
     def conf(cluster: dict) -> str:
         s = parse_scenario({**BASE, "cluster": cluster})
@@ -126,11 +126,11 @@ def test_a_standalone_c10d_store_serves_until_torn_down(tmp_path: Path) -> None:
 
     import torch.distributed as dist
 
-    from relight.chaos.runner import _start_c10d_store
+    from relight.chaos.cluster import start_c10d_store
     from relight.elastic.etcd_server import free_port
 
     endpoint = f"127.0.0.1:{free_port()}"
-    proc = _start_c10d_store(endpoint, tmp_path / "store.log")
+    proc = start_c10d_store(endpoint, tmp_path / "store.log")
     try:
         host, port = endpoint.rsplit(":", 1)
         client = dist.TCPStore(host, int(port), is_master=False,
@@ -142,80 +142,10 @@ def test_a_standalone_c10d_store_serves_until_torn_down(tmp_path: Path) -> None:
         proc.wait(30)
 
 
-def test_drawn_faults_wait_until_they_can_happen(tmp_path: Path) -> None:
-    from relight.chaos.runner import _mtbf_spec, _Pending, _Watch
-
-    s = parse_scenario({**BASE, "cluster": {"nodes": 2, "min_nodes": 1, "max_nodes": 2},
-                        "mtbf": {"count": 3, "kinds": ["scale_up"]}})
-
-    class Fleet:
-        live = [0, 1]
-
-        def live_nodes(self) -> list[int]:
-            return self.live
-
-    fleet = Fleet()
-    watch = _Watch(s, fleet, None, tmp_path / "m.jsonl", tmp_path / "o.jsonl")
-    watch.high, watch.first_step_time = 10, 0.0
-
-    def due(kind: FaultKind) -> bool:
-        return watch._due(_Pending(0, _mtbf_spec(kind, s.mtbf, 5), "mtbf", 1.0), 100.0, None)
-
-    assert not due(FaultKind.SCALE_UP)          # full fleet: nothing to grow into
-    assert due(FaultKind.SCALE_DOWN)
-    assert not due(FaultKind.CORRUPT_CHECKPOINT)  # nothing committed yet
-    watch.committed.add((5, "a"))
-    fleet.live = [1]
-    assert due(FaultKind.SCALE_UP)
-    # One checkpoint: damaging it would leave nothing to fall back to (seed 9).
-    assert not due(FaultKind.CORRUPT_CHECKPOINT)
-    watch.committed.add((10, "b"))
-    assert due(FaultKind.CORRUPT_CHECKPOINT) and due(FaultKind.TRUNCATE_CHECKPOINT)
-    assert not due(FaultKind.SCALE_DOWN)        # at min_nodes: shrinking would stop the job
-    watch.close()
-
-
-def test_a_fault_after_recovery_waits_for_the_earlier_fault_to_recover(tmp_path: Path) -> None:
-    from relight.chaos.runner import _Pending, _Watch
-
-    s = parse_scenario({**BASE, "cluster": {"nodes": 2, "min_nodes": 1, "max_nodes": 2},
-                        "faults": [{"kind": "kill_worker", "at_step": 2},
-                                   {"kind": "kill_node", "at_step": 5,
-                                    "after_recovery": True}]})
-    watch = _Watch(s, None, None, tmp_path / "m.jsonl", tmp_path / "o.jsonl")
-    watch.high, watch.first_step_time = 6, 0.0
-    second = _Pending(1, s.faults[1], "timeline", None)
-    watch.recoveries.append(object())  # the first fault's group is not back yet
-    assert not watch._due(second, 10.0, None)
-    watch.recoveries.clear()  # it trains again
-    assert watch._due(second, 10.0, None)
-    watch.high = 4
-    assert not watch._due(second, 10.0, None)  # and the step must still be reached
-    watch.close()
-
-
-def test_a_fault_can_wait_steps_after_the_recovery(tmp_path: Path) -> None:
-    """steps_after_recovery counts from the step logged when the last recovery ended,
-    however late that was."""
-    from relight.chaos.runner import _Pending, _Watch
-
-    s = parse_scenario({**BASE, "cluster": {"nodes": 2, "min_nodes": 1, "max_nodes": 2},
-                        "faults": [{"kind": "kill_worker", "at_step": 2},
-                                   {"kind": "kill_node", "at_step": 5, "after_recovery": True,
-                                    "steps_after_recovery": 3}]})
-    watch = _Watch(s, None, None, tmp_path / "m.jsonl", tmp_path / "o.jsonl")
-    second = _Pending(1, s.faults[1], "timeline", None)
-    watch.high, watch.first_step_time, watch.recovered_at = 9, 0.0, 8  # back at step 8
-    assert not watch._due(second, 10.0, None)
-    watch.high = 11
-    assert watch._due(second, 10.0, None)
-    watch.close()
-
-
 def test_training_processes_share_the_machines_cores(monkeypatch) -> None:
     """The simulated nodes run on one machine: each training process gets its share of
     the cores as intra-op threads, unless the caller or the scenario says otherwise."""
-    from relight.chaos.runner import training_command
+    from relight.chaos.commands import training_command
 
     monkeypatch.delenv("OMP_NUM_THREADS", raising=False)
     monkeypatch.setattr(os, "cpu_count", lambda: 8)
@@ -232,31 +162,3 @@ def test_training_processes_share_the_machines_cores(monkeypatch) -> None:
     assert threads({"nodes": 4, "ranks_per_node": 1}, env={"OMP_NUM_THREADS": "3"}) == "3"
     monkeypatch.setenv("OMP_NUM_THREADS", "5")  # the caller's own setting is inherited
     assert threads({"nodes": 4, "ranks_per_node": 1}) is None
-
-
-def test_a_step_the_victim_logged_after_the_kill_is_not_its_rejoin() -> None:
-    """On a loaded machine a killed group's last step can be logged after the fault's
-    time (the kill lands late): its rejoin is its first step in a later quorum."""
-    from relight.chaos.faults import FaultEvent, FaultKind
-    from relight.chaos.logs import StepRecord
-    from relight.chaos.runner import _QuorumRecovery
-
-    def rec(group: str, step: int, quorum: int, t: float, healed: int | None = None):
-        return StepRecord(step=step, loss=1.0, time=t, replica_group=group, quorum=quorum,
-                          quorum_size=2 if quorum != 1 else 1, healed_bytes=healed)
-
-    records = [rec(g, s, 0, s / 10) for s in range(1, 6) for g in ("node-0", "node-1")]
-    ev = FaultEvent(index=0, kind=FaultKind.KILL_WORKER, trigger="step>=5", time=1.0,
-                    step=5, node=0)
-    recovery = _QuorumRecovery(ev, records)
-    later = [rec("node-0", 6, 0, 1.05), rec("node-1", 6, 0, 1.06),  # in flight at the kill
-             rec("node-1", 7, 1, 1.5), rec("node-1", 8, 1, 1.7)]
-    records += later
-    assert not recovery.update(later)
-    assert "rejoin_s" not in ev.detail
-    assert ev.first_step_at == 1.5 and ev.detail["pause_s"] == 0.44
-    back = [rec("node-0", 9, 2, 4.0, healed=4096), rec("node-1", 9, 2, 4.1)]
-    records += back
-    assert recovery.update(back)
-    assert ev.detail["rejoin_s"] == 3.0 and ev.detail["healed_bytes"] == 4096
-    assert ev.detail["join_pause_s"] == 2.4

@@ -7,13 +7,9 @@ from pathlib import Path
 
 import pytest
 
+from relight.chaos.commands import TrainingFileError, check_training_files, training_command
 from relight.chaos.fingerprint import local_imports
-from relight.chaos.runner import (
-    TrainingFileError,
-    check_training_files,
-    reference_key,
-    training_command,
-)
+from relight.chaos.reference import reference_key
 from relight.chaos.scenario import Scenario, parse_scenario
 
 
