@@ -66,7 +66,8 @@ def _local(t: torch.Tensor) -> torch.Tensor:
 
 
 def _crc(t: torch.Tensor) -> int:
-    flat = t.contiguous().reshape(-1)
+    # A heal over NCCL moves device tensors; their checksum is taken on a host copy.
+    flat = t.detach().cpu().contiguous().reshape(-1)
     return crc32c(flat.view(torch.uint8).numpy() if flat.numel() else b"")
 
 

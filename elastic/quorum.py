@@ -57,7 +57,6 @@ from typing import Any
 
 from relight.elastic.etcd_client import (
     Compare,
-    EtcdClient,
     EtcdLeaseLostError,
     KeyValue,
     LeaseKeeper,
@@ -65,6 +64,7 @@ from relight.elastic.etcd_client import (
     OpPut,
     OpRange,
 )
+from relight.elastic.kv import KeyValueClient
 from relight.errors import RelightError
 
 logger = logging.getLogger(__name__)
@@ -272,7 +272,7 @@ class QuorumClient:
     `decide()`; `leave()` at the end. Thread-safe for one caller at a time.
     """
 
-    def __init__(self, client: EtcdClient, job: str, group: str, *, lease_ttl: float = 10.0,
+    def __init__(self, client: KeyValueClient, job: str, group: str, *, lease_ttl: float = 10.0,
                  timeout: float = 60.0, failover_grace_s: float = 1.0) -> None:
         if not group or "/" in group:
             raise ValueError(f"replica group id {group!r} must be non-empty without '/'")

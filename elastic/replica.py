@@ -71,6 +71,8 @@ from relight.elastic.heal import (
     reshard_state,
     transfer_state,
 )
+from relight.elastic.kv import KeyValueClient
+from relight.elastic.process_groups import GlooGroups, ProcessGroupFactory, default_factory
 from relight.elastic.quorum import Quorum, QuorumClient, QuorumError
 from relight.elastic.regions import (
     RegionMismatchError,
@@ -115,6 +117,10 @@ class ReplicaSettings:
     leaves the job and raises HealError in its loop: each try costs the live groups a
     step. A state that cannot take the heal at all (another structure than the
     source's) leaves at the first try (HealMismatchError)."""
+    device: str | None = None
+    """Where the cross-group reduction runs: `"cpu"` (gloo), `"cuda"` / `"cuda:N"` (NCCL,
+    gradients reduced on the device). None: the device of the state's first tensor
+    (`state=`), else the CPU."""
     probe_timeout_s: float = 2.0
     """At start, the longest wait for a quorum member's store to take a connection. A store
     that refuses means a member gone (killed under a lease not yet expired): no source
@@ -224,6 +230,18 @@ def _layout_of(flat: FlatState, rank: int) -> _Layout:
     return lay, pieces, layout_digest(RankLayout(0, lay.tensors, lay.values))
 
 
+def _state_device(state: Callable[[], Mapping[str, Any]] | None) -> torch.device | None:
+    """The device of the first tensor of `state()` (None without state or tensors)."""
+    if state is None:
+        return None
+    tensors = flatten_state(state()).tensors
+    first = next(iter(tensors.values()), None)
+    if first is None:
+        return None
+    t = first.tensor
+    return (t.to_local() if hasattr(t, "to_local") else t).device
+
+
 def _quorum_doc(quorum: Quorum, store: tuple[str, int] | None) -> dict[str, Any]:
     return {"id": quorum.id, "members": list(quorum.members), "revision": quorum.revision,
             "healing": list(quorum.healing), "store": list(store) if store else None}
@@ -246,7 +264,9 @@ class ReplicaManager:
                  load: Callable[[Mapping[str, Any]], None] | None = None,
                  heal: bool | None = None,
                  restore: Callable[[], None] | None = None,
-                 group_pg: dist.ProcessGroup | None = None) -> None:
+                 group_pg: dist.ProcessGroup | None = None,
+                 kv: KeyValueClient | None = None,
+                 process_groups: ProcessGroupFactory | None = None) -> None:
         """`state()` returns this rank's live state dict (tensors, stateful objects and
         JSON values, as for `ckpt.save`): what it sends to a healing group, or, when this
         group heals (a replacement, a restarted group, a spare), where what it receives
@@ -259,7 +279,11 @@ class ReplicaManager:
         with no live replica does; the group then trains as the holder of the state
         (without `restore`, QuorumError). `group_pg`: the group's own
         process group when the group has several ranks (default: the default group,
-        when one is initialised)."""
+        when one is initialised). `kv`: the coordinator the group's first rank runs the
+        quorum protocol against (default: an `EtcdClient` on `settings.etcd`; an
+        `elastic.memory_kv.MemoryEtcd` client runs the same rules in one process).
+        `process_groups`: what builds each quorum's cross-group process group (default:
+        `default_factory` for `settings.device`: NCCL for CUDA state, gloo otherwise)."""
         self.settings = settings
         self.group = settings.group
         self._state = state
@@ -275,7 +299,8 @@ class ReplicaManager:
         self._store: dist.TCPStore | None = None
         timeout = timedelta(seconds=settings.collective_timeout_s)
         if self.local_rank == 0:
-            self.quorum_client = QuorumClient(EtcdClient(settings.etcd), settings.job,
+            self.quorum_client = QuorumClient(kv if kv is not None
+                                              else EtcdClient(settings.etcd), settings.job,
                                               settings.group,
                                               lease_ttl=settings.lease_ttl,
                                               timeout=settings.quorum_timeout_s,
@@ -295,6 +320,9 @@ class ReplicaManager:
             if not heal:
                 self._join()
         self.quorum: Quorum | None = None
+        self._groups = process_groups or default_factory(
+            settings.device or _state_device(state), settings.host)
+        self._timeout = timeout
         self._pg: dist.ProcessGroup | None = None
         self._pg_quorum = -1
         self._mixed: _MixedQuorum | None = None
@@ -371,7 +399,8 @@ class ReplicaManager:
             # the first rank waits for the members to enter: a member still in the old
             # quorum's collective (it began the step before this group saw the change)
             # then fails at once instead of at the collective timeout.
-            self._pg, self._pg_quorum = None, -1
+            self._drop_pg()
+            self._pg_quorum = -1
             doc = self._first_rank_says(self._enter, doc)
             if not doc.get("again"):
                 break
@@ -465,7 +494,8 @@ class ReplicaManager:
             self.quorum_client.set_ready(True)
 
     def _rebuild(self, quorum: Quorum, leader_store: list[Any] | None) -> None:
-        self._pg, self._pg_quorum, self._mixed = None, quorum.id, None
+        self._drop_pg()
+        self._pg_quorum, self._mixed = quorum.id, None
         self.stats.rebuilt = True
         if quorum.size == 1:
             return
@@ -477,10 +507,6 @@ class ReplicaManager:
             store: dist.Store = (
                 self._store if self._store is not None and quorum.host == self.group
                 else dist.TCPStore(host, port, is_master=False, timeout=timeout))
-            options = dist.ProcessGroupGloo._Options()
-            options._timeout = timeout
-            options._devices = [dist.ProcessGroupGloo.create_device(
-                hostname=self.settings.host)]
             base = dist.PrefixStore(f"quorum/{quorum.id}/", store)
             sd = None if self._state is None else self._state()
             if sd is not None and self.group in quorum.healing:
@@ -495,11 +521,14 @@ class ReplicaManager:
             else:
                 prefixed = dist.PrefixStore("all/", base)
                 rank, size = mixed.me, sum(len(g) for g in mixed.groups)
-            self._pg = dist.ProcessGroupGloo(prefixed, rank, size, options)
+            # Mixed quorums route boxes point to point on the host: gloo, whatever the
+            # factory.
+            factory = self._groups if mixed is None else GlooGroups(self.settings.host)
+            self._pg = factory.create(prefixed, rank, size, timeout)
             self._mixed = mixed
-            logger.info("[replica %s/%d] cross-group process group of quorum %d%s: rank %d "
-                        "of %d", self.group, self.local_rank, quorum.id,
-                        " (layouts differ)" if mixed else "", rank, size)
+            logger.info("[replica %s/%d] cross-group process group of quorum %d%s: %s rank "
+                        "%d of %d", self.group, self.local_rank, quorum.id,
+                        " (layouts differ)" if mixed else "", factory.backend, rank, size)
             if quorum.healing:
                 self._heal(quorum, prefixed, sd, flat, layout)
         except (RuntimeError, dist.DistError, HealError) as exc:
@@ -509,7 +538,7 @@ class ReplicaManager:
             logger.warning("[replica %s/%d] building quorum %d's process group failed: %s",
                            self.group, self.local_rank, quorum.id, exc)
             self._ok = healed = False
-            self._pg = None
+            self._drop_pg()
             if self.group in quorum.healing:
                 self._heal_failures += 1
                 if isinstance(exc, HealMismatchError):
@@ -628,7 +657,8 @@ class ReplicaManager:
                                "%s", self.group, self.local_rank, self.quorum.id, exc)
                 # Closing our side now makes a peer still blocked in this collective fail
                 # at once instead of at its timeout, so every survivor votes in time.
-                self._ok, self._pg = False, None
+                self._ok = False
+                self._drop_pg()
         self.stats.allreduce_s += time.monotonic() - t0
 
     def agree(self, value: float) -> float:
@@ -644,13 +674,13 @@ class ReplicaManager:
         try:
             opts = dist.BroadcastOptions()
             opts.rootRank, opts.rootTensor = 0, 0
-            self._pg.broadcast([t], opts).wait(
-                timedelta(seconds=self.settings.collective_timeout_s))
+            self._pg.broadcast([t], opts).wait(self._timeout)
         except (RuntimeError, dist.DistError) as exc:
             logger.warning("[replica %s/%d] agreeing on a value failed in quorum %d: %s",
                            self.group, self.local_rank, self.quorum.id if self.quorum
                            else -1, exc)
-            self._ok, self._pg = False, None
+            self._ok = False
+            self._drop_pg()
             return value
         return float(t.item())
 
@@ -682,10 +712,10 @@ class ReplicaManager:
             flags = with_flags and dtype == carrier
             parts = [t.reshape(-1) for t in group]
             if flags:
-                parts.append(self._local_flags().to(dtype))
+                parts.append(self._local_flags().to(device=group[0].device, dtype=dtype))
             flat = (group[0] if len(parts) == 1 and group[0].is_contiguous()
                     else torch.cat(parts))
-            self._pg.allreduce([flat]).wait()
+            self._groups.wait(self._pg.allreduce([flat]), self._timeout)
             if flags:
                 self._flags = (float(flat[-2]), float(flat[-1]))
             if flat is not group[0]:
@@ -753,7 +783,8 @@ class ReplicaManager:
                        "next quorum", self.group, self.local_rank, step, quorum.id)
         # Close our side first: a member still in (or about to start) a collective with
         # us fails at once, and votes too.
-        self._failed, self._pg, self._pg_quorum = (quorum, step), None, -1
+        self._drop_pg()
+        self._failed, self._pg_quorum = (quorum, step), -1
         requests_before = self.requests
         self._first_rank_says(self._vote_failed, quorum, step)
         self.stats.etcd_requests += self.requests - requests_before
@@ -764,16 +795,17 @@ class ReplicaManager:
         """The step's flags in a collective of their own, when no reduction carried
         them."""
         assert self._pg is not None
-        flags = self._local_flags()
+        flags = self._local_flags().to(
+            self._groups.device if self._mixed is None else torch.device("cpu"))
         try:
-            self._pg.allreduce([flags]).wait(
-                timedelta(seconds=self.settings.collective_timeout_s))
+            self._pg.allreduce([flags]).wait(self._timeout)
             self._flags = (float(flags[0]), float(flags[1]))
         except (RuntimeError, dist.DistError) as exc:
             logger.warning("[replica %s/%d] the step's flags failed in quorum %d: %s",
                            self.group, self.local_rank, self.quorum.id if self.quorum
                            else -1, exc)
-            self._ok, self._pg = False, None
+            self._ok = False
+            self._drop_pg()
 
     def _vote_failed(self, quorum: Quorum, step: int) -> dict[str, Any]:
         """The first rank's vote that `step` failed here (the fallback path: the
@@ -785,8 +817,15 @@ class ReplicaManager:
         except QuorumError as exc:
             return {"error": str(exc)}
 
+    def _drop_pg(self) -> None:
+        """Let go of the quorum's process group (a failed one is aborted: a peer still in
+        a collective with it fails at once instead of at its timeout)."""
+        pg, self._pg = self._pg, None
+        if pg is not None:
+            (self._groups if self._mixed is None else GlooGroups()).abort(pg)
+
     def close(self) -> None:
-        self._pg = None
+        self._drop_pg()
         if self.quorum_client is not None:
             self.quorum_client.leave()
             self.quorum_client = None

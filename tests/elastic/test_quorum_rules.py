@@ -1,12 +1,13 @@
-"""Rules of the quorum protocol, against a real etcd: a group that restarted and asks to
-heal never trains in the quorum it fell out of; groups that hold no state never form a
-quorum on their own while a group that holds it lives; a member replaced before everyone
-entered is dropped at once; a joiner that registered but does not enter is kept out
-until it asks again; a newcomer heals only from a member that answers, and joiners whose
-last source of the state is lost restore it from storage (the first of them; the others
-heal from it) and are no longer named healing; a member whose process is gone (its store
-refuses connections, or its agent restarted it) costs no failover grace and no entry wait,
-while a silent one that lives is waited for.
+"""Rules of the quorum protocol, each against a real etcd and against the in-memory key space
+with etcd's semantics (`MemoryEtcd`, the same rules in milliseconds): a group that
+restarted and asks to heal never trains in the quorum it fell out of; groups that hold no
+state never form a quorum on their own while a group that holds it lives; a member
+replaced before everyone entered is dropped at once; a joiner that registered but does not
+enter is kept out until it asks again; a newcomer heals only from a member that answers,
+and joiners whose last source of the state is lost restore it from storage (the first of
+them; the others heal from it) and are no longer named healing; a member whose process is
+gone (its store refuses connections, or its agent restarted it) costs no failover grace
+and no entry wait, while a silent one that lives is waited for.
 
 A live group's store is a listening socket (`_live_store`): the protocol probes stores to
 tell a dead group from a slow one."""
@@ -22,17 +23,45 @@ import pytest
 import torch
 
 from relight.elastic.etcd_client import EtcdClient, EtcdSettings
+from relight.elastic.kv import KeyValueClient
+from relight.elastic.memory_kv import MemoryEtcd
 from relight.elastic.quorum import Quorum, QuorumClient, QuorumError
 from relight.elastic.replica import ReplicaManager, ReplicaSettings
 
 pytestmark = [pytest.mark.etcd]
 
 
-def _client(endpoint: str, job: str, group: str, *,
+class _Backend:
+    """Where a test's groups agree: a real etcd (`endpoint`) or one `MemoryEtcd`."""
+
+    def __init__(self, endpoint: str | None) -> None:
+        self.endpoint = endpoint
+        self.memory = MemoryEtcd() if endpoint is None else None
+
+    def connect(self) -> KeyValueClient:
+        if self.memory is not None:
+            return self.memory.client(prefix="/relight-test")
+        assert self.endpoint is not None
+        return EtcdClient(EtcdSettings(endpoints=(self.endpoint,), prefix="/relight-test"))
+
+    def etcd_settings(self) -> EtcdSettings:
+        return EtcdSettings(endpoints=(self.endpoint or "127.0.0.1:1",), prefix="/relight-test")
+
+    def manager(self, settings: ReplicaSettings, **kwargs) -> ReplicaManager:
+        return ReplicaManager(settings, kv=self.connect(), **kwargs)
+
+
+@pytest.fixture(params=["etcd", "memory"])
+def kv(request) -> _Backend:
+    if request.param == "memory":
+        return _Backend(None)
+    return _Backend(request.getfixturevalue("etcd_server").endpoint)
+
+
+def _client(kv: _Backend, job: str, group: str, *,
             failover_grace_s: float = 0.5) -> QuorumClient:
-    etcd = EtcdClient(EtcdSettings(endpoints=(endpoint,), prefix="/relight-test"))
     # A long lease: the test decides who is alive, not a lease expiry on a loaded machine.
-    return QuorumClient(etcd, job, group, lease_ttl=30.0, timeout=60.0,
+    return QuorumClient(kv.connect(), job, group, lease_ttl=30.0, timeout=60.0,
                         failover_grace_s=failover_grace_s)
 
 
@@ -61,9 +90,9 @@ def _run(fn, out: list) -> threading.Thread:
     return t
 
 
-def _two_groups(endpoint: str) -> tuple[str, QuorumClient, QuorumClient, Quorum]:
+def _two_groups(kv: _Backend) -> tuple[str, QuorumClient, QuorumClient, Quorum]:
     job = f"rules-{uuid.uuid4().hex[:8]}"
-    a, b = _client(endpoint, job, "a"), _client(endpoint, job, "b")
+    a, b = _client(kv, job, "a"), _client(kv, job, "b")
     a.join(_live_store(), ready=True)
     b.join(_live_store(), ready=True)
     got: list = []
@@ -74,19 +103,19 @@ def _two_groups(endpoint: str) -> tuple[str, QuorumClient, QuorumClient, Quorum]
     return job, a, b, q0
 
 
-def _restarted(endpoint: str, job: str, b: QuorumClient) -> QuorumClient:
+def _restarted(kv: _Backend, job: str, b: QuorumClient) -> QuorumClient:
     """b's workers die and its agent starts new ones: the same group id registers again,
     this time asking to heal, while the quorum key still names it as a member."""
     b.leave()
-    b2 = _client(endpoint, job, "b")
+    b2 = _client(kv, job, "b")
     b2.join(_live_store(), ready=False, heal=True)
     return b2
 
 
 def test_a_restarted_group_heals_in_a_new_quorum_not_the_one_it_fell_out_of(
-        etcd_server) -> None:
-    job, a, b, q0 = _two_groups(etcd_server.endpoint)
-    b2 = _restarted(etcd_server.endpoint, job, b)
+        kv) -> None:
+    job, a, b, q0 = _two_groups(kv)
+    b2 = _restarted(kv, job, b)
     q, _ = b2.agree()
     assert q.id > q0.id, "the restarted group took the quorum it fell out of"
     assert q.members == ("a", "b") and q.healing == ("b",) and q.host == "a"
@@ -94,9 +123,9 @@ def test_a_restarted_group_heals_in_a_new_quorum_not_the_one_it_fell_out_of(
         c.leave()
 
 
-def test_groups_without_the_state_wait_for_a_slow_holder(etcd_server) -> None:
-    job, a, b, q0 = _two_groups(etcd_server.endpoint)
-    b2 = _restarted(etcd_server.endpoint, job, b)
+def test_groups_without_the_state_wait_for_a_slow_holder(kv) -> None:
+    job, a, b, q0 = _two_groups(kv)
+    b2 = _restarted(kv, job, b)
     q1, _ = b2.agree()
     assert q1.healing == ("b",)
     # The heal of q1's first step fails: b votes fail at once and re-forms; a, which
@@ -116,14 +145,14 @@ def test_groups_without_the_state_wait_for_a_slow_holder(etcd_server) -> None:
         c.leave()
 
 
-def test_a_member_drops_a_quorum_replaced_before_everyone_entered(etcd_server) -> None:
-    job, a, b, q0 = _two_groups(etcd_server.endpoint)
+def test_a_member_drops_a_quorum_replaced_before_everyone_entered(kv) -> None:
+    job, a, b, q0 = _two_groups(kv)
     # b's group restarts and asks to heal: b2's agree proposes q1 (a, b healing).
-    b2 = _restarted(etcd_server.endpoint, job, b)
+    b2 = _restarted(kv, job, b)
     q1, _ = b2.agree()
     # A third group asks to heal before `a` read q1: at its step boundary `a` sees both
     # joiners and proposes q2 right after.
-    c = _client(etcd_server.endpoint, job, "c")
+    c = _client(kv, job, "c")
     c.join(_live_store(), ready=False, heal=True)
     q2, _ = a.agree()
     assert q2.id == q1.id + 1 and q2.members == ("a", "b", "c")
@@ -147,11 +176,11 @@ def _commit_step(q: Quorum, step: int, *groups: QuorumClient) -> None:
     assert all(g.decide(q, step) for g in groups)
 
 
-def test_a_joiner_that_does_not_enter_is_kept_out_until_it_asks_again(etcd_server) -> None:
-    job, a, b, q0 = _two_groups(etcd_server.endpoint)
+def test_a_joiner_that_does_not_enter_is_kept_out_until_it_asks_again(kv) -> None:
+    job, a, b, q0 = _two_groups(kv)
     # c registers to heal, then does not come to its first step boundary (still
     # starting: its process lives).
-    c = _client(etcd_server.endpoint, job, "c")
+    c = _client(kv, job, "c")
     c.join(_live_store(), ready=False, heal=True)
     q1, _ = a.agree()
     assert b.agree()[0] == q1 and q1.healing == ("c",)
@@ -187,9 +216,8 @@ def test_a_joiner_that_does_not_enter_is_kept_out_until_it_asks_again(etcd_serve
 
 # -- the last group holding the state is lost while a newcomer joins ----------------------
 
-def _settings(endpoint: str, job: str, group: str) -> ReplicaSettings:
-    return ReplicaSettings(job=job, group=group,
-                           etcd=EtcdSettings(endpoints=(endpoint,), prefix="/relight-test"),
+def _settings(kv: _Backend, job: str, group: str) -> ReplicaSettings:
+    return ReplicaSettings(job=job, group=group, etcd=kv.etcd_settings(),
                            lease_ttl=30.0, collective_timeout_s=5.0, quorum_timeout_s=30.0,
                            failover_grace_s=0.5, probe_timeout_s=2.0)
 
@@ -202,8 +230,8 @@ def _closed_address() -> tuple[str, int]:
     return host, port
 
 
-def _alone(endpoint: str, job: str, store: tuple[str, int]) -> tuple[QuorumClient, Quorum]:
-    a = _client(endpoint, job, "a")
+def _alone(kv: _Backend, job: str, store: tuple[str, int]) -> tuple[QuorumClient, Quorum]:
+    a = _client(kv, job, "a")
     a.join(store, ready=True)
     q0, _ = a.agree()
     assert q0.members == ("a",)
@@ -240,14 +268,13 @@ def _start_step(mgr: ReplicaManager) -> tuple[threading.Thread, list]:
 
 
 def test_a_newcomer_does_not_heal_from_a_member_killed_under_a_live_lease(
-        etcd_server) -> None:
+        kv) -> None:
     job = f"rules-{uuid.uuid4().hex[:8]}"
     # a is the last group training; its process is killed: its key (lease) lives on,
     # its store answers nothing.
-    a, q0 = _alone(etcd_server.endpoint, job, _closed_address())
+    a, q0 = _alone(kv, job, _closed_address())
     disk = _Storage()
-    r = ReplicaManager(_settings(etcd_server.endpoint, job, "r"), state=disk.state,
-                       restore=disk.restore)
+    r = kv.manager(_settings(kv, job, "r"), state=disk.state, restore=disk.restore)
     try:
         assert not r.healing, "the newcomer chose to heal from a group that answers nothing"
         t, out = _start_step(r)
@@ -263,15 +290,14 @@ def test_a_newcomer_does_not_heal_from_a_member_killed_under_a_live_lease(
 
 
 def test_a_joiner_whose_last_source_is_lost_restores_from_storage_and_trains(
-        etcd_server) -> None:
+        kv) -> None:
     job = f"rules-{uuid.uuid4().hex[:8]}"
     with socket.socket() as listener:
         listener.bind(("127.0.0.1", 0))
         listener.listen()
-        a, q0 = _alone(etcd_server.endpoint, job, listener.getsockname())
+        a, q0 = _alone(kv, job, listener.getsockname())
         disk = _Storage()
-        r = ReplicaManager(_settings(etcd_server.endpoint, job, "r"), state=disk.state,
-                           restore=disk.restore)
+        r = kv.manager(_settings(kv, job, "r"), state=disk.state, restore=disk.restore)
     try:
         assert r.healing, "a live member answers: the newcomer heals from it"
         a.leave()  # ... and then the last holder is lost before the heal
@@ -288,17 +314,17 @@ def test_a_joiner_whose_last_source_is_lost_restores_from_storage_and_trains(
         r.close()
 
 
-def test_a_group_that_restored_is_not_named_healing_again(etcd_server) -> None:
+def test_a_group_that_restored_is_not_named_healing_again(kv) -> None:
     job = f"rules-{uuid.uuid4().hex[:8]}"
-    a, q0 = _alone(etcd_server.endpoint, job, _closed_address())
-    r = _client(etcd_server.endpoint, job, "r")
+    a, q0 = _alone(kv, job, _closed_address())
+    r = _client(kv, job, "r")
     r.join(_live_store(), ready=False, heal=True)
     a.leave()
     q1, _ = r.agree()
     assert q1.members == ("r",) and q1.healing == ("r",)  # nobody to heal it: restore
     # Its process restarts, restores from storage and registers as holding the state.
     r.leave()
-    r2 = _client(etcd_server.endpoint, job, "r")
+    r2 = _client(kv, job, "r")
     r2.join(_live_store(), ready=True)
     q2, _ = r2.agree()
     assert q2.id == q1.id + 1 and q2.members == ("r",) and q2.healing == (), (
@@ -306,10 +332,10 @@ def test_a_group_that_restored_is_not_named_healing_again(etcd_server) -> None:
     r2.leave()
 
 
-def test_joiners_without_a_source_heal_from_the_first_that_restored(etcd_server) -> None:
+def test_joiners_without_a_source_heal_from_the_first_that_restored(kv) -> None:
     job = f"rules-{uuid.uuid4().hex[:8]}"
-    a, q0 = _alone(etcd_server.endpoint, job, _closed_address())
-    r1, r2 = _client(etcd_server.endpoint, job, "r1"), _client(etcd_server.endpoint, job, "r2")
+    a, q0 = _alone(kv, job, _closed_address())
+    r1, r2 = _client(kv, job, "r1"), _client(kv, job, "r2")
     r1.join(_live_store(), ready=False, heal=True)
     r2.join(_live_store(), ready=False, heal=True)
     a.leave()
@@ -330,10 +356,10 @@ def test_joiners_without_a_source_heal_from_the_first_that_restored(etcd_server)
 
 
 def test_a_joiner_whose_source_is_lost_after_taking_it_in_re_forms_alone(
-        etcd_server) -> None:
+        kv) -> None:
     job = f"rules-{uuid.uuid4().hex[:8]}"
-    a, q0 = _alone(etcd_server.endpoint, job, _closed_address())
-    r = _client(etcd_server.endpoint, job, "r")
+    a, q0 = _alone(kv, job, _closed_address())
+    r = _client(kv, job, "r")
     r.join(_live_store(), ready=False, heal=True)
     q1, _ = a.agree()  # a takes r in at its step boundary ...
     assert q1.members == ("a", "r") and q1.healing == ("r",)
@@ -346,10 +372,10 @@ def test_a_joiner_whose_source_is_lost_after_taking_it_in_re_forms_alone(
 
 # -- a member whose process is gone is not waited for ---------------------------------------
 
-def _three_groups(endpoint: str, *, grace: float, c_store: tuple[str, int]
+def _three_groups(kv: _Backend, *, grace: float, c_store: tuple[str, int]
                   ) -> tuple[str, QuorumClient, QuorumClient, QuorumClient, Quorum]:
     job = f"rules-{uuid.uuid4().hex[:8]}"
-    a, b, c = (_client(endpoint, job, g, failover_grace_s=grace) for g in "abc")
+    a, b, c = (_client(kv, job, g, failover_grace_s=grace) for g in "abc")
     a.join(_live_store(), ready=True)
     b.join(_live_store(), ready=True)
     c.join(c_store, ready=True)
@@ -367,10 +393,10 @@ def _fail_step(q: Quorum, *voters: QuorumClient) -> None:
         assert g.vote(q, 0, ok=False)
 
 
-def test_survivors_skip_the_grace_for_a_member_whose_process_is_gone(etcd_server) -> None:
+def test_survivors_skip_the_grace_for_a_member_whose_process_is_gone(kv) -> None:
     # c is killed during step 0: its key lives on under its lease, its store refuses.
     # The grace is longer than this test may run: a survivor that waited it fails here.
-    _, a, b, c, q0 = _three_groups(etcd_server.endpoint, grace=600.0,
+    _, a, b, c, q0 = _three_groups(kv, grace=600.0,
                                    c_store=_closed_address())
     _fail_step(q0, a, b)
     got: list = []
@@ -383,9 +409,9 @@ def test_survivors_skip_the_grace_for_a_member_whose_process_is_gone(etcd_server
         x.leave()
 
 
-def test_survivors_wait_the_grace_for_a_silent_member_that_lives(etcd_server) -> None:
+def test_survivors_wait_the_grace_for_a_silent_member_that_lives(kv) -> None:
     # c is alive (its store takes connections) but does not vote: frozen, or slow.
-    _, a, b, c, q0 = _three_groups(etcd_server.endpoint, grace=1.0, c_store=_live_store())
+    _, a, b, c, q0 = _three_groups(kv, grace=1.0, c_store=_live_store())
     _fail_step(q0, a, b)
     t0 = time.monotonic()
     q1, _ = a.agree(failed=(q0, 0))
@@ -396,15 +422,15 @@ def test_survivors_wait_the_grace_for_a_silent_member_that_lives(etcd_server) ->
         x.leave()
 
 
-def test_survivors_skip_the_grace_for_a_member_its_agent_restarted(etcd_server) -> None:
+def test_survivors_skip_the_grace_for_a_member_its_agent_restarted(kv) -> None:
     # c's workers die in step 0 and its agent starts new ones at once: the same group id
     # registers again, asking to heal. The old process never votes; the new one never
     # acts in q0.
-    job, a, b, c, q0 = _three_groups(etcd_server.endpoint, grace=600.0,
+    job, a, b, c, q0 = _three_groups(kv, grace=600.0,
                                      c_store=_live_store())
     _fail_step(q0, a, b)
     c.leave()
-    c2 = _client(etcd_server.endpoint, job, "c")
+    c2 = _client(kv, job, "c")
     c2.join(_live_store(), ready=False, heal=True)
     got: list = []
     t = _run(lambda: a.agree(failed=(q0, 0))[0], got)
@@ -435,12 +461,12 @@ def _store_seen_by_a_probe() -> tuple[tuple[str, int], socket.socket, threading.
     return listener.getsockname(), listener, probed
 
 
-def _a_waiting_out_the_grace(endpoint: str):
+def _a_waiting_out_the_grace(kv: _Backend):
     """Three groups in a quorum whose step 0 a and b voted failed; c, alive (its store
     takes connections), has not voted. a waits out a 600 s grace for c in a thread (its
     quorum goes to `got`); returned once a has probed c's store."""
     store, listener, probed = _store_seen_by_a_probe()
-    _, a, b, c, q0 = _three_groups(endpoint, grace=600.0, c_store=store)
+    _, a, b, c, q0 = _three_groups(kv, grace=600.0, c_store=store)
     _fail_step(q0, a, b)
     got: list = []
     t = _run(lambda: a.agree(failed=(q0, 0))[0], got)
@@ -448,11 +474,11 @@ def _a_waiting_out_the_grace(endpoint: str):
     return listener, a, b, c, q0, got, t
 
 
-def test_survivors_stop_waiting_for_a_member_that_dies_during_the_grace(etcd_server) -> None:
+def test_survivors_stop_waiting_for_a_member_that_dies_during_the_grace(kv) -> None:
     # c's process exits while a waits: its key lives on under its lease, and no key
     # changes. The grace is longer than this test may run: only probing c again ends
     # the wait in time.
-    listener, a, b, c, q0, got, t = _a_waiting_out_the_grace(etcd_server.endpoint)
+    listener, a, b, c, q0, got, t = _a_waiting_out_the_grace(kv)
     listener.close()  # c exits
     t.join(60)
     assert got, "a survivor waited out the grace for a member that died during it"
@@ -462,11 +488,11 @@ def test_survivors_stop_waiting_for_a_member_that_dies_during_the_grace(etcd_ser
 
 
 def test_survivors_take_the_quorum_another_survivor_formed_during_their_grace(
-        etcd_server) -> None:
+        kv) -> None:
     # c lives but does not vote. b has already given up on c (its grace was shorter, or
     # c's store refused it) and formed the next quorum: a, still in its grace, takes it
     # at once.
-    _, a, b, c, q0, got, t = _a_waiting_out_the_grace(etcd_server.endpoint)
+    _, a, b, c, q0, got, t = _a_waiting_out_the_grace(kv)
     b.failover_grace_s = 0.0
     q1, _ = b.agree(failed=(q0, 0))
     assert q1.members == ("a", "b")
@@ -476,22 +502,22 @@ def test_survivors_take_the_quorum_another_survivor_formed_during_their_grace(
         x.leave()
 
 
-def _c_silent_after_the_reduction(endpoint: str, c_store: tuple[str, int]):
+def _c_silent_after_the_reduction(kv: _Backend, c_store: tuple[str, int]):
     """Three groups in a quorum; a and b voted ok on step 0 and decide it in threads
     (their verdicts go to `got`); c has not voted."""
-    _, a, b, c, q0 = _three_groups(endpoint, grace=600.0, c_store=c_store)
+    _, a, b, c, q0 = _three_groups(kv, grace=600.0, c_store=c_store)
     assert a.vote(q0, 0, ok=True) and b.vote(q0, 0, ok=True)
     got: list = []
     threads = [_run(lambda x=x: x.decide(q0, 0), got) for x in (a, b)]
     return a, b, c, q0, got, threads
 
 
-def test_a_member_killed_before_its_vote_costs_the_step_no_lease_ttl(etcd_server) -> None:
+def test_a_member_killed_before_its_vote_costs_the_step_no_lease_ttl(kv) -> None:
     # c finished the reduction of step 0 and was killed before it voted: its key lives
     # on under its 30 s lease, its store refuses. The step is abandoned on the survivors
     # well before the lease could expire, and c's vote, had it still been in flight,
     # can no longer land.
-    a, b, c, q0, got, threads = _c_silent_after_the_reduction(etcd_server.endpoint,
+    a, b, c, q0, got, threads = _c_silent_after_the_reduction(kv,
                                                               _closed_address())
     for t in threads:
         t.join(20)  # well under the 30 s lease: only fencing c ends the wait in time
@@ -503,10 +529,10 @@ def test_a_member_killed_before_its_vote_costs_the_step_no_lease_ttl(etcd_server
         x.leave()
 
 
-def test_a_slow_voter_that_lives_is_waited_for(etcd_server) -> None:
+def test_a_slow_voter_that_lives_is_waited_for(kv) -> None:
     # c's store takes connections: it is slow, not dead. Its vote, a second late, still
     # commits the step on everyone.
-    a, b, c, q0, got, threads = _c_silent_after_the_reduction(etcd_server.endpoint,
+    a, b, c, q0, got, threads = _c_silent_after_the_reduction(kv,
                                                               _live_store())
     time.sleep(1.2)  # past the first probe of the missing voter
     assert c.vote(q0, 0, ok=True), "a live member was fenced out for voting late"
@@ -518,10 +544,10 @@ def test_a_slow_voter_that_lives_is_waited_for(etcd_server) -> None:
 
 
 def test_a_member_whose_process_is_gone_is_absent_from_a_new_quorum_at_once(
-        etcd_server) -> None:
-    job, a, b, q0 = _two_groups(etcd_server.endpoint)
+        kv) -> None:
+    job, a, b, q0 = _two_groups(kv)
     # c asks to heal, is taken in, and is killed before it enters (its lease lives on).
-    c = _client(etcd_server.endpoint, job, "c")
+    c = _client(kv, job, "c")
     c.join(_closed_address(), ready=False, heal=True)
     q1, _ = a.agree()
     assert q1.healing == ("c",)
@@ -535,10 +561,10 @@ def test_a_member_whose_process_is_gone_is_absent_from_a_new_quorum_at_once(
         x.leave()
 
 
-def test_a_step_in_an_unchanged_quorum_costs_two_requests_off_its_path(etcd_server) -> None:
+def test_a_step_in_an_unchanged_quorum_costs_two_requests_off_its_path(kv) -> None:
     """The last vote's transaction also reads the votes (the step is decided without a
     second read), and the next quorum read starts as soon as the step committed."""
-    job, a, b, q0 = _two_groups(etcd_server.endpoint)
+    job, a, b, q0 = _two_groups(kv)
     for step in range(3):
         assert a.vote(q0, step, ok=True)
         before = b.requests
@@ -555,7 +581,7 @@ def test_a_step_in_an_unchanged_quorum_costs_two_requests_off_its_path(etcd_serv
 # -- a member still reducing in the old quorum while another enters a new one -------------
 
 def test_a_member_whose_key_goes_is_dropped_by_every_member_at_one_boundary(
-        etcd_server) -> None:
+        kv) -> None:
     """d's key goes while the three groups train in a standing quorum (its lease revoked,
     as a preempted node's agent does, while its worker still steps). No step asks etcd:
     a's and b's watches see the key go, say so in a reduction, and both re-form without
@@ -565,12 +591,11 @@ def test_a_member_whose_key_goes_is_dropped_by_every_member_at_one_boundary(
 
     def manager(group: str) -> ReplicaManager:
         settings = ReplicaSettings(job=job, group=group,
-                                   etcd=EtcdSettings(endpoints=(etcd_server.endpoint,),
-                                                     prefix="/relight-test"),
+                                   etcd=kv.etcd_settings(),
                                    lease_ttl=30.0, collective_timeout_s=30.0,
                                    quorum_timeout_s=60.0, failover_grace_s=0.5,
                                    probe_timeout_s=2.0, min_groups=3)
-        return ReplicaManager(settings, heal=False)
+        return kv.manager(settings, heal=False)
 
     a, b, d = manager("a"), manager("b"), manager("d")
     steps = 8

@@ -27,19 +27,39 @@ pytestmark = [pytest.mark.etcd]
 
 class _ReductionFailsHereOnce:
     """Wraps a manager's matched reduction: at `step` it completes (every member's data
-    arrived everywhere) and then fails on this group alone, as a local timeout that
-    fires just after the last message does (a peer frozen and thawed just after)."""
+    arrived everywhere: it waits until `others` completed theirs) and then fails on this
+    group alone, as a local timeout that fires just after the last message does (a peer
+    frozen and thawed just after). Failing sooner could close the sockets while a peer
+    still reads the reduction's last message."""
 
-    def __init__(self, mgr: ReplicaManager, state: dict[str, Any], step: int) -> None:
+    def __init__(self, mgr: ReplicaManager, state: dict[str, Any], step: int,
+                 others: list[threading.Event]) -> None:
         self.real, self.state, self.step, self.fired = mgr._sum_matched, state, step, False
+        self.others = others
         mgr._sum_matched = self  # type: ignore[method-assign]
 
     def __call__(self, tensors: list[torch.Tensor], **kw: Any) -> None:
         self.real(tensors, **kw)
         if not self.fired and self.state["progress"]["step"] == self.step:
             self.fired = True
+            # Bounds a test bug: the peers complete within milliseconds of this group.
+            assert all(done.wait(60) for done in self.others)
             raise RuntimeError("injected: the reduction timed out here after completing "
                                "on the other groups")
+
+
+class _ReductionCompletes:
+    """Wraps a manager's matched reduction: `done` is set once it completed at `step`."""
+
+    def __init__(self, mgr: ReplicaManager, state: dict[str, Any], step: int) -> None:
+        self.real, self.state, self.step = mgr._sum_matched, state, step
+        self.done = threading.Event()
+        mgr._sum_matched = self  # type: ignore[method-assign]
+
+    def __call__(self, tensors: list[torch.Tensor], **kw: Any) -> None:
+        self.real(tensors, **kw)
+        if self.state["progress"]["step"] == self.step:
+            self.done.set()
 
 
 def test_a_reduction_that_fails_on_one_group_heals_it_from_the_groups_that_applied(
@@ -60,7 +80,8 @@ def test_a_reduction_that_fails_on_one_group_heals_it_from_the_groups_that_appli
         return ReplicaManager(settings, state=lambda: states[g], heal=False)
 
     mgrs = {g: manager(g) for g in groups}
-    _ReductionFailsHereOnce(mgrs["a"], states["a"], step=2)
+    others = [_ReductionCompletes(mgrs[g], states[g], step=2).done for g in ("b", "c")]
+    _ReductionFailsHereOnce(mgrs["a"], states["a"], step=2, others=others)
 
     def train(g: str) -> bool:
         mgr, state = mgrs[g], states[g]
