@@ -79,8 +79,10 @@ class GlooGroups:
         work.wait()
 
     def abort(self, pg: dist.ProcessGroup) -> None:
-        # Dropping the last reference closes gloo's sockets: a peer blocked in a
-        # collective with us fails at once.
+        # Only gloo's destructor closes its sockets (its abort() and shutdown() leave a
+        # peer blocked in a collective with us until its timeout): the caller drops the
+        # last reference, and must not keep the failed collective's exception (its
+        # traceback holds the work, which holds the group).
         del pg
 
 

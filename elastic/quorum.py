@@ -9,6 +9,7 @@ the loss of any member). Keys, all under `{prefix}/{job}/replicas/`:
 | --- | --- | --- |
 | `groups/{group}` | `{"store": [host, port], "ready", "since", "at"}` | the group's lease |
 | `quorum` | `{"id", "members"}`: the groups that train together now | the job |
+| `quorum-entered` | `{"id", "absent"}`: how entering the newest quorum went | the job |
 | `votes/{quorum id}/{step}/{group}` | `"ok"` or `"fail"` | two votes of the group |
 
 **Quorum.** Before a step a group calls `agree()`: if the `quorum` key names exactly the
@@ -16,7 +17,8 @@ live, ready groups it is the quorum; otherwise the group proposes the next one (
 with a compare-and-swap on the key's `mod_revision`, and whoever loses re-reads. Every
 group therefore trains step `s` in the same quorum. Before building a new quorum's
 process group, each member enters it (`at` in its key) and waits for the others
-(`confirm`): a quorum replaced meanwhile is dropped at once instead of after a
+(`confirm`; the quorum's host counts the entries and says the outcome in
+`quorum-entered`): a quorum replaced meanwhile is dropped at once instead of after a
 collective timeout. Cross-group collectives of quorum `n`
 run on a process group built from a fresh store prefix (`quorum/{n}/`), so a group that
 still holds quorum `n - 1` can never meet a newer quorum's collectives (the fence on the
@@ -241,6 +243,11 @@ _VOTE_WAIT_BEFORE_PROBE_S = 0.5
 gone: votes come within milliseconds of each other; a connection attempt per missing
 voter is not worth making on every step."""
 
+_ENTERED = "quorum-entered"
+"""The key (under the root, beside `quorum`: one watch follows both) where a new
+quorum's host says how entering it went: `{"id": quorum id, "absent": [groups that did
+not enter]}`."""
+
 _PROBE_S = 0.25
 """Longest wait for a peer's store to take a connection while deciding whether the peer
 is gone: a refusal comes back at once; silence proves nothing and is not waited out."""
@@ -249,6 +256,12 @@ _REPROBE_S = 0.1
 """How often survivors waiting out the failover grace check again whether a silent
 member is gone: a process that exits changes no key (its lease outlives it), so only a
 new probe of its store sees it."""
+
+
+def _gather_s(members: int) -> float:
+    """How long a reader that must see many members' writes lets them gather before it
+    reads again: nothing for a few members, 50 ms at a thousand."""
+    return min(0.05, members * 50e-6)
 
 
 def _store_answers(addr: tuple[str, int], timeout: float) -> bool | None:
@@ -678,9 +691,34 @@ class QuorumClient:
         that registered but is still starting, a process that died under a lease not
         yet expired); building with it would cost the whole collective timeout, and
         then the same again with the next quorum that still names it. A member gone for
-        certain (`_gone`) is absent at once."""
+        certain (`_gone`) is absent at once.
+
+        One member counts the entries: the quorum's host (`Quorum.host`). It follows
+        every member's key and writes the outcome to the `entered` key; the others
+        follow that one key (and the `quorum` key, for a replacement), so a change of
+        membership costs each of them a constant number of small requests, not a read
+        of every group's key per entry. A host that is gone (its key deleted or its
+        store refusing) or silent past the timeout is absent itself, decided by each
+        member alike."""
         self._doc["at"] = quorum.id
         self._publish()
+        if quorum.host == self.group:
+            entry = self._count_entries(quorum, timeout)
+            if not entry.replaced:
+                outcome = json.dumps({"id": quorum.id, "absent": list(entry.absent)})
+                self.requests += 1
+                result = self.client.txn([Compare(self.root + "quorum", "mod", "==",
+                                                  quorum.revision)],
+                                         [OpPut(self.root + _ENTERED, outcome)])
+                self.last_revision = max(self.last_revision, result.revision)
+                if not result.succeeded:
+                    return Entry(replaced=True)
+            return entry
+        return self._await_host(quorum, timeout)
+
+    def _count_entries(self, quorum: Quorum, timeout: float) -> Entry:
+        """The host's part of `confirm`: wait until every member entered, one is gone,
+        or `timeout`."""
         deadline = time.monotonic() + timeout
         while True:
             snap = self.snapshot()
@@ -700,7 +738,46 @@ class QuorumClient:
                                quorum.id, list(absent),
                                "gone" if gone else f"not within {timeout:.0f}s")
                 return Entry(absent=absent)
-            self.client.wait_for_change(self.root, snap.revision, remaining)
+            if self.client.wait_for_change(self.root + "groups/", snap.revision,
+                                           min(remaining, _REPROBE_S)):
+                # Entries come in a burst: one read after it, not one per entry (each
+                # read is every group's key).
+                time.sleep(min(max(remaining, 0.0), _gather_s(quorum.size)))
+
+    def _await_host(self, quorum: Quorum, timeout: float) -> Entry:
+        """A member's part of `confirm`: follow the `quorum` and `entered` keys (one
+        prefix) until the host says how entering went, or the quorum is replaced. The
+        host's liveness is checked as any member's is (its key, its store) every
+        `_REPROBE_S`; past `timeout` and a margin for its own wait, a host that said
+        nothing is absent."""
+        host_key = self.root + "groups/" + quorum.host
+        self.requests += 1
+        host_doc = self.client.get(host_key)
+        addr = None if host_doc is None else tuple(host_doc.json()["store"])
+        deadline = time.monotonic() + timeout + 2 * _REPROBE_S + _PROBE_S
+        while True:
+            self.requests += 1
+            kvs, revision = self.client.get_prefix(self.root + "quorum")
+            self.last_revision = max(self.last_revision, revision)
+            by_key = {kv.key[len(self.root):]: kv for kv in kvs}
+            current = by_key.get("quorum")
+            if current is None or current.mod_revision != quorum.revision:
+                return Entry(replaced=True)
+            said = by_key.get(_ENTERED)
+            if said is not None:
+                doc = said.json()
+                if int(doc["id"]) == quorum.id:
+                    return Entry(absent=tuple(str(m) for m in doc["absent"]))
+            remaining = deadline - time.monotonic()
+            if (addr is None or remaining <= 0
+                    or _store_answers((str(addr[0]), int(addr[1])), _PROBE_S) is False
+                    or self.client.get(host_key) is None):
+                logger.warning("[replica %s] quorum %d: its host %s %s", self.group, quorum.id,
+                               quorum.host, "said nothing within the entry timeout"
+                               if remaining <= 0 else "is gone")
+                return Entry(absent=(quorum.host,))
+            self.client.wait_for_change(self.root + "quorum", revision,
+                                        min(remaining, _REPROBE_S))
 
     def vote(self, quorum: Quorum, step: int, ok: bool) -> bool:
         """Cast this group's vote for `(quorum, step)`. False: fenced out (this group's
@@ -713,9 +790,12 @@ class QuorumClient:
         # reduction of the step after it could complete.
         while len(self._my_votes) >= 2:
             ops.append(OpDelete(self._my_votes.popleft()))
-        # The snapshot `decide` starts from, in the same round trip: when this vote is
-        # the last one in, the step is decided without another read.
-        ops.append(OpRange(self.root))
+        if ok:
+            # The snapshot `decide` starts from, in the same round trip: when this vote is
+            # the last one in, the step is decided without another read. A failed step
+            # is not decided (the voter agrees again), and at a thousand groups that
+            # read would be the largest part of the failover's bytes.
+            ops.append(OpRange(self.root))
         self.requests += 1
         self._after_vote = None
         try:
@@ -724,9 +804,10 @@ class QuorumClient:
             return False
         if result.succeeded:
             self._my_votes.append(key)
-            self._after_vote = (quorum.id, step,
-                                Snapshot.parse(list(result.ranges[0]), self.root,
-                                               result.revision))
+            if ok:
+                self._after_vote = (quorum.id, step,
+                                    Snapshot.parse(list(result.ranges[0]), self.root,
+                                                   result.revision))
         return result.succeeded
 
     def decide(self, quorum: Quorum, step: int) -> bool:

@@ -230,6 +230,13 @@ def _layout_of(flat: FlatState, rank: int) -> _Layout:
     return lay, pieces, layout_digest(RankLayout(0, lay.tensors, lay.values))
 
 
+def _said(exc: BaseException) -> str:
+    """An exception as text for a log line: a record that kept the exception itself (a
+    test's log capture does) would keep its traceback's frames, and through them a
+    failed process group that must close now."""
+    return f"{type(exc).__name__}: {exc}"
+
+
 def _state_device(state: Callable[[], Mapping[str, Any]] | None) -> torch.device | None:
     """The device of the first tensor of `state()` (None without state or tensors)."""
     if state is None:
@@ -536,7 +543,7 @@ class ReplicaManager:
             # next quorum forms without it. Our side closes now, so a member still in
             # the heal's collectives with us fails at once, not at its timeout.
             logger.warning("[replica %s/%d] building quorum %d's process group failed: %s",
-                           self.group, self.local_rank, quorum.id, exc)
+                           self.group, self.local_rank, quorum.id, _said(exc))
             self._ok = healed = False
             self._drop_pg()
             if self.group in quorum.healing:
@@ -654,7 +661,7 @@ class ReplicaManager:
                                        for t in tensors], with_flags=self._flags is None)
             except (RuntimeError, dist.DistError) as exc:
                 logger.warning("[replica %s/%d] cross-group reduction failed in quorum %d: "
-                               "%s", self.group, self.local_rank, self.quorum.id, exc)
+                               "%s", self.group, self.local_rank, self.quorum.id, _said(exc))
                 # Closing our side now makes a peer still blocked in this collective fail
                 # at once instead of at its timeout, so every survivor votes in time.
                 self._ok = False
@@ -678,7 +685,7 @@ class ReplicaManager:
         except (RuntimeError, dist.DistError) as exc:
             logger.warning("[replica %s/%d] agreeing on a value failed in quorum %d: %s",
                            self.group, self.local_rank, self.quorum.id if self.quorum
-                           else -1, exc)
+                           else -1, _said(exc))
             self._ok = False
             self._drop_pg()
             return value
@@ -803,7 +810,7 @@ class ReplicaManager:
         except (RuntimeError, dist.DistError) as exc:
             logger.warning("[replica %s/%d] the step's flags failed in quorum %d: %s",
                            self.group, self.local_rank, self.quorum.id if self.quorum
-                           else -1, exc)
+                           else -1, _said(exc))
             self._ok = False
             self._drop_pg()
 

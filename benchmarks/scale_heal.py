@@ -1,0 +1,375 @@
+"""Heal in place at fleet scale: N simulated replica groups against a real 3-member etcd.
+
+    python -m relight.benchmarks.scale_heal --groups 4 16 64 256 1024 --json OUT.json
+
+Each simulated group is Relight's own `QuorumClient` (the code a group's first rank
+runs) with its own etcd client, lease keeper and membership watch, and a listening socket
+for its store (the protocol probes stores to tell a dead group from a slow one). No
+training runs: in a standing quorum a step costs etcd nothing (its outcome rides the
+cross-group reduction), so what scales with the number of groups is what runs beside
+the steps and what a membership change costs. Per size, one round:
+
+1. formation: every group joins ready and agrees on the first quorum, then enters it;
+2. happy path: `--quiet-s` seconds of standing quorum (leases kept alive, watches open);
+   etcd requests and bytes per group per step at `--step-s` steps, and the etcd
+   members' CPU per step, from the servers' own counters (`/metrics`:
+   `grpc_server_started_total`, `etcd_network_client_grpc_{received,sent}_bytes_total`;
+   `/proc/<pid>/stat` for CPU);
+3. a lost group: the last group's process dies (its store stops listening; its lease
+   lives on, as after a kill); every survivor's reduction fails, it votes the failure and
+   agrees again: settle time from the failure to the last survivor entering the new
+   quorum; requests and bytes of that change per group;
+4. a joiner: a new group registers asking to heal; the members' watches see it, and at
+   their next step boundary they agree and enter the quorum that takes it in: settle time
+   from its registration to the last member entering (the step boundary's own wait, up
+   to one step, is not in it: the flag rides the next reduction).
+
+The clients run as threads of this process, on the same cores as the three etcd members:
+on a machine of 2 cores the settle times at large N include the simulator's own CPU. The
+server-side counts do not depend on it.
+
+Beside it, torchft's lighthouse protocol computed from its code: a heartbeat every 100 ms
+per group and one quorum request per group per step to one lighthouse process, whose
+response lists every participant.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import logging
+import os
+import selectors
+import socket
+import tempfile
+import threading
+import time
+import urllib.request
+import uuid
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+__all__ = ["HealScaleConfig", "lighthouse_model", "run_heal_scale"]
+
+
+@dataclass(frozen=True, slots=True)
+class HealScaleConfig:
+    groups: tuple[int, ...] = (4, 16, 64, 256, 1024)
+    quiet_s: float = 20.0
+    """Length of the happy-path window per size."""
+    step_s: float = 1.0
+    """The step time the per-step figures are given at."""
+    lease_ttl_s: float = 10.0
+    timeout_s: float = 300.0
+    """Bound on each phase of a round (a phase not done by then is reported as such)."""
+
+
+_LIGHTHOUSE_HEARTBEAT_S = 0.1
+"""torchft's default heartbeat interval (per replica group, to the lighthouse)."""
+_LIGHTHOUSE_MEMBER_BYTES = 110
+"""Estimated bytes of one `QuorumMember` on the wire (replica id, manager address, store
+address, step, world size, protobuf framing): the lighthouse's quorum response repeats
+one per participant. An estimate from the message's fields, not a measurement."""
+
+
+def lighthouse_model(n: int, step_s: float) -> dict[str, float]:
+    """torchft's lighthouse load at `n` groups and `step_s` steps, from its protocol:
+    requests and response bytes per group per step, and the lighthouse's request rate
+    (one process behind one lock)."""
+    per_group = step_s / _LIGHTHOUSE_HEARTBEAT_S + 1
+    return {"requests_per_group_step": per_group,
+            "bytes_per_group_step": n * _LIGHTHOUSE_MEMBER_BYTES,
+            "server_requests_per_s": n * per_group / step_s}
+
+
+# -- the etcd members' own counters ------------------------------------------------------
+
+_COUNTERS = ("grpc_server_started_total", "etcd_network_client_grpc_received_bytes_total",
+             "etcd_network_client_grpc_sent_bytes_total")
+
+
+def _scrape(endpoints: list[str]) -> dict[str, float]:
+    """Requests handled and client bytes in and out, summed over the members."""
+    out = dict.fromkeys(("requests", "bytes_in", "bytes_out"), 0.0)
+    for ep in endpoints:
+        with urllib.request.urlopen(f"http://{ep}/metrics", timeout=30) as resp:
+            text = resp.read().decode()
+        for line in text.splitlines():
+            if line.startswith("#"):
+                continue
+            name, _, value = line.rpartition(" ")
+            base = name.split("{", 1)[0]
+            if base == _COUNTERS[0]:  # unary calls and streams (a watch, a keepalive)
+                out["requests"] += float(value)
+            elif base == _COUNTERS[1]:
+                out["bytes_in"] += float(value)
+            elif base == _COUNTERS[2]:
+                out["bytes_out"] += float(value)
+    return out
+
+
+def _cpu_s(pids: list[int]) -> float:
+    tick = os.sysconf("SC_CLK_TCK")
+    total = 0.0
+    for pid in pids:
+        fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
+        total += (int(fields[11]) + int(fields[12])) / tick
+    return total
+
+
+class _Probe:
+    """Server counters and CPU between two points."""
+
+    def __init__(self, endpoints: list[str], pids: list[int]) -> None:
+        self.endpoints, self.pids = endpoints, pids
+        self.t0, self.c0, self.cpu0 = time.monotonic(), _scrape(endpoints), _cpu_s(pids)
+
+    def delta(self) -> dict[str, float]:
+        c1, cpu1 = _scrape(self.endpoints), _cpu_s(self.pids)
+        out = {k: c1[k] - self.c0[k] for k in c1}
+        out["cpu_s"] = cpu1 - self.cpu0
+        out["wall_s"] = time.monotonic() - self.t0
+        return out
+
+
+# -- simulated groups --------------------------------------------------------------------
+
+class _Acceptor:
+    """Takes and closes every connection to the groups' stores (one thread for all), as a
+    live group's store does: the protocol probes stores to tell dead groups from slow ones."""
+
+    def __init__(self) -> None:
+        self.selector = selectors.DefaultSelector()
+        self._stop = False
+        threading.Thread(target=self._run, daemon=True, name="scale-heal-acceptor").start()
+
+    def add(self, listener: socket.socket) -> None:
+        listener.setblocking(False)
+        self.selector.register(listener, selectors.EVENT_READ)
+
+    def remove(self, listener: socket.socket) -> None:
+        try:
+            self.selector.unregister(listener)
+        except (KeyError, ValueError):
+            pass
+
+    def _run(self) -> None:
+        while not self._stop:
+            for key, _ in self.selector.select(timeout=0.2):
+                try:
+                    conn, _ = key.fileobj.accept()  # type: ignore[union-attr]
+                    conn.close()
+                except OSError:
+                    pass
+
+    def close(self) -> None:
+        self._stop = True
+
+
+class _Group:
+    def __init__(self, endpoints: list[str], job: str, name: str, ttl: float,
+                 acceptor: _Acceptor) -> None:
+        from relight.elastic.etcd_client import EtcdClient, EtcdSettings
+        from relight.elastic.quorum import QuorumClient
+
+        self.acceptor = acceptor
+        self.listener = socket.socket()
+        self.listener.bind(("127.0.0.1", 0))
+        self.listener.listen(128)
+        acceptor.add(self.listener)
+        self.name = name
+        self.client = QuorumClient(
+            EtcdClient(EtcdSettings(endpoints=tuple(endpoints), prefix="/scale-heal",
+                                    timeout=60.0)),
+            job, name, lease_ttl=ttl, timeout=300.0, failover_grace_s=1.0)
+
+    @property
+    def store(self) -> tuple[str, int]:
+        return self.listener.getsockname()
+
+    def die(self) -> None:
+        """The process is gone: nothing listens on its store; its lease lives on."""
+        self.acceptor.remove(self.listener)
+        self.listener.close()
+        self.client.stop_watch()
+        if self.client._keeper is not None:
+            self.client._keeper.stop()
+
+    def close(self) -> None:
+        self.client.leave()
+        self.acceptor.remove(self.listener)
+        self.listener.close()
+
+
+def _parallel(fns: list[Any], timeout: float) -> tuple[list[float], list[str]]:
+    """Run each fn in a thread at once; the monotonic time each finished, and errors."""
+    done: list[float] = []
+    errors: list[str] = []
+    lock = threading.Lock()
+
+    def run(fn: Any) -> None:
+        try:
+            fn()
+            with lock:
+                done.append(time.monotonic())
+        except Exception as exc:  # noqa: BLE001 - reported in the row
+            with lock:
+                errors.append(f"{type(exc).__name__}: {exc}"[:200])
+
+    threads = [threading.Thread(target=run, args=(fn,), daemon=True) for fn in fns]
+    for t in threads:
+        t.start()
+    end = time.monotonic() + timeout
+    for t in threads:
+        t.join(max(0.0, end - time.monotonic()))
+    return done, errors
+
+
+def _enter(g: _Group, quorum: Any) -> None:
+    entry = g.client.confirm(quorum, 120.0)
+    if not entry.complete:
+        raise RuntimeError(f"{g.name} could not enter quorum {quorum.id}: {entry}")
+
+
+def _one_size(endpoints: list[str], pids: list[int], n: int, cfg: HealScaleConfig,
+              log: Any) -> dict[str, Any]:
+    job = f"heal-{n}-{uuid.uuid4().hex[:6]}"
+    acceptor = _Acceptor()
+    groups = [_Group(endpoints, job, f"g{i:05d}", cfg.lease_ttl_s, acceptor)
+              for i in range(n)]
+    row: dict[str, Any] = {"groups": n}
+    try:
+        # 1. formation
+        for g in groups:
+            g.client.join(g.store, ready=True)
+        quorums: dict[str, Any] = {}
+        t0 = time.monotonic()
+
+        def form(g: _Group) -> None:
+            q, _ = g.client.agree(min_groups=n)
+            quorums[g.name] = q
+            _enter(g, q)
+
+        done, errors = _parallel([lambda g=g: form(g) for g in groups], cfg.timeout_s)
+        row["formation_s"] = max(done) - t0 if len(done) == n else None
+        if errors or len(done) < n:
+            row["errors"] = errors[:3]
+            return row
+        q0 = quorums[groups[0].name]
+        for g in groups:
+            g.client.watch_membership()
+        # 2. happy path
+        probe = _Probe(endpoints, pids)
+        time.sleep(cfg.quiet_s)
+        quiet = probe.delta()
+        steps = quiet["wall_s"] / cfg.step_s
+        row["quiet"] = {
+            "requests_per_group_step": quiet["requests"] / n / steps,
+            "bytes_per_group_step": (quiet["bytes_in"] + quiet["bytes_out"]) / n / steps,
+            "etcd_cpu_per_step_s": quiet["cpu_s"] / steps,
+            "server_requests_per_s": quiet["requests"] / quiet["wall_s"],
+            "window_s": quiet["wall_s"]}
+        # 3. a lost group
+        dead, survivors = groups[-1], groups[:-1]
+        dead.die()
+        probe = _Probe(endpoints, pids)
+        t0 = time.monotonic()
+
+        def fail_over(g: _Group) -> None:
+            g.client.vote(q0, 0, False)
+            q, _ = g.client.agree(failed=(q0, 0), grace_s=1.0 + 2 * cfg.step_s)
+            if dead.name in q.members:
+                raise RuntimeError(f"{g.name}: the dead group is still in quorum {q.id}")
+            quorums[g.name] = q
+            _enter(g, q)
+
+        done, errors = _parallel([lambda g=g: fail_over(g) for g in survivors],
+                                 cfg.timeout_s)
+        lost = probe.delta()
+        row["lost"] = {"settle_s": max(done) - t0 if len(done) == n - 1 else None,
+                       "requests_per_group": lost["requests"] / (n - 1),
+                       "bytes_per_group": (lost["bytes_in"] + lost["bytes_out"]) / (n - 1),
+                       "etcd_cpu_s": lost["cpu_s"], "errors": errors[:3]}
+        if errors or len(done) < n - 1:
+            return row
+        q1 = quorums[survivors[0].name]
+        for g in survivors:
+            g.client.watch_membership()
+        # 4. a joiner
+        joiner = _Group(endpoints, job, f"j{n:05d}", cfg.lease_ttl_s, acceptor)
+        probe = _Probe(endpoints, pids)
+        t0 = time.monotonic()
+        joiner.client.join(joiner.store, ready=False, heal=True)
+
+        def take_in(g: _Group) -> None:
+            if g is not joiner:
+                # The member's watch says the keys changed; at its next step boundary
+                # (not waited for here) it agrees again.
+                if not g.client.membership_changed.wait(cfg.timeout_s):
+                    raise RuntimeError(f"{g.name}'s watch never saw the joiner")
+            q, _ = g.client.agree()
+            while joiner.name not in q.members:
+                g.client.client.wait_for_change(g.client.root, q.revision, 5.0)
+                q, _ = g.client.agree()
+            _enter(g, q)
+
+        done, errors = _parallel([lambda g=g: take_in(g) for g in [*survivors, joiner]],
+                                 cfg.timeout_s)
+        joined = probe.delta()
+        row["joined"] = {"settle_s": max(done) - t0 if len(done) == n else None,
+                         "requests_per_group": joined["requests"] / n,
+                         "bytes_per_group": (joined["bytes_in"] + joined["bytes_out"]) / n,
+                         "etcd_cpu_s": joined["cpu_s"], "errors": errors[:3],
+                         "quorum_before": q1.id}
+        groups.append(joiner)
+        return row
+    finally:
+        for g in groups:
+            try:
+                g.close()
+            except Exception:  # noqa: BLE001 - a dead group's lease just expires
+                pass
+        acceptor.close()
+
+
+def run_heal_scale(cfg: HealScaleConfig, log: Any = print) -> list[dict[str, Any]]:
+    from relight.elastic.etcd_server import EtcdCluster
+
+    # One line per group per quorum says nothing at 1,024 groups.
+    logging.getLogger("relight.elastic").setLevel(logging.ERROR)
+    rows = []
+    with tempfile.TemporaryDirectory(prefix="scale-heal-") as tmp:
+        cluster = EtcdCluster(Path(tmp)).start()
+        try:
+            pids = [m.pid for m in cluster.members if m.pid is not None]
+            for n in cfg.groups:
+                row = _one_size(cluster.endpoints, pids, n, cfg, log)
+                row["lighthouse"] = lighthouse_model(n, cfg.step_s)
+                log(json.dumps(row))
+                rows.append(row)
+                if row.get("errors") or (row.get("lost") or {}).get("errors"):
+                    break
+        finally:
+            cluster.stop()
+    return rows
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(prog="relight bench scale-heal", description=__doc__,
+                                formatter_class=argparse.RawDescriptionHelpFormatter)
+    defaults = HealScaleConfig()
+    p.add_argument("--groups", type=int, nargs="+", default=list(defaults.groups))
+    p.add_argument("--quiet-s", type=float, default=defaults.quiet_s)
+    p.add_argument("--step-s", type=float, default=defaults.step_s)
+    p.add_argument("--json", type=Path, default=None)
+    a = p.parse_args(argv)
+    rows = run_heal_scale(HealScaleConfig(groups=tuple(a.groups), quiet_s=a.quiet_s,
+                                          step_s=a.step_s))
+    if a.json is not None:
+        a.json.write_text(json.dumps(rows, indent=1))
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
