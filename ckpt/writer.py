@@ -82,6 +82,8 @@ class _SaveJob:
         """Async saves: the gloo group the commit goes over (None: storage only)."""
         self.committed: BaseException | bool | None = None
         """Coordinator: True once it committed, or why it failed to; None before."""
+        self.recycled: object | None = None
+        """This save's token with the page recycler (`ckpt.page_recycle`), once it writes."""
         self.staged, self.packed, self.values, self.opts = staged, packed, values, opts
         self.meta, self.handle, self.hooks, self.pre = meta, handle, hooks, pre
         self.stager = stager
@@ -175,7 +177,7 @@ class _SaveJob:
         # flight and the one being filled), each reused once its put has returned.
         buffers = BufferPool()
         recycler = resources().recycler
-        recycler.begin_save()
+        self.recycled = recycler.begin_save()
         with ThreadPoolExecutor(max_workers=PERSIST_THREADS,
                                 thread_name_prefix="ckpt-put") as pool:
             done = [pool.submit(put_metadata, batch, path, meta) for path, meta in metas]
@@ -339,5 +341,8 @@ class _SaveJob:
                 e = err
             logger.error("%s save to %s failed: %s", self.pre, self.store.url, e)
             error = e
+        if error is None and self.recycled is not None:
+            # Every rank knows the checkpoint committed: its pages are the ones kept.
+            resources().recycler.committed(self.recycled)
         self.handle.total_s = time.perf_counter() - self.t0 + self.handle.stall_s
         self.handle._finish(error)

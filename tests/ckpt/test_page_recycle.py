@@ -1,6 +1,7 @@
-"""A save's shard objects take the page-cache pages of the process's previous save
-(`ckpt.page_recycle`): after two saves only the newer one's objects are cached, both
-load bitwise, and a load of the cached one is served by the cache."""
+"""A save's shard objects take the page-cache pages of the process's older saves, never
+the newest committed one's (`ckpt.page_recycle`): after three saves the second's and
+the third's objects are cached, the first's are not; all load bitwise, the cached
+ones from the cache, the other around it."""
 
 from __future__ import annotations
 
@@ -36,24 +37,31 @@ def _state(seed: int) -> dict:
     return {"w": torch.randn(1024, 1024, generator=g), "b": torch.randn(8, 1024, 256, generator=g)}
 
 
-def test_a_save_writes_into_the_pages_of_the_previous_one(tmp_path):
+def test_a_save_takes_the_pages_of_older_saves_and_keeps_the_newest_committed(tmp_path):
     if on_memory_filesystem(str(tmp_path)):
         pytest.skip(f"{tmp_path} is on a memory filesystem: its pages are the file")
     resources().recycler.forget()
-    first, second = _state(1), _state(2)
-    ckpt.save(first, str(tmp_path / "a"))
-    old = _shard_objects(str(tmp_path / "a"))
-    assert old, "the checkpoint has shard objects of 1 MiB and more"
-    if _cached(old[0]) is None:
+    states = {name: _state(seed) for seed, name in enumerate("abc", start=1)}
+    ckpt.save(states["a"], str(tmp_path / "a"))
+    objs = {"a": _shard_objects(str(tmp_path / "a"))}
+    assert objs["a"], "the checkpoint has shard objects of 1 MiB and more"
+    if _cached(objs["a"][0]) is None:
         pytest.skip("this kernel lacks cachestat(2): cached pages cannot be counted")
-    assert all(_cached(p) > 0 for p in old), "a save leaves its objects in the page cache"
+    assert all(_cached(p) > 0 for p in objs["a"]), "a save leaves its objects in the page cache"
 
-    ckpt.save(second, str(tmp_path / "b"))
-    assert [_cached(p) for p in old] == [0] * len(old), "the older save's pages were taken"
-    new = _shard_objects(str(tmp_path / "b"))
-    assert all(_cached(p) > 0 for p in new)
+    # The second save keeps the first's pages: it is the newest committed checkpoint,
+    # the one a restore during or right after this save reads.
+    ckpt.save(states["b"], str(tmp_path / "b"), async_save=True).wait()
+    objs["b"] = _shard_objects(str(tmp_path / "b"))
+    assert all(_cached(p) > 0 for p in objs["a"] + objs["b"]), "both checkpoints cached"
 
-    for name, want in (("a", first), ("b", second)):
+    # The third takes the first's pages and keeps the second's.
+    ckpt.save(states["c"], str(tmp_path / "c"))
+    objs["c"] = _shard_objects(str(tmp_path / "c"))
+    assert [_cached(p) for p in objs["a"]] == [0] * len(objs["a"]), "the oldest save's pages"
+    assert all(_cached(p) > 0 for p in objs["b"] + objs["c"])
+
+    for name, want in states.items():
         store = storage.open_store(str(tmp_path / name))
         got = {k: torch.zeros_like(v) for k, v in want.items()}
         ckpt.load(got, store)
@@ -62,7 +70,7 @@ def test_a_save_writes_into_the_pages_of_the_previous_one(tmp_path):
         if name == "a":
             assert cached == 0, "the cold checkpoint was read around the cache"
         else:
-            assert cached >= sum(os.path.getsize(p) for p in new) // 2, cached
+            assert cached >= sum(os.path.getsize(p) for p in objs[name]) // 2, (name, cached)
     resources().recycler.forget()
 
 
@@ -75,12 +83,35 @@ def test_the_recycler_drops_about_as_many_bytes_as_each_write_takes():
 
     store = Recorder(storage.parse_url("memory://recycle/x"))
     r = PageRecycler()
-    r.begin_save()
+    a = r.begin_save()
     assert r.make_room(store, "a1", 10) == 0 and dropped == [], "nothing older to drop"
     r.make_room(store, "a2", 10)
     r.make_room(store, "a3", 30)
+    r.committed(a)
+    b = r.begin_save()
+    assert r.make_room(store, "b1", 15) == 0 and dropped == [], "the newest committed is kept"
+    r.committed(b)
+    r.begin_save()  # the third save takes the first's pages, not the second's
+    assert r.make_room(store, "c1", 15) == 20 and dropped == ["a1", "a2"]
+    assert r.make_room(store, "c2", 100) == 30 and dropped == ["a1", "a2", "a3"]
+    assert r.make_room(store, "c3", 100) == 0, "the second save's pages stay"
+    assert r.kept() == ["b1"]
+
+
+def test_a_failed_save_does_not_displace_the_kept_one():
+    dropped: list[str] = []
+
+    class Recorder(MemoryStore):
+        def _drop_cached(self, path: str) -> None:
+            dropped.append(path.rsplit("/", 1)[-1])
+
+    store = Recorder(storage.parse_url("memory://recycle/y"))
+    r = PageRecycler()
+    a = r.begin_save()
+    r.make_room(store, "a1", 10)
+    r.committed(a)
+    r.begin_save()  # fails: never committed
+    r.make_room(store, "f1", 10)
     r.begin_save()
-    assert r.make_room(store, "b1", 15) == 20 and dropped == ["a1", "a2"]
-    assert r.make_room(store, "b2", 100) == 30 and dropped == ["a1", "a2", "a3"]
-    r.begin_save()  # the third save takes the second's pages
-    assert r.make_room(store, "c1", 1) == 15 and dropped[-1] == "b1"
+    assert r.make_room(store, "c1", 10) == 10 and dropped == ["f1"], "the failed save's pages"
+    assert r.kept() == ["a1"]
