@@ -24,6 +24,7 @@ BENCHMARKS: dict[str, str] = {
     "scale": "planning, manifest, commit, rendezvous at 64..16,384 simulated ranks vs DCP",
     "goodput": "healing in place vs the restart path vs torchft, same failures (MTBF)",
     "cross_group": "replica groups of different layouts vs one layout: reduction and heal",
+    "scale_heal": "heal in place at 4..1,024 simulated groups on a 3-member etcd vs torchft",
 }
 
 

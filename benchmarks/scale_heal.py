@@ -1,6 +1,6 @@
 """Heal in place at fleet scale: N simulated replica groups against a real 3-member etcd.
 
-    python -m relight.benchmarks.scale_heal --groups 4 16 64 256 1024 --json OUT.json
+    relight bench scale_heal --groups 4 16 64 256 1024 --json OUT.json
 
 Each simulated group is Relight's own `QuorumClient` (the code a group's first rank
 runs) with its own etcd client, lease keeper and membership watch, and a listening socket
@@ -356,7 +356,7 @@ def run_heal_scale(cfg: HealScaleConfig, log: Any = print) -> list[dict[str, Any
 
 
 def main(argv: list[str] | None = None) -> int:
-    p = argparse.ArgumentParser(prog="relight bench scale-heal", description=__doc__,
+    p = argparse.ArgumentParser(prog="relight bench scale_heal", description=__doc__,
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
     defaults = HealScaleConfig()
     p.add_argument("--groups", type=int, nargs="+", default=list(defaults.groups))
