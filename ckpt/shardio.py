@@ -225,13 +225,16 @@ def encode_shard(arr: np.ndarray, geo: ShardGeometry, crcs: list[int | None] | N
 def _get(store: Store, key: str, start: int | None, end: int | None, url: str, tensor: str,
          what: str, buffers: BufferPool | None = None,
          taken: list[np.ndarray] | None = None) -> np.ndarray:
-    """Bytes [start, end) of `key`, as uint8: a view of a buffer from `buffers` (noted
-    in `taken`, to be given back once the bytes are used) when given and the range is
-    known, else a new array."""
+    """Bytes [start, end) of `key`, as uint8: when `buffers` is given and the range is
+    known, a view (`Store.get_view`) of the cached pages or of a buffer from `buffers`
+    (taken only if the store reads into it, noted in `taken`, to be given back once the
+    bytes are used), else a new array."""
     try:
         if buffers is not None and taken is not None and end is not None:
-            scratch = buffers.take(scratch_bytes(start or 0, end))
-            taken.append(scratch)
+            def scratch() -> np.ndarray:
+                buf = buffers.take(scratch_bytes(start or 0, end))
+                taken.append(buf)
+                return buf
             return np.frombuffer(store.get_view(key, start or 0, end, scratch), np.uint8)
         return np.frombuffer(store.get(key, start, end), np.uint8)
     except ObjectNotFoundError as e:

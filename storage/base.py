@@ -146,11 +146,13 @@ class Store(ABC):
         return data
 
     def get_view(self, key: str, start: int, end: int, scratch: Any) -> memoryview:
-        """Bytes [start, end) of the object as a read-only view: of `scratch` (an aligned
-        uint8 buffer of at least `storage.direct_io.scratch_bytes(start, end)` bytes)
-        where the store reads into it without a copy of its own (`LocalStore`'s direct
-        reads), else of a new `bytes`. Valid until the caller reuses `scratch`. Raises
-        what `get` raises."""
+        """Bytes [start, end) of the object as a read-only view: of the page cache's own
+        pages where it holds the whole range (`LocalStore`, mapped), of `scratch` (an
+        aligned uint8 buffer of at least `storage.direct_io.scratch_bytes(start, end)`
+        bytes, or a function that returns one, called only if needed) where the store
+        reads into it without a copy of its own (`LocalStore`'s direct reads), else of a
+        new `bytes`. Valid until the caller reuses `scratch`. Raises what `get`
+        raises."""
         return memoryview(self.get(key, start, end))
 
     def _got(self, key: str, start: int | None, end: int | None, n: int) -> None:

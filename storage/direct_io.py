@@ -1,9 +1,10 @@
 """Large local objects and the page cache: reads that take it only when it holds the
 range, writes that can go around it, and letting an object's pages go.
 
-- `read_aligned`: a range of 1 MiB or more is read through the page cache when the cache
-  holds every page of it (counted with `cachestat(2)`, which touches nothing), else with
-  `O_DIRECT`, so a cold read allocates no cache pages. A read through the cache into a
+- `read_aligned`: a range of 1 MiB or more is mapped from the page cache when the cache
+  holds every page of it (counted with `cachestat(2)`, which touches nothing): no copy
+  and no buffer of the reader's own; else it is read with `O_DIRECT` into the caller's
+  aligned buffer, so a cold read allocates no cache pages. A read through the cache into a
   page the kernel must first find is what costs: with earlier checkpoints kept, a reclaim
   per page, and on a virtual machine whose host backs guest memory lazily, a fault on
   the host as well. Reading a 512 MiB checkpoint from 4 processes, cold, took 0.32-0.34 s
@@ -14,7 +15,7 @@ range, writes that can go around it, and letting an object's pages go.
   `O_DIRECT`; the remaining tail (under one block) through the cache on the same
   descriptor, after `fcntl` turns the flag off; the caller's fsync covers both.
   `LocalStore` writes through the cache by default: the checkpoint writer keeps the
-  newest checkpoint cached and writes each save into the pages of the one before
+  newest committed checkpoint cached and writes each save into the pages of older ones
   (`ckpt.page_recycle`); docs/design/ckpt-write-path.md has what that and `O_DIRECT`
   writes cost.
 - `drop_cached`: `POSIX_FADV_DONTNEED` on a file's clean pages.
@@ -30,10 +31,12 @@ from __future__ import annotations
 import ctypes
 import errno
 import fcntl
+import mmap
 import os
 import platform
 import sys
 import threading
+from collections.abc import Callable
 from typing import Any
 
 import numpy as np
@@ -187,38 +190,75 @@ def cached_pages(fd: int, start: int, length: int) -> int | None:
 
 
 def read_aligned(path: str, start: int, end: int,
-                 scratch: np.ndarray) -> tuple[np.ndarray, bool] | None:
-    """Bytes [start, end) of the file at `path`, read into `scratch` (an `ALIGN`-aligned
-    uint8 buffer of at least `scratch_bytes(start, end)`, which gets the whole blocks
-    around the range): through the page cache when it holds every page of the range,
-    else around it (`O_DIRECT`), so a cold read allocates no cache pages and a warm one
-    waits for no device. Returns the view of `scratch` that holds the range (shorter when
-    the file ends first) and whether the cache served it. None when the range is under
-    `DIRECT_MIN_BYTES` or the filesystem refuses `O_DIRECT` (read it buffered then).
-    Raises what `open` raises for a missing file."""
+                 scratch: np.ndarray | Callable[[], np.ndarray]) -> tuple[np.ndarray, bool] | None:
+    """Bytes [start, end) of the file at `path`, and whether the page cache served them.
+
+    When the cache holds every page of the range, the range is mapped (`mmap`, pages
+    populated at once): the view is of the cached pages themselves, read-only, valid for
+    as long as it is referenced; no copy is made and no memory taken. Else the whole
+    blocks around the range are read around the cache (`O_DIRECT`) into `scratch` (an
+    `ALIGN`-aligned uint8 buffer of at least `scratch_bytes(start, end)`, or a function
+    that returns one, called only then), so a cold read allocates no cache pages, and
+    the view is of `scratch`. The view is shorter when the file ends first. None when
+    the range is under `DIRECT_MIN_BYTES` or the filesystem refuses `O_DIRECT` (read it
+    buffered then). Raises what `open` raises for a missing file.
+
+    A mapping faults (SIGBUS) if the file is truncated while it is read; checkpoint
+    objects are published whole by rename and never written in place, so only a file
+    damaged from outside can be."""
     if not _O_DIRECT or end - start < DIRECT_MIN_BYTES:
         return None
     lo, span = start - start % ALIGN, scratch_bytes(start, end)
-    address = _address(scratch)
-    if scratch.size < span or address is None or address % ALIGN:
-        raise ValueError(f"scratch of {scratch.size} bytes at {address} cannot hold the "
-                         f"{span} aligned bytes around [{start}, {end})")
+    if not callable(scratch):
+        _check_scratch(scratch, start, end)
     fd = os.open(path, os.O_RDONLY | os.O_CLOEXEC)
     try:
         warm = cached_pages(fd, lo, span) == (lo + span - 1) // _PAGE - lo // _PAGE + 1
+        if warm:
+            mapped = _map(fd, start, end)
+            if mapped is not None:
+                return mapped, True
+        buf = _check_scratch(scratch(), start, end) if callable(scratch) else scratch
         if not warm and not _set_direct(fd, True):
             return None
         got = 0
         while lo + got < end:
-            n = os.preadv(fd, [scratch[got:span]], lo + got)
+            n = os.preadv(fd, [buf[got:span]], lo + got)
             if n <= 0:  # the file ended
                 break
             got += n
             if got % ALIGN and lo + got < end and not warm:  # short: the rest buffered
                 _set_direct(fd, False)
-        return scratch[start - lo: max(start - lo, min(end, lo + got) - lo)], warm
+        return buf[start - lo: max(start - lo, min(end, lo + got) - lo)], warm
     finally:
         os.close(fd)
+
+
+def _check_scratch(buf: np.ndarray, start: int, end: int) -> np.ndarray:
+    span, address = scratch_bytes(start, end), _address(buf)
+    if buf.size < span or address is None or address % ALIGN:
+        raise ValueError(f"scratch of {buf.size} bytes at {address} cannot hold the "
+                         f"{span} aligned bytes around [{start}, {end})")
+    return buf
+
+
+_MAP_FLAGS = mmap.MAP_SHARED | getattr(mmap, "MAP_POPULATE", 0)
+
+
+def _map(fd: int, start: int, end: int) -> np.ndarray | None:
+    """Bytes [start, end) of `fd` as a read-only view of a shared mapping of its pages
+    (up to the file's end), or None where the mapping fails (the caller reads instead).
+    The mapping lives as long as the view: numpy's base holds it, and it is unmapped when
+    the last reference goes."""
+    stop = min(end, os.fstat(fd).st_size)
+    if stop <= start:
+        return None
+    at = start - start % mmap.ALLOCATIONGRANULARITY
+    try:
+        m = mmap.mmap(fd, stop - at, flags=_MAP_FLAGS, prot=mmap.PROT_READ, offset=at)
+    except (OSError, ValueError):
+        return None
+    return np.frombuffer(m, dtype=np.uint8, count=stop - start, offset=start - at)
 
 
 def drop_cached(path: str) -> None:

@@ -147,8 +147,9 @@ def test_encode_into_a_buffer_too_small_or_not_bytes_is_refused() -> None:
 
 def test_reads_with_a_buffer_pool_reuse_its_buffers_and_check_every_chunk(tmp_path) -> None:
     """Reads into pooled buffers (`Store.get_view`): the same bytes as fresh reads, the
-    pool's buffers come back after each read, a bit flip is still caught, and a load
-    keeps no fetch memory once it returns."""
+    pool's buffers come back after each read (cold objects, read around the page cache),
+    a read of a cached object takes none (it is mapped), a bit flip is still caught, and
+    a load keeps no fetch memory once it returns."""
     from relight.ckpt.errors import ChecksumMismatchError
     from relight.ckpt.resources import resources
     from relight.storage.direct_io import BufferPool
@@ -160,14 +161,32 @@ def test_reads_with_a_buffer_pool_reuse_its_buffers_and_check_every_chunk(tmp_pa
           for i in range(3)]
     for i, x in enumerate(xs):
         store.put(f"k{i}", encode_shard(x, geo))
+    def cached() -> int:
+        return store.stats.snapshot()["bytes_read_cached"]
+
     for i, x in enumerate(xs):
         for region in ((slice(0, 512), slice(0, 1024)), (slice(0, 512), slice(600, 1000))):
+            store.drop_cached(f"k{i}")  # (tmpfs keeps its pages: then the read maps them)
+            before = cached()
             out = np.empty((512, region[1].stop - region[1].start), np.float32)
             read_shard_region(store, f"k{i}", geo, region, out, url=store.url, tensor="t",
                               buffers=pool)
             np.testing.assert_array_equal(out, x[region])
-            assert len(pool.free) >= 1, "the read gave its buffer back"
+            if cached() == before:
+                assert len(pool.free) >= 1, "the read gave its buffer back"
     assert len(pool.free) <= 2, "later reads reused the buffers instead of taking new ones"
+    takes = []
+    real_take = pool.take
+    pool.take = lambda n: takes.append(n) or real_take(n)  # type: ignore[method-assign]
+    store.get("k0")  # now every page of it is cached
+    before = cached()
+    out = np.empty((512, 1024), np.float32)
+    read_shard_region(store, "k0", geo, (slice(0, 512), slice(0, 1024)), out,
+                      url=store.url, tensor="t", buffers=pool)
+    np.testing.assert_array_equal(out, xs[0])
+    if cached() > before:  # served by the cache's own pages (cachestat counts them)
+        assert takes == [], "a mapped read takes no buffer"
+    pool.take = real_take  # type: ignore[method-assign]
     _flip(store, "k1", 5)
     with pytest.raises(ChecksumMismatchError):
         read_shard_region(store, "k1", geo, (slice(0, 512), slice(0, 1024)),
