@@ -237,11 +237,11 @@ def _said(exc: BaseException) -> str:
     return f"{type(exc).__name__}: {exc}"
 
 
-def _state_device(state: Callable[[], Mapping[str, Any]] | None) -> torch.device | None:
-    """The device of the first tensor of `state()` (None without state or tensors)."""
-    if state is None:
+def _state_device(sd: Mapping[str, Any] | None) -> torch.device | None:
+    """The device of the first tensor of the state dict `sd` (None without one)."""
+    if sd is None:
         return None
-    tensors = flatten_state(state()).tensors
+    tensors = flatten_state(sd).tensors
     first = next(iter(tensors.values()), None)
     if first is None:
         return None
@@ -327,8 +327,11 @@ class ReplicaManager:
             if not heal:
                 self._join()
         self.quorum: Quorum | None = None
-        self._groups = process_groups or default_factory(
-            settings.device or _state_device(state), settings.host)
+        self._groups: ProcessGroupFactory = process_groups or GlooGroups(settings.host)
+        """What builds the quorums' process groups; without `process_groups=`, chosen at
+        the first quorum from `settings.device` or the state's device (the state may not
+        exist yet while the manager is built: a user's loop builds its optimizer after)."""
+        self._groups_chosen = process_groups is not None
         self._timeout = timeout
         self._pg: dist.ProcessGroup | None = None
         self._pg_quorum = -1
@@ -516,6 +519,10 @@ class ReplicaManager:
                 else dist.TCPStore(host, port, is_master=False, timeout=timeout))
             base = dist.PrefixStore(f"quorum/{quorum.id}/", store)
             sd = None if self._state is None else self._state()
+            if not self._groups_chosen:
+                self._groups = default_factory(self.settings.device or _state_device(sd),
+                                               self.settings.host)
+                self._groups_chosen = True
             if sd is not None and self.group in quorum.healing:
                 # A fresh optimizer has no state until its first step; the source's has.
                 materialize_optimizer_states(sd)
