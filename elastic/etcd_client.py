@@ -508,13 +508,17 @@ class EtcdClient:
 
     # -- waiting --------------------------------------------------------------
 
-    def wait_for_change(self, prefix: str, after_revision: int, timeout: float) -> bool:
+    def wait_for_change(self, prefix: str, after_revision: int, timeout: float,
+                        until: Callable[[KeyValue | None], bool] | None = None) -> bool:
         """Block until a key under `prefix` changes after `after_revision`, or `timeout`.
 
         Returns True when something changed (or may have: a broken watch returns
         early so the caller re-reads), False on timeout. Never blocks past `timeout`.
+        `until`: only changes it accepts count (`kv` is None for a delete), on one
+        watch stream.
         """
-        return self._watch(prefix, True, after_revision, timeout, lambda _kv: True)[0] != "timeout"
+        return self._watch(prefix, True, after_revision, timeout,
+                           until or (lambda _kv: True))[0] != "timeout"
 
     def wait_for_event(self, key: str, after_revision: int, timeout: float,
                        until: Callable[[KeyValue | None], bool]) -> tuple[bool, KeyValue | None]:

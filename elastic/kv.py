@@ -59,7 +59,8 @@ class KeyValueClient(Protocol):
 
     def lease_revoke(self, lease_id: int) -> None: ...
 
-    def wait_for_change(self, prefix: str, after_revision: int, timeout: float) -> bool: ...
+    def wait_for_change(self, prefix: str, after_revision: int, timeout: float,
+                        until: Callable[[KeyValue | None], bool] | None = None) -> bool: ...
 
     def wait_for_event(self, key: str, after_revision: int, timeout: float,
                        until: Callable[[KeyValue | None], bool],

@@ -313,9 +313,10 @@ class MemoryEtcdClient:
             if lease_id in s._leases:
                 s._drop_lease(lease_id)
 
-    def wait_for_change(self, prefix: str, after_revision: int, timeout: float) -> bool:
+    def wait_for_change(self, prefix: str, after_revision: int, timeout: float,
+                        until: Callable[[KeyValue | None], bool] | None = None) -> bool:
         return self._watch(lambda k: k.startswith(prefix), after_revision, timeout,
-                           lambda _kv: True)[0]
+                           until or (lambda _kv: True))[0]
 
     def wait_for_event(self, key: str, after_revision: int, timeout: float,
                        until: Callable[[KeyValue | None], bool],

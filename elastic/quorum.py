@@ -108,6 +108,11 @@ class Quorum:
     def healthy(self) -> tuple[str, ...]:
         return tuple(m for m in self.members if m not in self.healing)
 
+    def deciders(self, count: int) -> tuple[str, ...]:
+        """The members that decide this quorum's successor (`QuorumClient.agree`): its
+        first `count` members holding the state, then joiners if too few hold it."""
+        return (*self.healthy, *self.healing)[:count]
+
     @property
     def host(self) -> str:
         """The member that hosts the store the quorum's process groups meet on: the
@@ -248,6 +253,15 @@ _ENTERED = "quorum-entered"
 quorum's host says how entering it went: `{"id": quorum id, "absent": [groups that did
 not enter]}`."""
 
+_CHECKED = "quorum-checked"
+"""The key (beside `quorum`) where a decider says that the quorum stood when it read every
+group's key at a revision: `{"id": quorum id, "rev": revision}`."""
+
+_FOLLOW_S = 5.0
+"""How long a follower waits for the deciders' outcome before it decides itself: they
+need a read of every group's key and a compare-and-swap (milliseconds to a second at a
+thousand groups), and a wrong guess costs only a read of every key."""
+
 _PROBE_S = 0.25
 """Longest wait for a peer's store to take a connection while deciding whether the peer
 is gone: a refusal comes back at once; silence proves nothing and is not waited out."""
@@ -256,6 +270,13 @@ _REPROBE_S = 0.1
 """How often survivors waiting out the failover grace check again whether a silent
 member is gone: a process that exits changes no key (its lease outlives it), so only a
 new probe of its store sees it."""
+
+
+def _membership_change(kv: KeyValue | None) -> bool:
+    """Whether a change under the job's root is one the members must agree on: not a
+    decider's or a host's report on the quorum (`quorum-checked`, `quorum-entered`),
+    written while members already returned from the agreement it reports on."""
+    return kv is None or kv.key.rsplit("/", 1)[-1] not in (_CHECKED, _ENTERED)
 
 
 def _gather_s(members: int) -> float:
@@ -286,7 +307,8 @@ class QuorumClient:
     """
 
     def __init__(self, client: KeyValueClient, job: str, group: str, *, lease_ttl: float = 10.0,
-                 timeout: float = 60.0, failover_grace_s: float = 1.0) -> None:
+                 timeout: float = 60.0, failover_grace_s: float = 1.0,
+                 deciders: int = 3, follow_s: float | None = None) -> None:
         if not group or "/" in group:
             raise ValueError(f"replica group id {group!r} must be non-empty without '/'")
         self.client = client
@@ -295,6 +317,16 @@ class QuorumClient:
         self.lease_ttl = lease_ttl
         self.timeout = timeout
         self.failover_grace_s = failover_grace_s
+        if deciders < 1:
+            raise ValueError(f"QuorumClient.deciders must be >= 1, got {deciders}")
+        self.deciders = deciders
+        self.follow_s = _FOLLOW_S if follow_s is None else follow_s
+        """How long a follower waits for the deciders' outcome (`_FOLLOW_S`)."""
+        """How many members of a quorum decide its successor by reading every group's key
+        (its first members: `Quorum.deciders`); the others follow the `quorum` key. More
+        than one, so that a lost decider costs the followers nothing."""
+        self._known: Quorum | None = None
+        """The quorum the last `agree` returned."""
         self._last_quorum: int | None = None
         self._admit_before: int | None = None
         """The revision of the last vote of the step this group last saw commit: groups
@@ -425,7 +457,8 @@ class QuorumClient:
             while not stop.is_set():
                 self.watch_requests += 1
                 try:
-                    hit = client.wait_for_change(self.root, rev, self.lease_ttl)
+                    hit = client.wait_for_change(self.root, rev, self.lease_ttl,
+                                                 until=_membership_change)
                 except Exception as exc:  # noqa: BLE001 - agree reports it
                     logger.debug("[replica %s] membership watch failed: %s", self.group, exc)
                     hit = True
@@ -496,7 +529,92 @@ class QuorumClient:
     def agree(self, *, failed: tuple[Quorum, int] | None = None,
               absent: tuple[Quorum, tuple[str, ...]] | None = None,
               min_groups: int = 1, grace_s: float | None = None) -> tuple[Quorum, Snapshot]:
-        """The quorum to train the next step in.
+        """The quorum to train the next step in (the rules: `_agree_full`).
+
+        At a membership change only the quorum's deciders (`Quorum.deciders`: its first
+        few members) read every group's key and decide; the other members follow the
+        `quorum` key: they take the successor the deciders proposed, or, when the
+        deciders found that the quorum stands (a change that changed nothing, said in
+        `quorum-checked`), the quorum itself. A follower that hears nothing within
+        `_FOLLOW_S` (after the failover grace, for a failed step), or finds itself left
+        out, decides for itself as a decider does. A thousand groups then cost etcd a few
+        reads of every key per change, not one per group."""
+        known = failed[0] if failed is not None else self._known
+        if absent is None and known is not None:
+            followed = self._follow(known, failed is not None,
+                                    self.failover_grace_s if grace_s is None else grace_s)
+            if followed is not None:
+                self._known = followed[0]
+                return followed
+        quorum, snap = self._agree_full(failed=failed, absent=absent, min_groups=min_groups,
+                                        grace_s=grace_s)
+        if (failed is None and known is not None and quorum.id == known.id
+                and self.group in quorum.deciders(self.deciders)):
+            self._say_checked(quorum, snap.revision)
+        self._known = quorum
+        return quorum, snap
+
+    def _follow(self, known: Quorum, failed: bool, grace_s: float
+                ) -> tuple[Quorum, Snapshot] | None:
+        """A follower's `agree`: wait on the `quorum` prefix for the deciders' outcome
+        on `known` (a successor, or `quorum-checked` naming `known` at a revision after
+        the change this group's watch saw). None: decide for itself."""
+        if self.group not in known.members or self.group in known.deciders(self.deciders):
+            return None
+        since = self.last_revision
+        deadline = time.monotonic() + (grace_s if failed else 0.0) + self.follow_s
+        while True:
+            self._check_lease()
+            self.requests += 1
+            kvs, revision = self.client.get_prefix(self.root + "quorum")
+            self.last_revision = max(self.last_revision, revision)
+            by_key = {kv.key[len(self.root):]: kv for kv in kvs}
+            snap = Snapshot.parse([kv for kv in kvs if kv.key == self.root + "quorum"],
+                                  self.root, revision)
+            current = snap.quorum
+            if current is None:
+                return None
+            if current.id > known.id:
+                if self.group not in current.members:
+                    return None  # left out: the full rules say why, or take it back in
+                self._last_quorum = current.id
+                return current, self._with_host(current, revision)
+            checked = by_key.get(_CHECKED)
+            if (not failed and checked is not None and current.revision == known.revision):
+                doc = checked.json()
+                if int(doc["id"]) == known.id and int(doc["rev"]) >= since:
+                    return current, self._with_host(current, revision)
+            remaining = deadline - time.monotonic()
+            if remaining <= 0:
+                logger.info("[replica %s] quorum %d: its deciders %s said nothing within "
+                            "%.1fs; deciding alone", self.group, known.id,
+                            list(known.deciders(self.deciders)), self.follow_s)
+                return None
+            self.client.wait_for_change(self.root + "quorum", revision, remaining)
+
+    def _with_host(self, quorum: Quorum, revision: int) -> Snapshot:
+        """A snapshot of `quorum` and its host's key alone: what a follower needs to
+        reach the store the quorum's process groups meet on."""
+        self.requests += 1
+        kv = self.client.get(self.root + "groups/" + quorum.host)
+        groups = {} if kv is None else {quorum.host: kv.json()}
+        written = {} if kv is None else {quorum.host: kv.mod_revision}
+        return Snapshot(groups, quorum, {}, revision, written)
+
+    def _say_checked(self, quorum: Quorum, revision: int) -> None:
+        """A decider found that `quorum` stands at `revision`: say so to the followers
+        (only while the quorum key is unchanged)."""
+        self.requests += 1
+        result = self.client.txn(
+            [Compare(self.root + "quorum", "mod", "==", quorum.revision)],
+            [OpPut(self.root + _CHECKED, json.dumps({"id": quorum.id, "rev": revision}))])
+        self.last_revision = max(self.last_revision, result.revision)
+
+    def _agree_full(self, *, failed: tuple[Quorum, int] | None = None,
+                    absent: tuple[Quorum, tuple[str, ...]] | None = None,
+                    min_groups: int = 1, grace_s: float | None = None
+                    ) -> tuple[Quorum, Snapshot]:
+        """The quorum to train the next step in, decided from every group's key.
 
         Normally the current one, when it names exactly the groups entitled to train:
         its members that are still alive, plus ready groups that joined after it formed.

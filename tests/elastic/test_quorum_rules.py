@@ -649,3 +649,95 @@ def test_a_member_whose_key_goes_is_dropped_by_every_member_at_one_boundary(
     finally:
         for m in (a, b, d):
             m.close()
+
+
+# -- deciders and followers: at a membership change only a quorum's first members read ----
+
+def _followers(kv: _Backend, n: int, stores: list[tuple[str, int]] | None = None,
+               follow_s: float = 30.0) -> tuple[str, list[QuorumClient], Quorum]:
+    """`n` groups in a quorum, one decider (the first); the others follow."""
+    job = f"rules-{uuid.uuid4().hex[:8]}"
+    groups = [QuorumClient(kv.connect(), job, f"g{i}", lease_ttl=30.0, timeout=60.0,
+                           failover_grace_s=0.5, deciders=1, follow_s=follow_s)
+              for i in range(n)]
+    for i, g in enumerate(groups):
+        g.join(stores[i] if stores else _live_store(), ready=True)
+    got: list = []
+    threads = [_run(lambda g=g: g.agree(min_groups=n)[0], got) for g in groups]
+    for t in threads:
+        t.join(60)
+    assert len(got) == n and len(set(got)) == 1
+    return job, groups, got[0]
+
+
+def _reads_no_group_key(g: QuorumClient) -> None:
+    def refuse() -> None:
+        raise AssertionError(f"follower {g.group} read every group's key")
+    g.snapshot = refuse  # type: ignore[method-assign]
+
+
+def test_followers_take_a_joiner_in_from_the_deciders_quorum(kv) -> None:
+    job, (a, b, c), q0 = _followers(kv, 3)
+    for g in (b, c):
+        _reads_no_group_key(g)
+    d = _client(kv, job, "d")
+    d.join(_live_store(), ready=False, heal=True)
+    got: dict[str, Quorum] = {}
+    threads = [_run(lambda g=g: got.setdefault(g.group, g.agree()[0]), [])
+               for g in (a, b, c, d)]
+    for t in threads:
+        t.join(60)
+    assert set(got) == {"g0", "g1", "g2", "d"}, got
+    q1 = got["g0"]
+    assert q1.id == q0.id + 1 and q1.members == ("d", "g0", "g1", "g2")
+    assert q1.healing == ("d",) and all(q == q1 for q in got.values())
+    # Each follower: one read of the quorum keys per wake, one of the host's key.
+    assert b.requests < 20 and c.requests < 20
+
+
+def test_followers_keep_a_standing_quorum_the_deciders_checked(kv) -> None:
+    _, (a, b, c), q0 = _followers(kv, 3)
+    for g in (b, c):
+        _reads_no_group_key(g)
+        g.watch_membership()
+    got: list = []
+    threads = [_run(lambda g=g: g.agree()[0], got) for g in (b, c)]
+    time.sleep(0.2)  # the followers wait: nothing said yet
+    assert not got
+    q, _ = a.agree()  # the decider finds nothing changed, and says so
+    for t in threads:
+        t.join(60)
+    assert q == q0 and got == [q0, q0]
+    # The decider's report is no membership change: the followers' watches stay quiet.
+    time.sleep(0.3)
+    assert not b.membership_changed.is_set() and not c.membership_changed.is_set()
+    for g in (b, c):
+        g.stop_watch()
+
+
+def test_followers_take_the_survivors_quorum_after_a_failed_step(kv) -> None:
+    stores = [_live_store(), _live_store(), _closed_address()]  # g2 is killed
+    _, (a, b, c), q0 = _followers(kv, 3, stores)
+    _reads_no_group_key(b)
+    _fail_step(q0, a, b)
+    got: dict[str, Quorum] = {}
+    threads = [_run(lambda g=g: got.setdefault(g.group, g.agree(failed=(q0, 0))[0]), [])
+               for g in (a, b)]
+    for t in threads:
+        t.join(60)
+    assert got["g0"] == got["g1"] and got["g0"].members == ("g0", "g1")
+
+
+def test_followers_decide_alone_when_every_decider_is_lost(kv) -> None:
+    stores = [_closed_address(), _live_store(), _live_store()]  # g0, the decider, is killed
+    _, (a, b, c), q0 = _followers(kv, 3, stores, follow_s=0.5)
+    _fail_step(q0, b, c)
+    got: dict[str, Quorum] = {}
+    t0 = time.monotonic()
+    threads = [_run(lambda g=g: got.setdefault(g.group, g.agree(failed=(q0, 0))[0]), [])
+               for g in (b, c)]
+    for t in threads:
+        t.join(60)
+    assert got["g1"] == got["g2"] and got["g1"].members == ("g1", "g2")
+    # They waited the grace and the follow wait once, not a lease or a quorum timeout.
+    assert time.monotonic() - t0 < 30
