@@ -12,8 +12,12 @@ systems (ABBA order over `--rounds`), and each figure is the median over rounds:
   single-threaded 256x256 fp32 matmuls per rank, run as soon as the async save returns
   (so async_total_s is the save's time with the training running beside it); the
   floor's step_s is the same step with no save running (`--step-iters 0`: no step);
-- load_s: load of the newest checkpoint (the async save's) into the same layout;
-  reshard_load_s: the same into dp2 x tp2 (Shard(0), Shard(1)) DTensors;
+- load_s: load into the same layout (zeroed targets) of the newest checkpoint (the async
+  save's), or with `--load-from sync` of the sync save's, made just before it (a
+  restore that reads the checkpoint before the newest, as a run whose newest save is
+  still in flight or failed does); every such load, and the first round's resharded
+  loads, are compared bit for bit with the saved state (`loads_bitwise_equal`);
+  reshard_load_s: the newest checkpoint into dp2 x tp2 (Shard(0), Shard(1)) DTensors;
 - bytes_written: bytes of the objects under the checkpoint prefix after the save;
 - bytes_read_reshard: bytes the ranks read during the reshard load, summed over ranks:
   on files the /proc/self/io rchar delta (read()/pread() syscalls, page cache included);
@@ -48,8 +52,12 @@ systems (ABBA order over `--rounds`), and each figure is the median over rounds:
   the host) as a resumed job's node holds no pages freed a moment before; `as-saved`
   loads with whatever the saves left cached, as a
   process restarted on the same node does (writes through the page cache leave their
-  pages there, Relight's with `RELIGHT_DIRECT_IO=1` none); extra
+  pages there, Relight's with `RELIGHT_DIRECT_IO=1` none); `dropped` (root only) empties
+  the whole page cache, dentries and inodes included (`echo 3 >
+  /proc/sys/vm/drop_caches`), before every load, then waits `--cold-settle-s`; extra
   `relight_load_cached_share` is the share of Relight's load the cache served;
+- `--layers N` sets how many weight matrices the state has (default: one per 48 MiB),
+  `--no-biases` leaves out their biases (`--layers 8 --no-biases`: 24 tensors);
 - floor: what the machine itself allows for the same bytes, in the same rounds: save_s =
   one object per rank (a file written and fsynced; on S3 one PUT), save_direct_s (files)
   = the same file written around the page cache (`O_DIRECT`) from one aligned buffer
@@ -67,6 +75,7 @@ of replicated regions, staging buffer size, objects per checkpoint).
 from __future__ import annotations
 
 import argparse
+import functools
 import json
 import os
 import statistics
@@ -159,15 +168,16 @@ class RssSampler:
         self.on = on
 
 
-def _layers(mb: int, ranks: int) -> tuple[int, int]:
+def _layers(mb: int, ranks: int, layers: int | None = None) -> tuple[int, int]:
     """(number of weight matrices, rows of each) so params + 2 moments ~ mb MiB."""
-    n = max(1, mb // 48)
+    n = layers or max(1, mb // 48)
     rows = int(mb * 2**20 / 3 / (n * HIDDEN * 4))
     rows -= rows % (ranks * 4)
     return n, max(rows, ranks * 4)
 
 
-def _state(mesh: Any, n: int, rows: int, placements: Any, bias_pl: Any, fill: bool) -> dict:
+def _state(mesh: Any, n: int, rows: int, placements: Any, bias_pl: Any, fill: bool,
+           biases: bool = True) -> dict:
     import torch
     from torch.distributed.tensor import distribute_tensor
 
@@ -180,11 +190,12 @@ def _state(mesh: Any, n: int, rows: int, placements: Any, bias_pl: Any, fill: bo
     for i in range(n):
         w, b = f"layers.{i}.weight", f"layers.{i}.bias"
         model[w] = make((rows, HIDDEN), placements, 3 * i)
-        model[b] = make((rows,), bias_pl, 3 * i + 100000)
         optim[w] = {"exp_avg": make((rows, HIDDEN), placements, 3 * i + 1),
                     "exp_avg_sq": make((rows, HIDDEN), placements, 3 * i + 2)}
-        optim[b] = {"exp_avg": make((rows,), bias_pl, 3 * i + 200000),
-                    "exp_avg_sq": make((rows,), bias_pl, 3 * i + 300000)}
+        if biases:
+            model[b] = make((rows,), bias_pl, 3 * i + 100000)
+            optim[b] = {"exp_avg": make((rows,), bias_pl, 3 * i + 200000),
+                        "exp_avg_sq": make((rows,), bias_pl, 3 * i + 300000)}
     return {"model": model, "optim": {"state": optim}}
 
 
@@ -230,6 +241,29 @@ def _floor_save(views: list[memoryview], path: str, direct: bool = False) -> boo
     finally:
         os.close(dfd)
     return went_direct
+
+
+def _drop_all_caches() -> None:
+    """Empty the whole page cache, dentries and inodes included (root only)."""
+    os.sync()
+    with open("/proc/sys/vm/drop_caches", "w") as f:
+        f.write("3\n")
+
+
+def _same(got: dict, want: dict) -> bool:
+    """Whether every tensor of `got` equals `want`'s bitwise (local shards)."""
+    import torch
+
+    from relight.ckpt.flatten import flatten_state
+
+    a, b = flatten_state(got).tensors, flatten_state(want).tensors
+    for name, ref in b.items():
+        x, y = a[name].tensor, ref.tensor
+        x = x.to_local() if hasattr(x, "to_local") else x
+        y = y.to_local() if hasattr(y, "to_local") else y
+        if not torch.equal(x.view(torch.uint8), y.view(torch.uint8)):
+            return False
+    return True
 
 
 def _evict(root: str) -> None:
@@ -279,8 +313,11 @@ def _worker(rank: int, world: int, init: str, args: dict, out_q: Any) -> None:
                             timeout=timedelta(seconds=600))
     mesh = DeviceMesh("cpu", torch.arange(world))
     mesh2 = DeviceMesh("cpu", torch.arange(world).reshape(2, world // 2))
-    n, rows = _layers(args["mb"], world)
-    src = _state(mesh, n, rows, [Shard(0)], [Shard(0)], True)
+    n, rows = _layers(args["mb"], world, args["layers"])
+    make_state = functools.partial(_state, biases=args["biases"])
+    first_suffix = "-sync" if args["load_from"] == "sync" else "-async"
+    """The checkpoint the same-layout load reads (`--load-from`)."""
+    src = make_state(mesh, n, rows, [Shard(0)], [Shard(0)], True)
     sampler = RssSampler()
     base = args["base"]
     s3 = args["storage"] == "s3"
@@ -289,6 +326,9 @@ def _worker(rank: int, world: int, init: str, args: dict, out_q: Any) -> None:
     results: dict[str, dict[str, list[float]]] = {"relight": {}, "dcp": {}, "floor": {}}
     extra: dict[str, list[float]] = {}
     peak = {"relight": 0, "dcp": 0, "floor": 0}
+    bitwise: list[bool] = []
+    """Whether each load checked gave back the saved state bit for bit (every
+    same-layout load, the first round's resharded loads)."""
 
     def win(system: str, on: bool) -> None:
         """Extra memory a phase needs: peak RSS during it minus RSS when it started
@@ -306,9 +346,12 @@ def _worker(rank: int, world: int, init: str, args: dict, out_q: Any) -> None:
     def timed(fn, system: str, reads: str | None = None) -> float:  # noqa: ANN001
         """Seconds of `fn` on the slowest rank. `reads`: the files a load reads, dropped
         from the page cache first under `--load-cache cold` (then `--cold-settle-s`)."""
-        if reads is not None and not s3 and args["load_cache"] == "cold":
+        if reads is not None and not s3 and args["load_cache"] in ("cold", "dropped"):
             if rank == 0:
-                _evict(reads)
+                if args["load_cache"] == "dropped":
+                    _drop_all_caches()
+                else:
+                    _evict(reads)
             # A job resumed on another node finds neither the checkpoint's pages nor
             # pages freed a moment ago: the evicted pages get cold_settle_s to go back
             # to the free pool before the load (see the module docstring).
@@ -358,6 +401,14 @@ def _worker(rank: int, world: int, init: str, args: dict, out_q: Any) -> None:
             return FsspecReader(path, client_kwargs={"endpoint_url": args["env"]
                                                      ["AWS_ENDPOINT_URL"]})
         return dcp.FileSystemReader(path)
+
+    def check_reshard(got: dict, r: int) -> None:
+        """The resharded load bit for bit, in the first round (the expected shards are
+        generated again from the seeds: seconds of CPU, so once per system)."""
+        if r == 0:
+            want = make_state(mesh2, n, rows, [Shard(0), Shard(1)], [Shard(0), Replicate()],
+                              True)
+            bitwise.append(_same(got, want))
 
     def remove_round(system: str, gone: int) -> None:
         if not s3 and gone >= 0:
@@ -413,24 +464,28 @@ def _worker(rank: int, world: int, init: str, args: dict, out_q: Any) -> None:
                 rec(system, "step_s", maxed(step))
             extra.setdefault("relight_stall_staging_copy_s", []).append(
                 maxed(h_box["h"].stage_s))
-            same = _state(mesh, n, rows, [Shard(0)], [Shard(0)], False)
-            newest = storage.open_store(url + "-async")  # the loads read the newest checkpoint
-            before = newest.stats.snapshot()
-            rec(system, "load_s", timed(lambda: ckpt.load(same, newest), system, url + "-async"))
-            after = newest.stats.snapshot()
+            same = make_state(mesh, n, rows, [Shard(0)], [Shard(0)], False)
+            newest = storage.open_store(url + "-async")  # the other loads read the newest
+            first = storage.open_store(url + first_suffix)
+            before = first.stats.snapshot()
+            rec(system, "load_s", timed(lambda: ckpt.load(same, first), system,
+                                        first.location.root))
+            after = first.stats.snapshot()
+            bitwise.append(_same(same, src))
             extra.setdefault("relight_load_cached_share", []).append(
                 summed(after["bytes_read_cached"] - before["bytes_read_cached"])
                 / max(1.0, summed(after["bytes_read"] - before["bytes_read"])))
             del same
-            tgt = _state(mesh2, n, rows, [Shard(0), Shard(1)], [Shard(0), Replicate()], False)
+            tgt = make_state(mesh2, n, rows, [Shard(0), Shard(1)], [Shard(0), Replicate()], False)
             c0, s0 = _bytes_read_now(s3), newest.stats.snapshot()["bytes_read"]
             rec(system, "reshard_load_s",
                 timed(lambda: ckpt.load(tgt, newest), system, url + "-async"))
             rec(system, "bytes_read_reshard", summed(_bytes_read_now(s3) - c0))
+            check_reshard(tgt, r)
             extra.setdefault("relight_reshard_chunk_bytes", []).append(
                 summed(newest.stats.snapshot()["bytes_read"] - s0))
             del tgt
-            rep = _state(mesh2, n, rows, [Replicate(), Shard(1)], [Replicate(), Replicate()],
+            rep = make_state(mesh2, n, rows, [Replicate(), Shard(1)], [Replicate(), Replicate()],
                          False)
             extra.setdefault("relight_replicated_load_broadcast_s", []).append(
                 timed(lambda: ckpt.load(rep, newest, broadcast=True), system, url + "-async"))
@@ -467,14 +522,14 @@ def _worker(rank: int, world: int, init: str, args: dict, out_q: Any) -> None:
             bufs = resources().cached.bufs
             staged = bufs.staging.numel() if bufs.staging is not None else 0
             extra.setdefault("relight_staging_over_shard_bytes", []).append(
-                maxed(staged / (3 * rows * (HIDDEN + 1) * 4 * n / world)))
+                maxed(staged / (3 * rows * (HIDDEN + args["biases"]) * 4 * n / world)))
         elif system == "floor":
             # The machine's floor for the same bytes, no checkpoint format at all: one
             # object per rank (a file written and fsynced; on S3 one PUT of the bytes,
             # joined beforehand), read back into the tensors, and the staging copy into
             # a preallocated buffer.
             views = _local_bytes(src)
-            same = _state(mesh, n, rows, [Shard(0)], [Shard(0)], False)
+            same = make_state(mesh, n, rows, [Shard(0)], [Shard(0)], False)
             dst = _local_bytes(same)
             staging = [torch.empty(len(v), dtype=torch.uint8) for v in views]
             srcs = [torch.frombuffer(v, dtype=torch.uint8) for v in views]
@@ -544,17 +599,20 @@ def _worker(rank: int, world: int, init: str, args: dict, out_q: Any) -> None:
             rec(system, "async_total_s", maxed(total))
             if args["step_iters"]:
                 rec(system, "step_s", maxed(step))
-            same = _state(mesh, n, rows, [Shard(0)], [Shard(0)], False)
-            rec(system, "load_s", timed(lambda: dcp.load(same, storage_reader=dcp_reader(path)),
-                                        system, path))
+            same = make_state(mesh, n, rows, [Shard(0)], [Shard(0)], False)
+            first = url + first_suffix
+            rec(system, "load_s", timed(lambda: dcp.load(same, storage_reader=dcp_reader(first)),
+                                        system, first))
+            bitwise.append(_same(same, src))
             del same
-            tgt = _state(mesh2, n, rows, [Shard(0), Shard(1)], [Shard(0), Replicate()], False)
+            tgt = make_state(mesh2, n, rows, [Shard(0), Shard(1)], [Shard(0), Replicate()], False)
             c0 = _bytes_read_now(s3)
             rec(system, "reshard_load_s",
                 timed(lambda: dcp.load(tgt, storage_reader=dcp_reader(path)), system, path))
             rec(system, "bytes_read_reshard", summed(_bytes_read_now(s3) - c0))
+            check_reshard(tgt, r)
             del tgt
-            rep = _state(mesh2, n, rows, [Replicate(), Shard(1)], [Replicate(), Replicate()],
+            rep = make_state(mesh2, n, rows, [Replicate(), Shard(1)], [Replicate(), Replicate()],
                          False)
             extra.setdefault("dcp_replicated_load_s", []).append(
                 timed(lambda: dcp.load(rep, storage_reader=dcp_reader(path)), system, path))
@@ -573,8 +631,10 @@ def _worker(rank: int, world: int, init: str, args: dict, out_q: Any) -> None:
     for system in peak:
         results[system]["peak_rss_mb"] = [maxed(peak[system] / 2**20)]
     sampler.stop = True
+    all_equal = maxed(float(not all(bitwise))) == 0
     if rank == 0:
-        out_q.put({"results": results, "extra": extra, "layers": n, "rows": rows})
+        out_q.put({"results": results, "extra": extra, "layers": n, "rows": rows,
+                   "bitwise": all_equal})
     dist.destroy_process_group()
 
 
@@ -590,10 +650,18 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--condition", choices=["kept", "fresh"], default="kept",
                    help="files: keep earlier rounds' checkpoints on disk, as a run does "
                         "(kept), or delete each system's previous round first (fresh)")
-    p.add_argument("--load-cache", choices=["cold", "as-saved"], default="cold",
+    p.add_argument("--load-cache", choices=["cold", "as-saved", "dropped"], default="cold",
                    help="files: drop each checkpoint from the page cache before every "
-                        "load, as a resumed job on another node reads it (cold), or load "
-                        "with whatever the save left cached (as-saved)")
+                        "load, as a resumed job on another node reads it (cold), load "
+                        "with whatever the save left cached (as-saved), or empty the "
+                        "whole page cache, dentries and inodes first (dropped; root only)")
+    p.add_argument("--load-from", choices=["newest", "sync"], default="newest",
+                   help="the checkpoint the same-layout load reads: the newest (the async "
+                        "save's) or the sync save's, made just before it")
+    p.add_argument("--layers", type=int, default=None,
+                   help="weight matrices in the state (default: one per 48 MiB)")
+    p.add_argument("--no-biases", dest="biases", action="store_false",
+                   help="leave out the biases and their moments (only the matrices)")
     p.add_argument("--train-gap-s", type=float, default=5.0,
                    help="seconds without checkpoint I/O after every arm, standing in for "
                         "the training between a run's saves (0: arms back to back)")
@@ -605,6 +673,8 @@ def main(argv: list[str] | None = None) -> int:
                         "save returns (0: none)")
     p.add_argument("--json", dest="json_out", default=None)
     a = p.parse_args(argv)
+    if a.load_cache == "dropped" and os.geteuid() != 0:
+        p.error("--load-cache dropped writes /proc/sys/vm/drop_caches: run as root")
     if a.ranks % 2:
         p.error("--ranks must be even (the reshard target is dp2 x tp(ranks/2))")
     import torch.multiprocessing as mp
@@ -623,6 +693,7 @@ def main(argv: list[str] | None = None) -> int:
         base = os.path.join(tmp, "ck")
     args = {"mb": a.mb, "storage": a.storage, "rounds": a.rounds, "base": base, "env": env,
             "condition": a.condition, "load_cache": a.load_cache,
+            "load_from": a.load_from, "layers": a.layers, "biases": a.biases,
             "train_gap_s": a.train_gap_s, "cold_settle_s": a.cold_settle_s,
             "step_iters": a.step_iters,
             "compression": None if a.compression == "none" else a.compression}
@@ -685,13 +756,15 @@ def main(argv: list[str] | None = None) -> int:
                     [x / y for x, y in zip(fl["save_direct_s"], got["results"][system]["save_s"],
                                            strict=True) if y > 0])
                 for system in ("relight", "dcp")})
+    out["loads_bitwise_equal"] = got["bitwise"]
     out["extra"] = {"ratios_per_round": per_round}
     out["extra"].update({k: statistics.median(v) for k, v in got["extra"].items()})
     out["extra"]["all_rounds"] = got["results"]
     out["config"] = {"mb": a.mb, "ranks": a.ranks, "storage": a.storage, "rounds": a.rounds,
                      "layers": got["layers"], "rows": got["rows"], "hidden": HIDDEN,
                      "compression": a.compression, "condition": a.condition,
-                     "load_cache": a.load_cache, "train_gap_s": a.train_gap_s,
+                     "load_cache": a.load_cache, "load_from": a.load_from,
+                     "biases": a.biases, "train_gap_s": a.train_gap_s,
                      "cold_settle_s": a.cold_settle_s, "step_iters": a.step_iters,
                      "cpus": os.cpu_count(),
                      "loadavg_after": os.getloadavg(),
@@ -701,7 +774,8 @@ def main(argv: list[str] | None = None) -> int:
     if a.json_out:
         with open(a.json_out, "w") as f:
             f.write(text)
-    print(json.dumps({k: out[k] for k in ("relight", "dcp", "ratios", "floor", "floor_ratios")
+    print(json.dumps({k: out[k] for k in ("relight", "dcp", "ratios", "floor", "floor_ratios",
+                                          "loads_bitwise_equal")
                       if k in out}, indent=1))
     return 0
 

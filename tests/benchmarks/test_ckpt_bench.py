@@ -36,3 +36,35 @@ def test_the_file_benchmark_reports_every_arm_with_cold_loads(tmp_path, capsys) 
     # At 2 ranks the reshard target is dp2 x tp1: each rank needs half the rows, so the
     # ranks together read about the state once.
     assert got["relight"]["bytes_read_reshard"] <= 1.1 * got["relight"]["bytes_written"]
+
+
+@pytest.mark.long  # two ranks that import torch, and DCP
+def test_loads_of_the_checkpoint_before_the_newest_as_saved_are_cached_and_bitwise(
+        tmp_path) -> None:
+    """`--load-from sync --load-cache as-saved`: the same-layout load reads the sync save,
+    made just before the async one. That async save took no pages of it (the newest
+    committed checkpoint keeps its pages), so the cache serves the whole load; every
+    load checked is bitwise the saved state."""
+    import os
+
+    from relight.storage.direct_io import cached_pages
+    from tests.storage.filesystems import on_memory_filesystem
+
+    out = tmp_path / "out.json"
+    assert ckpt_bench.main(["--mb", "16", "--ranks", "2", "--rounds", "2", "--layers", "2",
+                            "--no-biases", "--load-from", "sync", "--load-cache", "as-saved",
+                            "--train-gap-s", "0", "--step-iters", "0", "--dir", str(tmp_path),
+                            "--json", str(out)]) == 0
+    got = json.loads(out.read_text())
+    assert got["config"]["load_from"] == "sync" and got["config"]["biases"] is False
+    assert got["config"]["layers"] == 2
+    assert got["loads_bitwise_equal"] is True
+    probe = tmp_path / "probe"
+    probe.write_bytes(b"x" * 4096)
+    fd = os.open(probe, os.O_RDONLY)
+    try:
+        counts = cached_pages(fd, 0, 4096) is not None
+    finally:
+        os.close(fd)
+    if counts and not on_memory_filesystem(str(tmp_path)):
+        assert got["extra"]["relight_load_cached_share"] >= 0.99, got["extra"]
