@@ -549,6 +549,7 @@ class QuorumClient:
         quorum, snap = self._agree_full(failed=failed, absent=absent, min_groups=min_groups,
                                         grace_s=grace_s)
         if (failed is None and known is not None and quorum.id == known.id
+                and quorum.size > self.deciders
                 and self.group in quorum.deciders(self.deciders)):
             self._say_checked(quorum, snap.revision)
         self._known = quorum
