@@ -43,6 +43,7 @@ from relight.ckpt.manager import (
     RetentionPolicy,
     SaveFailurePolicy,
 )
+from relight.ckpt.root_layout import StepRecord, list_records
 from relight.ckpt.tiers import CheckpointRoot, TierOptions, open_checkpoint_root
 from relight.ckpt.verify import VerifyReport, verify
 
@@ -71,6 +72,7 @@ __all__ = [
     "SavesFailingError",
     "ShapeMismatchError",
     "StateDictMismatchError",
+    "StepRecord",
     "TierOptions",
     "UnexpectedKeyError",
     "UnsafePathError",
@@ -78,6 +80,7 @@ __all__ = [
     "UnsupportedVersionError",
     "VerifyReport",
     "guard_optimizer",
+    "list_records",
     "load",
     "open_checkpoint_root",
     "save",

@@ -122,7 +122,7 @@ class AgentMetrics:
 
     def poll_checkpoint(self) -> int | None:
         """List the commit records once; update the checkpoint series. Returns the step."""
-        from relight.ckpt.root_layout import list_records
+        from relight.ckpt import list_records
         from relight.storage import open_store
 
         if self._store is None:

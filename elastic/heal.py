@@ -31,8 +31,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from relight.ckpt.flatten import FlatState, flatten_state, set_value
-from relight.ckpt.layout import Piece
+from relight.ckpt.state_layout import FlatState, Piece, flatten_state, set_value
 from relight.elastic.regions import Transfer, copy_regions
 from relight.errors import RelightError
 from relight.storage.checksum import crc32c

@@ -35,8 +35,7 @@ from datetime import timedelta
 import torch
 import torch.distributed as dist
 
-from relight.ckpt.layout import Piece
-from relight.ckpt.plan import Box, RankLayout, TensorLayout, intersect
+from relight.ckpt.state_layout import Box, Piece, RankLayout, TensorLayout, intersect
 from relight.errors import RelightError
 from relight.storage.checksum import crc32c
 

@@ -59,10 +59,17 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from relight.ckpt.flatten import FlatState, TensorRef, flatten_state
-from relight.ckpt.layout import Piece, describe_placements, rank_layout
-from relight.ckpt.optim_state import materialize_optimizer_states
-from relight.ckpt.plan import RankLayout, layout_digest
+from relight.ckpt.state_layout import (
+    FlatState,
+    Piece,
+    RankLayout,
+    TensorRef,
+    describe_placements,
+    flatten_state,
+    layout_digest,
+    materialize_optimizer_states,
+    rank_layout,
+)
 from relight.elastic.etcd_client import EtcdClient, EtcdSettings
 from relight.elastic.heal import (
     HealError,

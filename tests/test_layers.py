@@ -94,3 +94,22 @@ def test_the_check_catches_an_upward_import(tmp_path: Path) -> None:
         "relight.ckpt imports relight",
         "relight.ckpt imports relight.chaos",
         "relight.ckpt imports relight.runtime.config"]
+
+
+PUBLIC_CKPT = {"relight.ckpt", "relight.ckpt.state_layout"}
+"""What the fault-tolerance layer may import of the checkpoint engine: its package API and
+its layout API, not the modules behind them."""
+
+
+def test_fault_tolerance_reaches_the_checkpoint_engine_only_through_its_public_api() -> None:
+    reached = []
+    for path, package in package_modules():
+        if package != "relight.elastic":
+            continue
+        for line, module in imported_modules(ast.parse(path.read_text(), str(path))):
+            if module.startswith("relight.ckpt") and module not in PUBLIC_CKPT:
+                reached.append(f"{path.relative_to(ROOT)}:{line}: {module}")
+    assert reached == []
+    import relight.ckpt.state_layout as layout_api
+
+    assert all(hasattr(layout_api, name) for name in layout_api.__all__)
