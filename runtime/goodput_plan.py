@@ -170,6 +170,31 @@ def heal_goodput(interval_s: float, save_stall_s: float, job_mtbf_s: float, grou
     return interval_s / (interval_s + save_stall_s) * max(0.0, 1.0 - lost_per_fault / job_mtbf_s)
 
 
+def heal_scale_costs(rows: list[dict[str, Any]], groups: int) -> tuple[float, float]:
+    """What a membership change adds per fault at `groups` replica groups, from the rows
+    of `relight bench scale_heal --json`: `(extra survivor pause, extra heal time)` in
+    seconds over the smallest measured size (the lost group's and the joiner's settle
+    times), interpolated linearly between measured sizes. A size outside the measured
+    range is refused (PlanInputError): the settle time does not grow linearly, and an
+    extrapolation would be a guess."""
+    sizes = sorted((int(r["groups"]), float(r["lost"]["settle_s"]),
+                    float(r["joined"]["settle_s"])) for r in rows
+                   if (r.get("lost") or {}).get("settle_s") is not None
+                   and (r.get("joined") or {}).get("settle_s") is not None)
+    if not sizes:
+        raise PlanInputError("the heal-scale results hold no size with both settle times")
+    if not sizes[0][0] <= groups <= sizes[-1][0]:
+        raise PlanInputError(f"--replica-groups {groups} is outside the measured sizes "
+                             f"{sizes[0][0]}..{sizes[-1][0]} of the heal-scale results")
+    base_lost, base_joined = sizes[0][1], sizes[0][2]
+    pairs = list(zip(sizes[:-1], sizes[1:], strict=True)) or [(sizes[0], sizes[0])]
+    for (n0, l0, j0), (n1, l1, j1) in pairs:
+        if n0 <= groups <= n1:
+            w = 0.0 if n1 == n0 else (groups - n0) / (n1 - n0)
+            return (l0 + w * (l1 - l0) - base_lost, j0 + w * (j1 - j0) - base_joined)
+    raise AssertionError("unreachable: groups is within the measured sizes")
+
+
 def plan(inputs: PlanInputs) -> PlanResult:
     m = inputs.job_mtbf_s
     best = daly_interval(inputs.save_stall_s, m)
@@ -398,6 +423,10 @@ def _parser() -> argparse.ArgumentParser:
                    help="healing in place: seconds the survivors pause per fault")
     p.add_argument("--heal-time", type=float,
                    help="healing in place: seconds from a replacement's start to healed")
+    p.add_argument("--heal-scale", type=Path,
+                   help="healing in place: the JSON of `relight bench scale_heal`; adds the "
+                   "membership change's settle time at --replica-groups (over its smallest "
+                   "size) to --heal-pause and --heal-time, measured at a few groups")
     p.add_argument("--json", action="store_true", help="print JSON")
     p.add_argument("--plot", type=Path, help="write a PNG of goodput vs interval")
     return p
@@ -423,6 +452,17 @@ def _inputs(args: argparse.Namespace, measured: RunMeasurements | None) -> PlanI
     current = args.interval
     if current is None and m is not None and m.interval_steps is not None and step:
         current = m.interval_steps * step
+    heal_pause, heal_time = args.heal_pause, args.heal_time
+    if args.heal_scale is not None:
+        if args.replica_groups is None or heal_pause is None or heal_time is None:
+            raise PlanInputError("--heal-scale needs --replica-groups, --heal-pause and "
+                                 "--heal-time (the pause and heal time at a few groups)")
+        try:
+            rows = json.loads(Path(args.heal_scale).read_text())
+        except (OSError, ValueError) as exc:
+            raise PlanInputError(f"--heal-scale {args.heal_scale}: {exc}") from None
+        extra_pause, extra_heal = heal_scale_costs(rows, args.replica_groups)
+        heal_pause, heal_time = heal_pause + extra_pause, heal_time + extra_heal
     return PlanInputs(gpus=int(values["gpus"]), mtbf_hours_per_gpu=args.mtbf_hours_per_gpu,
                       save_stall_s=float(values["save_stall_s"]),
                       restore_time_s=float(values["restore_time_s"]), step_time_s=step,
@@ -430,8 +470,8 @@ def _inputs(args: argparse.Namespace, measured: RunMeasurements | None) -> PlanI
                       local_restore_time_s=args.local_restore_time,
                       local_hit_fraction=args.local_hit_fraction,
                       tier_shard_gb_per_node=args.tier_shard_gb,
-                      replica_groups=args.replica_groups, heal_pause_s=args.heal_pause,
-                      heal_time_s=args.heal_time)
+                      replica_groups=args.replica_groups, heal_pause_s=heal_pause,
+                      heal_time_s=heal_time)
 
 
 def _print_text(inputs: PlanInputs, result: PlanResult, m: RunMeasurements | None) -> None:

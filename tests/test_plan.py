@@ -114,3 +114,31 @@ def test_cli_heal_in_place(capsys) -> None:
                  "--heal-time", "60"]) == 0
     out = capsys.readouterr().out
     assert "heal in place (4 replica groups" in out and "goodput" in out
+
+
+def test_heal_scale_adds_the_membership_change_at_the_job_size(tmp_path, capsys) -> None:
+    from relight.runtime.goodput_plan import PlanInputError, heal_scale_costs, main
+
+    rows = [{"groups": 4, "lost": {"settle_s": 0.1}, "joined": {"settle_s": 0.2}},
+            {"groups": 64, "lost": {"settle_s": 1.3}, "joined": {"settle_s": 0.8}},
+            {"groups": 256, "lost": {"settle_s": 3.7}, "joined": {"settle_s": 2.0}}]
+    assert heal_scale_costs(rows, 4) == (0.0, 0.0)
+    lost, joined = heal_scale_costs(rows, 160)  # halfway between 64 and 256
+    assert lost == pytest.approx(2.5 - 0.1) and joined == pytest.approx(1.4 - 0.2)
+    with pytest.raises(PlanInputError, match="outside the measured sizes 4..256"):
+        heal_scale_costs(rows, 1024)
+    results = tmp_path / "scale.json"
+    results.write_text(json.dumps(rows))
+    base = ["--gpus", "2048", "--mtbf-hours-per-gpu", "5000", "--save-stall", "1",
+            "--restore-time", "36", "--replica-groups", "256", "--heal-pause", "2",
+            "--heal-time", "60", "--json"]
+    assert main(base) == 0
+    small = json.loads(capsys.readouterr().out)
+    assert main([*base, "--heal-scale", str(results)]) == 0
+    scaled = json.loads(capsys.readouterr().out)
+    assert scaled["inputs"]["heal_pause_s"] == pytest.approx(2 + 3.6)
+    assert scaled["inputs"]["heal_time_s"] == pytest.approx(60 + 1.8)
+    assert scaled["heal_goodput"] < small["heal_goodput"]
+    assert main([*base[:-7], "--replica-groups", "1024", "--heal-pause", "2",
+                 "--heal-time", "60", "--heal-scale", str(results)]) == 2
+    assert "outside the measured sizes" in capsys.readouterr().err
