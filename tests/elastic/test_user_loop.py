@@ -3,7 +3,10 @@ group against a real etcd: a group killed and replaced heals its weights and Ada
 moments from a live group's memory (the replacement's fresh optimizer has no state until
 its first step), a joiner whose state cannot take the heal is told why in its own loop and
 costs the live groups at most one step, the survivor never restarts, and every group holds
-bitwise the same weights after every step."""
+bitwise the same weights after every step. Alone, the loop meets the chaos harness's
+contract for a user's script: it checkpoints every interval and at its last step, and a
+start with no live group resumes from the newest checkpoint as if it had never stopped
+(scenarios/replica-user-loop.toml runs it under faults)."""
 
 from __future__ import annotations
 
@@ -17,6 +20,7 @@ from pathlib import Path
 
 import pytest
 
+import relight
 from tests.elastic.agents import ROOT, kill_sessions, wait_for
 from tests.elastic.rdzv_util import job_id
 
@@ -124,3 +128,37 @@ def test_a_users_adamw_loop_heals_and_a_mismatched_joiner_is_told(etcd_server,
     # In a standing quorum a step asks etcd nothing.
     standing = [e["etcd_requests"] for e in evs if e["ev"] == "step" and e["group"] == "g0"]
     assert standing.count(0) >= len(standing) - 10, standing
+
+
+@pytest.mark.timeout(180)
+def test_the_loop_resumes_from_its_checkpoint_as_if_never_stopped(etcd_server,
+                                                                    tmp_path) -> None:
+    """The chaos harness's contract for a user's script, on one group: checkpoints every
+    interval and at the last step; a new start with no live group restores the newest one
+    (the optimizer's moments included) and continues at the next step, with the losses and
+    the weights a run that never stopped has."""
+    env = {**os.environ, "OMP_NUM_THREADS": "1"}
+
+    def run(name: str, ckpt: Path, steps: int) -> list[dict]:
+        metrics = tmp_path / f"{name}.jsonl"
+        out = subprocess.run(
+            [sys.executable, str(EXAMPLE), "--etcd", etcd_server.endpoint, "--job", job_id(),
+             "--group", "g0", "--ckpt", str(ckpt), "--metrics", str(metrics), "--steps",
+             str(steps), "--ckpt-every", "5", "--replica.min_groups=1", "--unknown=1"],
+            env=env, cwd=ROOT, capture_output=True, text=True, timeout=120)
+        assert out.returncode == 0, out.stdout[-3000:] + out.stderr[-3000:]
+        return _events(metrics)
+
+    first = run("first", tmp_path / "ckpt", 7)
+    assert [r["step"] for r in first] == list(range(1, 8))
+    assert all(r["restored_step"] is None for r in first)
+    committed = relight.CheckpointManager(str(tmp_path / "ckpt")).committed_steps()
+    assert committed == [5, 7], committed  # every interval and the last step
+    resumed = run("resumed", tmp_path / "ckpt", 12)
+    assert [r["step"] for r in resumed] == list(range(8, 13))
+    assert {r["restored_step"] for r in resumed} == {7}
+    fresh = run("fresh", tmp_path / "fresh", 12)
+    for r in resumed:
+        same = fresh[r["step"] - 1]
+        assert (r["loss"], r["data_position"], r["state_crc"]) == (
+            same["loss"], same["data_position"], same["state_crc"]), (r, same)
