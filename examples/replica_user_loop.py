@@ -20,7 +20,7 @@ It also meets the chaos harness's contract for a user's script (docs/chaos.md), 
 the arguments the harness gives every replica group's command (`--replica.job=`,
 `--replica.etcd=`, `--replica.host=`, `--replica.min_groups=`, the group id in
 `$RELIGHT_REPLICA_GROUP`; arguments it does not know are ignored), and the checkpoint
-root, metrics file, target step and checkpoint interval from `--ckpt`, `--metrics`,
+root, metrics file, target step and checkpoint interval from `--ckpt`, `--metrics-path`,
 `--steps`, `--ckpt-every` or the harness's RELIGHT_CKPT_URL, RELIGHT_METRICS_PATH,
 RELIGHT_TARGET_STEP, RELIGHT_CKPT_INTERVAL. The quorum's first group checkpoints every
 interval and at the last step (the groups hold the same state); a group that starts
@@ -104,7 +104,7 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
                    help="pad each step to this many seconds (stands in for real compute)")
     p.add_argument("--ckpt", default=env("RELIGHT_CKPT_URL"), help="checkpoint root URL")
     p.add_argument("--ckpt-every", type=int, default=int(env("RELIGHT_CKPT_INTERVAL", "10")))
-    p.add_argument("--metrics", default=env("RELIGHT_METRICS_PATH"),
+    p.add_argument("--metrics-path", default=env("RELIGHT_METRICS_PATH"),
                    help="append one JSON line per committed step here (the harness's fields)")
     p.add_argument("--events", default=None, help="append one JSON line per step here")
     p.add_argument("--stop-file", default=None, help="stop at the next step once it exists")
@@ -175,8 +175,8 @@ def main(argv: list[str] | None = None) -> int:
             record(ev="step", step=step, quorum=quorum.id, size=quorum.size,
                    samples=indices, digest=crc, etcd_requests=replicas.stats.etcd_requests)
             done = optimizer.steps
-            if a.metrics:  # logged before the step is checkpointed
-                append_line(a.metrics, {
+            if a.metrics_path:  # logged before the step is checkpointed
+                append_line(a.metrics_path, {
                     "step": done, "loss": float(global_loss),
                     "data_position": step * GLOBAL_BATCH, "restored_step": restored,
                     "world_size": 1, "time": time.time(),

@@ -143,7 +143,7 @@ def test_the_loop_resumes_from_its_checkpoint_as_if_never_stopped(etcd_server,
         metrics = tmp_path / f"{name}.jsonl"
         out = subprocess.run(
             [sys.executable, str(EXAMPLE), "--etcd", etcd_server.endpoint, "--job", job_id(),
-             "--group", "g0", "--ckpt", str(ckpt), "--metrics", str(metrics), "--steps",
+             "--group", "g0", "--ckpt", str(ckpt), "--metrics-path", str(metrics), "--steps",
              str(steps), "--ckpt-every", "5", "--replica.min_groups=1", "--unknown=1"],
             env=env, cwd=ROOT, capture_output=True, text=True, timeout=120)
         assert out.returncode == 0, out.stdout[-3000:] + out.stderr[-3000:]
