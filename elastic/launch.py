@@ -63,7 +63,8 @@ if TYPE_CHECKING:
 # agent's own (torchrun, the rendezvous) run side by side and torch is imported once.
 
 __all__ = ["DEFAULT_PREEMPTION_GRACE_S", "HintReader", "LaunchError", "TrainingHints", "main",
-           "needs_s3_sdk", "shutdown_timeout_s", "split_command", "usable_node_counts"]
+           "needs_s3_sdk", "parse_launch_args", "shutdown_timeout_s", "split_command",
+           "usable_node_counts"]
 
 DEFAULT_SHUTDOWN_TIMEOUT_S = 30
 """torchrun's default (`TORCH_ELASTIC_SHUTDOWN_TIMEOUT`)."""
@@ -103,6 +104,17 @@ def split_command(command: Sequence[str]) -> list[str]:
                               "put it in PYTHONFLAGS-style environment variables instead")
         return rest
     return ["--no-python", head, *rest]
+
+
+def parse_launch_args(opts: Sequence[str], positional: Sequence[str]) -> argparse.Namespace:
+    """torchrun's arguments: the launcher's options `opts`, then the training command as
+    `split_command` gives it. The command's own arguments are handed over untouched, not
+    parsed: argparse would read `--metrics=x` after the script as an abbreviation of the
+    launcher's `--metrics-port` and `--metrics-host`, and fail as ambiguous."""
+    head = 2 if positional and positional[0] in ("--module", "--no-python") else 1
+    args = _parser().parse_args([*opts, *positional[:head]])
+    args.training_script_args = list(positional[head:])
+    return args
 
 
 @dataclass(frozen=True, slots=True)
@@ -225,7 +237,7 @@ def main(argv: Sequence[str] | None = None, read_hints: HintReader | None = None
         or TrainingHints(DEFAULT_PREEMPTION_GRACE_S, None)
     warm = _start_warm(opts, positional, hints.ckpt_url)
     try:
-        args = _parser().parse_args(opts + positional)
+        args = parse_launch_args(opts, positional)
         if args.standalone:
             print("relight run: --standalone is torchrun's c10d shortcut; relight run starts "
                   "its own etcd when --rdzv-endpoint is not given: drop --standalone",

@@ -10,7 +10,7 @@ from pathlib import Path
 
 import pytest
 
-from relight.elastic.launch import LaunchError, main, split_command
+from relight.elastic.launch import LaunchError, main, parse_launch_args, split_command
 from tests.elastic.agents import ROOT
 
 pytestmark = [pytest.mark.etcd, pytest.mark.multirank, pytest.mark.timeout(120)]
@@ -33,6 +33,22 @@ def etcd_processes_in(run_dir: Path) -> list[str]:
         if "etcd" in cmdline and str(run_dir) in cmdline:
             found.append(pid)
     return found
+
+
+def test_the_training_commands_own_arguments_are_not_parsed_by_the_launcher() -> None:
+    # `--metrics=` and `--log=` are prefixes of two launcher options each (torchrun's
+    # --metrics-port/--metrics-host, --log-dir/--log-...): parsed, they were ambiguous.
+    for command in (["python", "x.py", "--metrics=foo", "--log=bar", "-m", "y"],
+                    ["python", "-m", "pkg.train", "--metrics=foo", "--nproc-per-node=9"],
+                    ["./bin/train", "--log=x"]):
+        positional = split_command(command)
+        args = parse_launch_args(["--nproc-per-node=2", "--rdzv-id=j"], positional)
+        assert args.nproc_per_node == "2" and args.rdzv_id == "j"
+        script_args = [a for a in positional if a not in ("--module", "--no-python")][1:]
+        assert args.training_script_args == script_args
+        assert args.training_script == (command[2] if command[1] == "-m"
+                                        else command[0] if command[0].startswith("./")
+                                        else command[1])
 
 
 def test_split_command() -> None:
