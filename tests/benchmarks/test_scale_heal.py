@@ -13,7 +13,9 @@ pytestmark = [pytest.mark.etcd]
 
 def test_a_small_fleet_loses_a_group_and_takes_a_joiner_in() -> None:
     lines: list[str] = []
-    rows = run_heal_scale(HealScaleConfig(groups=(5,), quiet_s=1.0), log=lines.append)
+    # Keepalives every lease_ttl / 3 = 2 s: a 5 s window holds two per group.
+    rows = run_heal_scale(HealScaleConfig(groups=(5,), quiet_s=5.0, lease_ttl_s=6.0),
+                          log=lines.append)
     assert len(rows) == 1 and len(lines) == 1
     row = rows[0]
     assert "errors" not in row, row
