@@ -25,7 +25,8 @@ the steps and what a membership change costs. Per size, one round:
    from its registration to the last member entering (the step boundary's own wait, up
    to one step, is not in it: the flag rides the next reduction).
 
-The clients run as threads of this process, on the same cores as the three etcd members:
+The clients run as threads of `--procs` worker processes (8; groups dealt round-robin),
+on the same cores as the three etcd members:
 on a machine of 2 cores the settle times at large N include the simulator's own CPU. The
 server-side counts do not depend on it.
 
@@ -39,6 +40,7 @@ from __future__ import annotations
 import argparse
 import json
 import logging
+import multiprocessing as mp
 import os
 import selectors
 import socket
@@ -64,10 +66,12 @@ class HealScaleConfig:
     lease_ttl_s: float = 10.0
     timeout_s: float = 300.0
     """Bound on each phase of a round (a phase not done by then is reported as such)."""
+    procs: int = 8
+    """Worker processes the groups are spread over (at most one per group)."""
 
 
-_WAVE = 64
-"""Groups that read the first quorum at once during the formation."""
+_WAVE = 16
+"""Groups of one worker process that read the first quorum at once during the formation."""
 
 _LIGHTHOUSE_HEARTBEAT_S = 0.1
 """torchft's default heartbeat interval (per replica group, to the lighthouse)."""
@@ -236,41 +240,175 @@ def _enter(g: _Group, quorum: Any) -> None:
         raise RuntimeError(f"{g.name} could not enter quorum {quorum.id}: {entry}")
 
 
-def _one_size(endpoints: list[str], pids: list[int], n: int, cfg: HealScaleConfig,
-              log: Any) -> dict[str, Any]:
-    job = f"heal-{n}-{uuid.uuid4().hex[:6]}"
-    acceptor = _Acceptor()
-    groups = [_Group(endpoints, job, f"g{i:05d}", cfg.lease_ttl_s, acceptor)
-              for i in range(n)]
-    row: dict[str, Any] = {"groups": n}
-    try:
-        # 1. formation: the first group proposes the quorum of all; the others read it in
-        # waves of `_WAVE` (a job's start does this once, each group on its own host;
-        # here a thousand threads reading every key at once would starve the lease
-        # keepers of the same two cores), then all enter it together.
-        for g in groups:
-            g.client.join(g.store, ready=True)
-        quorums: dict[str, Any] = {}
+class _Worker:
+    """One worker process's groups (threads), driven by the parent over a pipe. Groups of
+    a size are spread over `procs` processes, as groups on separate hosts do not share
+    one interpreter lock: in one process, ~2,000 threads of a thousand groups left a
+    lease keeper waiting for the lock longer than its lease."""
+
+    def __init__(self) -> None:
+        self.groups: dict[str, _Group] = {}
+        self.acceptor = _Acceptor()
+        self.quorums: dict[str, Any] = {}
+
+    def build(self, endpoints: list[str], job: str, names: list[str], ttl: float,
+              ready: bool) -> float:
         t0 = time.monotonic()
-        first, _ = groups[0].client.agree(min_groups=n)
+        for name in names:
+            g = self.groups[name] = _Group(endpoints, job, name, ttl, self.acceptor)
+            g.client.join(g.store, ready=ready, heal=not ready)
+        return t0
+
+    def agree_first(self, name: str, n: int) -> Any:
+        q, _ = self.groups[name].client.agree(min_groups=n)
+        self.quorums[name] = q
+        return q
+
+    def read_first(self, timeout: float) -> list[str]:
         errors: list[str] = []
-        for k in range(1, n, _WAVE):
-            wave = groups[k:k + _WAVE]
-            done, errs = _parallel([lambda g=g: quorums.__setitem__(g.name, g.client.agree()[0])
-                                    for g in wave], cfg.timeout_s)
+        rest = [g for g in self.groups.values() if g.name not in self.quorums]
+        for k in range(0, len(rest), _WAVE):
+            _, errs = _parallel([lambda g=g: self.quorums.__setitem__(g.name, g.client.agree()[0])
+                                 for g in rest[k:k + _WAVE]], timeout)
             errors += errs
-        quorums[groups[0].name] = first
-        if errors or any(quorums.get(g.name) != first for g in groups):
-            row["errors"] = errors[:3] or ["the groups read different first quorums"]
+        return errors
+
+    def enter(self, quorum: Any, timeout: float) -> tuple[list[float], list[str]]:
+        done, errors = _parallel([lambda g=g: _enter(g, quorum) for g in self.groups.values()],
+                                 timeout)
+        for g in self.groups.values():
+            g.client.watch_membership()
+        return done, errors
+
+    def die(self, name: str) -> None:
+        self.groups.pop(name).die()
+
+    def fail_over(self, q0: Any, dead: str, grace_s: float, timeout: float
+                  ) -> tuple[list[float], list[str]]:
+        def run(g: _Group) -> None:
+            g.client.vote(q0, 0, False)
+            q, _ = g.client.agree(failed=(q0, 0), grace_s=grace_s)
+            if dead in q.members:
+                raise RuntimeError(f"{g.name}: the dead group is still in quorum {q.id}")
+            self.quorums[g.name] = q
+            _enter(g, q)
+
+        done, errors = _parallel([lambda g=g: run(g) for g in self.groups.values()], timeout)
+        for g in self.groups.values():
+            g.client.watch_membership()
+        return done, errors
+
+    def take_in(self, joiner: str, timeout: float) -> tuple[list[float], list[str]]:
+        def run(g: _Group) -> None:
+            if g.name != joiner:
+                # The member's watch says the keys changed; at its next step boundary
+                # (not waited for here) it agrees again.
+                if not g.client.membership_changed.wait(timeout):
+                    raise RuntimeError(f"{g.name}'s watch never saw the joiner")
+            q, _ = g.client.agree()
+            while joiner not in q.members:
+                g.client.client.wait_for_change(g.client.root, q.revision, 5.0)
+                q, _ = g.client.agree()
+            _enter(g, q)
+
+        return _parallel([lambda g=g: run(g) for g in self.groups.values()], timeout)
+
+    def close(self) -> None:
+        for g in self.groups.values():
+            try:
+                g.close()
+            except Exception:  # noqa: BLE001 - a dead group's lease just expires
+                pass
+        self.groups.clear()
+        self.quorums.clear()
+
+
+def _serve(conn: Any) -> None:
+    """A worker process: runs the parent's calls on its `_Worker`, one at a time."""
+    logging.getLogger("relight.elastic").setLevel(logging.ERROR)
+    worker = _Worker()
+    while True:
+        name, args = conn.recv()
+        if name == "exit":
+            worker.close()
+            worker.acceptor.close()
+            return
+        try:
+            conn.send(("ok", getattr(worker, name)(*args)))
+        except Exception as exc:  # noqa: BLE001 - reported in the row
+            conn.send(("error", f"{type(exc).__name__}: {exc}"[:300]))
+
+
+class _Pool:
+    """Worker processes (spawned: the parent holds threads), reused across sizes."""
+
+    def __init__(self, procs: int) -> None:
+        ctx = mp.get_context("spawn")
+        self.conns: list[Any] = []
+        self.procs: list[Any] = []
+        for _ in range(procs):
+            parent, child = ctx.Pipe()
+            proc = ctx.Process(target=_serve, args=(child,), daemon=True)
+            proc.start()
+            self.conns.append(parent)
+            self.procs.append(proc)
+
+    def call(self, which: list[int], name: str, *args: Any, timeout: float) -> list[Any]:
+        """`name(*args)` on each worker in `which`, at once; their results, in order."""
+        for i in which:
+            self.conns[i].send((name, args))
+        out = []
+        for i in which:
+            if not self.conns[i].poll(timeout + 60):
+                raise RuntimeError(f"worker {i} did not answer {name} within {timeout + 60:.0f} s")
+            status, value = self.conns[i].recv()
+            if status != "ok":
+                raise RuntimeError(f"worker {i} {name}: {value}")
+            out.append(value)
+        return out
+
+    def close(self) -> None:
+        for conn, proc in zip(self.conns, self.procs, strict=True):
+            try:
+                conn.send(("exit", ()))
+            except OSError:
+                pass
+            proc.join(30)
+            if proc.is_alive():
+                proc.kill()
+
+
+def _one_size(pool: _Pool, endpoints: list[str], pids: list[int], n: int,
+              cfg: HealScaleConfig) -> dict[str, Any]:
+    job = f"heal-{n}-{uuid.uuid4().hex[:6]}"
+    names = [f"g{i:05d}" for i in range(n)]
+    used = list(range(min(len(pool.conns), n)))
+    shares = {w: names[w::len(used)] for w in used}
+    owner = {name: w for w, share in shares.items() for name in share}
+    row: dict[str, Any] = {"groups": n, "procs": len(used)}
+    timeout = cfg.timeout_s
+    try:
+        # 1. formation (set-up, not a target): every group joins ready, the first
+        # proposes the quorum of all, the others read it (in waves of `_WAVE` per
+        # process: a job's start does this once, each group on its own host), and all
+        # enter it together.
+        for w in used:
+            pool.call([w], "build", endpoints, job, shares[w], cfg.lease_ttl_s, True,
+                      timeout=timeout)
+        t0 = time.monotonic()
+        (first,) = pool.call([owner[names[0]]], "agree_first", names[0], n, timeout=timeout)
+        errors = [e for errs in pool.call(used, "read_first", timeout, timeout=timeout)
+                  for e in errs]
+        if errors:
+            row["errors"] = errors[:3]
             return row
-        done, errors = _parallel([lambda g=g: _enter(g, first) for g in groups], cfg.timeout_s)
+        entered = pool.call(used, "enter", first, timeout, timeout=timeout)
+        done = [t for d, _ in entered for t in d]
+        errors = [e for _, errs in entered for e in errs]
         row["formation_s"] = max(done) - t0 if len(done) == n else None
         if errors or len(done) < n:
             row["errors"] = errors[:3]
             return row
-        q0 = quorums[groups[0].name]
-        for g in groups:
-            g.client.watch_membership()
         # 2. happy path
         probe = _Probe(endpoints, pids)
         time.sleep(cfg.quiet_s)
@@ -283,88 +421,64 @@ def _one_size(endpoints: list[str], pids: list[int], n: int, cfg: HealScaleConfi
             "server_requests_per_s": quiet["requests"] / quiet["wall_s"],
             "window_s": quiet["wall_s"]}
         # 3. a lost group
-        dead, survivors = groups[-1], groups[:-1]
-        dead.die()
+        dead = names[-1]
+        pool.call([owner[dead]], "die", dead, timeout=timeout)
         probe = _Probe(endpoints, pids)
         t0 = time.monotonic()
-
-        def fail_over(g: _Group) -> None:
-            g.client.vote(q0, 0, False)
-            q, _ = g.client.agree(failed=(q0, 0), grace_s=1.0 + 2 * cfg.step_s)
-            if dead.name in q.members:
-                raise RuntimeError(f"{g.name}: the dead group is still in quorum {q.id}")
-            quorums[g.name] = q
-            _enter(g, q)
-
-        done, errors = _parallel([lambda g=g: fail_over(g) for g in survivors],
-                                 cfg.timeout_s)
+        failed = pool.call(used, "fail_over", first, dead, 1.0 + 2 * cfg.step_s, timeout,
+                           timeout=timeout)
         lost = probe.delta()
+        done = [t for d, _ in failed for t in d]
+        errors = [e for _, errs in failed for e in errs]
         row["lost"] = {"settle_s": max(done) - t0 if len(done) == n - 1 else None,
                        "requests_per_group": lost["requests"] / (n - 1),
                        "bytes_per_group": (lost["bytes_in"] + lost["bytes_out"]) / (n - 1),
                        "etcd_cpu_s": lost["cpu_s"], "errors": errors[:3]}
         if errors or len(done) < n - 1:
             return row
-        q1 = quorums[survivors[0].name]
-        for g in survivors:
-            g.client.watch_membership()
         # 4. a joiner
-        joiner = _Group(endpoints, job, f"j{n:05d}", cfg.lease_ttl_s, acceptor)
+        joiner = f"j{n:05d}"
         probe = _Probe(endpoints, pids)
-        t0 = time.monotonic()
-        joiner.client.join(joiner.store, ready=False, heal=True)
-
-        def take_in(g: _Group) -> None:
-            if g is not joiner:
-                # The member's watch says the keys changed; at its next step boundary
-                # (not waited for here) it agrees again.
-                if not g.client.membership_changed.wait(cfg.timeout_s):
-                    raise RuntimeError(f"{g.name}'s watch never saw the joiner")
-            q, _ = g.client.agree()
-            while joiner.name not in q.members:
-                g.client.client.wait_for_change(g.client.root, q.revision, 5.0)
-                q, _ = g.client.agree()
-            _enter(g, q)
-
-        done, errors = _parallel([lambda g=g: take_in(g) for g in [*survivors, joiner]],
-                                 cfg.timeout_s)
+        (t0,) = pool.call([used[0]], "build", endpoints, job, [joiner], cfg.lease_ttl_s,
+                          False, timeout=timeout)
+        taken = pool.call(used, "take_in", joiner, timeout, timeout=timeout)
         joined = probe.delta()
+        done = [t for d, _ in taken for t in d]
+        errors = [e for _, errs in taken for e in errs]
         row["joined"] = {"settle_s": max(done) - t0 if len(done) == n else None,
                          "requests_per_group": joined["requests"] / n,
                          "bytes_per_group": (joined["bytes_in"] + joined["bytes_out"]) / n,
-                         "etcd_cpu_s": joined["cpu_s"], "errors": errors[:3],
-                         "quorum_before": q1.id}
-        groups.append(joiner)
+                         "etcd_cpu_s": joined["cpu_s"], "errors": errors[:3]}
+        return row
+    except RuntimeError as exc:
+        row.setdefault("errors", [str(exc)[:300]])
         return row
     finally:
-        for g in groups:
-            try:
-                g.close()
-            except Exception:  # noqa: BLE001 - a dead group's lease just expires
-                pass
-        acceptor.close()
+        pool.call(used, "close", timeout=timeout)
 
 
 def run_heal_scale(cfg: HealScaleConfig, log: Any = print) -> list[dict[str, Any]]:
     from relight.elastic.etcd_server import EtcdCluster
 
-    # One line per group per quorum says nothing at 1,024 groups.
-    logging.getLogger("relight.elastic").setLevel(logging.ERROR)
     rows = []
-    with tempfile.TemporaryDirectory(prefix="scale-heal-") as tmp:
-        cluster = EtcdCluster(Path(tmp)).start()
-        try:
-            pids = [m.pid for m in cluster.members if m.pid is not None]
-            for n in cfg.groups:
-                row = _one_size(cluster.endpoints, pids, n, cfg, log)
-                row["lighthouse"] = lighthouse_model(n, cfg.step_s)
-                row["lease_ttl_s"] = cfg.lease_ttl_s
-                log(json.dumps(row))
-                rows.append(row)
-                if row.get("errors") or (row.get("lost") or {}).get("errors"):
-                    break
-        finally:
-            cluster.stop()
+    pool = _Pool(cfg.procs)
+    try:
+        with tempfile.TemporaryDirectory(prefix="scale-heal-") as tmp:
+            cluster = EtcdCluster(Path(tmp)).start()
+            try:
+                pids = [m.pid for m in cluster.members if m.pid is not None]
+                for n in cfg.groups:
+                    row = _one_size(pool, cluster.endpoints, pids, n, cfg)
+                    row["lighthouse"] = lighthouse_model(n, cfg.step_s)
+                    row["lease_ttl_s"] = cfg.lease_ttl_s
+                    log(json.dumps(row))
+                    rows.append(row)
+                    if row.get("errors") or (row.get("lost") or {}).get("errors"):
+                        break
+            finally:
+                cluster.stop()
+    finally:
+        pool.close()
     return rows
 
 
@@ -378,10 +492,13 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--lease-ttl-s", type=float, default=defaults.lease_ttl_s,
                    help="each group's lease TTL (ReplicaSettings.lease_ttl); keepalives "
                    "run every TTL / 3")
+    p.add_argument("--procs", type=int, default=defaults.procs,
+                   help="worker processes the simulated groups are spread over")
     p.add_argument("--json", type=Path, default=None)
     a = p.parse_args(argv)
     rows = run_heal_scale(HealScaleConfig(groups=tuple(a.groups), quiet_s=a.quiet_s,
-                                          step_s=a.step_s, lease_ttl_s=a.lease_ttl_s))
+                                          step_s=a.step_s, lease_ttl_s=a.lease_ttl_s,
+                                          procs=a.procs))
     if a.json is not None:
         a.json.write_text(json.dumps(rows, indent=1))
     return 0
