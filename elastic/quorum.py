@@ -566,25 +566,32 @@ class QuorumClient:
         deadline = time.monotonic() + (grace_s if failed else 0.0) + self.follow_s
         while True:
             self._check_lease()
+            # The keys' revisions first: the quorum document (every member's name) is
+            # read only once it changed, the deciders' report only once it was written.
             self.requests += 1
-            kvs, revision = self.client.get_prefix(self.root + "quorum")
+            kvs, revision = self.client.get_prefix(self.root + "quorum", keys_only=True)
             self.last_revision = max(self.last_revision, revision)
             by_key = {kv.key[len(self.root):]: kv for kv in kvs}
-            snap = Snapshot.parse([kv for kv in kvs if kv.key == self.root + "quorum"],
-                                  self.root, revision)
-            current = snap.quorum
-            if current is None:
+            if "quorum" not in by_key:
                 return None
-            if current.id > known.id:
+            if by_key["quorum"].mod_revision != known.revision:
+                self.requests += 1
+                kv = self.client.get(self.root + "quorum")
+                current = (None if kv is None
+                           else Snapshot.parse([kv], self.root, revision).quorum)
+                if current is None or current.id <= known.id:
+                    return None
                 if self.group not in current.members:
                     return None  # left out: the full rules say why, or take it back in
                 self._last_quorum = current.id
                 return current, self._with_host(current, revision)
             checked = by_key.get(_CHECKED)
-            if (not failed and checked is not None and current.revision == known.revision):
-                doc = checked.json()
-                if int(doc["id"]) == known.id and int(doc["rev"]) >= since:
-                    return current, self._with_host(current, revision)
+            if not failed and checked is not None and checked.mod_revision > since:
+                self.requests += 1
+                kv = self.client.get(self.root + _CHECKED)
+                doc = None if kv is None else kv.json()
+                if doc is not None and int(doc["id"]) == known.id and int(doc["rev"]) >= since:
+                    return known, self._with_host(known, revision)
             remaining = deadline - time.monotonic()
             if remaining <= 0:
                 logger.info("[replica %s] quorum %d: its deciders %s said nothing within "
@@ -875,14 +882,17 @@ class QuorumClient:
         addr = None if host_doc is None else tuple(host_doc.json()["store"])
         deadline = time.monotonic() + timeout + 2 * _REPROBE_S + _PROBE_S
         while True:
+            # The host's report, read only while the quorum stands (one small request,
+            # not the quorum document).
             self.requests += 1
-            kvs, revision = self.client.get_prefix(self.root + "quorum")
+            result = self.client.txn([Compare(self.root + "quorum", "mod", "==",
+                                              quorum.revision)],
+                                     [OpRange(self.root + _ENTERED)])
+            revision = result.revision
             self.last_revision = max(self.last_revision, revision)
-            by_key = {kv.key[len(self.root):]: kv for kv in kvs}
-            current = by_key.get("quorum")
-            if current is None or current.mod_revision != quorum.revision:
+            if not result.succeeded:
                 return Entry(replaced=True)
-            said = by_key.get(_ENTERED)
+            said = result.ranges[0][0] if result.ranges[0] else None
             if said is not None:
                 doc = said.json()
                 if int(doc["id"]) == quorum.id:
