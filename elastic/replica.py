@@ -244,12 +244,11 @@ def _said(exc: BaseException) -> str:
     return f"{type(exc).__name__}: {exc}"
 
 
-def _state_device(sd: Mapping[str, Any] | None) -> torch.device | None:
-    """The device of the first tensor of the state dict `sd` (None without one)."""
-    if sd is None:
+def _state_device(flat: FlatState | None) -> torch.device | None:
+    """The device of the first tensor of the flattened state (None without one)."""
+    if flat is None:
         return None
-    tensors = flatten_state(sd).tensors
-    first = next(iter(tensors.values()), None)
+    first = next(iter(flat.tensors.values()), None)
     if first is None:
         return None
     t = first.tensor
@@ -526,14 +525,14 @@ class ReplicaManager:
                 else dist.TCPStore(host, port, is_master=False, timeout=timeout))
             base = dist.PrefixStore(f"quorum/{quorum.id}/", store)
             sd = None if self._state is None else self._state()
-            if not self._groups_chosen:
-                self._groups = default_factory(self.settings.device or _state_device(sd),
-                                               self.settings.host)
-                self._groups_chosen = True
             if sd is not None and self.group in quorum.healing:
                 # A fresh optimizer has no state until its first step; the source's has.
                 materialize_optimizer_states(sd)
             flat = None if sd is None else flatten_state(sd)
+            if not self._groups_chosen:
+                self._groups = default_factory(self.settings.device or _state_device(flat),
+                                               self.settings.host)
+                self._groups_chosen = True
             layout = None if flat is None else _layout_of(flat, self.local_rank)
             mixed = self._mixed_quorum(quorum, base, layout)
             if mixed is None:
