@@ -517,9 +517,7 @@ def _worker(rank: int, world: int, init: str, args: dict, out_q: Any) -> None:
             else:
                 nb = 0
             rec(system, "bytes_written", summed(nb))
-            from relight.ckpt.resources import resources
-
-            bufs = resources().cached.bufs
+            bufs = ckpt.default_checkpointer().cached.bufs
             staged = bufs.staging.numel() if bufs.staging is not None else 0
             extra.setdefault("relight_staging_over_shard_bytes", []).append(
                 maxed(staged / (3 * rows * (HIDDEN + args["biases"]) * 4 * n / world)))

@@ -160,7 +160,6 @@ def floor_arm(state: dict[str, Any], clock: _Clock, rounds: int = 3) -> dict[str
 def relight_arm(state: dict[str, Any], base: str, clock: _Clock,
                 pipelined: bool) -> dict[str, Any]:
     from relight import ckpt
-    from relight.ckpt.resources import resources
 
     nb = _nbytes(state)
     out: dict[str, Any] = {}
@@ -200,7 +199,7 @@ def relight_arm(state: dict[str, Any], base: str, clock: _Clock,
         out["pipelined"] = {"return_s": ret, "staged_s": staged,
                             "total_s": time.perf_counter() - t0}
         _rm(f"{base}-p")
-    resources().cached = None  # free the staging buffers before the next system runs
+    ckpt.default_checkpointer().cached = None  # free the staging buffers for the next system
     gc.collect()
     return out
 

@@ -9,7 +9,7 @@ arm, sampled every 5 ms (the planners are pure Python; the sampler costs nothing
 measurable next to them). Times are CPU seconds of the worker (`Clock`), wall seconds
 beside them in the JSON; the cap is on wall time.
 
-Relight (what `ckpt.engine` runs on every rank): the parse of every rank's layout as the
+Relight (what `ckpt.saver` and `ckpt.loader` run on every rank): the parse of every rank's layout as the
 exchange delivers it, `plan_save`, this rank's `writes_of`; the parse of every rank's load
 needs, `plan_load` and this rank's tasks (`LoadPlan.mine`), loading into the layout
 saved; then the
@@ -232,7 +232,7 @@ def relight_arm(config: str, world: int, manifest_out: str | None = None,
         plan = plan_save(layouts, ranks)
         plan.writes_of(0)
     with PeakRSS() as mem_load, Clock() as load:
-        # What `ckpt.engine.load` runs on each rank once the exchanges are done.
+        # What `ckpt.loader.load` runs on each rank once the exchanges are done.
         docs = parse_json_list([doc for _, doc in needs])
         own = needs_from_json([d["data"]["needs"] for d in docs], ranks)
         lplan = plan_load(own, grids=parse_grid_needs([text for text, _ in needs], ranks))

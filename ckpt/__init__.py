@@ -7,13 +7,13 @@ any mesh, stateful objects, JSON values) as zarr v3 arrays through tensorstore, 
     h = ckpt.save(state_dict, url, async_save=True); h.wait()
     ckpt.load(state_dict, url)
     ckpt.verify(url).ok
-    mgr = ckpt.CheckpointManager(root_url, keep_last=3)
+    mgr = ckpt.CheckpointManager(root_url, keep_last=3)   # owns its own ckpt.Checkpointer
     root = ckpt.open_checkpoint_root(root_url, ckpt.TierOptions(local_dir="/dev/shm/relight",
                                                                 budget_bytes=4 << 30))
     mgr = ckpt.CheckpointManager(root.store)   # restores read the node-local tier first
 """
 
-from relight.ckpt.engine import LoadInfo, SaveHandle, SaveOptions, load, save, wait_staged
+from relight.ckpt.checkpointer import Checkpointer, default_checkpointer, save, wait_staged
 from relight.ckpt.errors import (
     AbsurdShapeError,
     CheckpointError,
@@ -36,6 +36,8 @@ from relight.ckpt.errors import (
     UnsupportedVersionError,
 )
 from relight.ckpt.guard import guard_optimizer
+from relight.ckpt.handle import SaveHandle
+from relight.ckpt.loader import LoadInfo, load
 from relight.ckpt.manager import (
     CheckpointManager,
     KeepEvery,
@@ -43,6 +45,7 @@ from relight.ckpt.manager import (
     RetentionPolicy,
     SaveFailurePolicy,
 )
+from relight.ckpt.options import SaveOptions
 from relight.ckpt.root_layout import StepRecord, list_records
 from relight.ckpt.tiers import CheckpointRoot, TierOptions, open_checkpoint_root
 from relight.ckpt.verify import VerifyReport, verify
@@ -52,6 +55,7 @@ __all__ = [
     "CheckpointError",
     "CheckpointExistsError",
     "CheckpointManager",
+    "Checkpointer",
     "CheckpointNotFoundError",
     "CheckpointRoot",
     "CheckpointSaveError",
@@ -79,6 +83,7 @@ __all__ = [
     "UnsupportedStateError",
     "UnsupportedVersionError",
     "VerifyReport",
+    "default_checkpointer",
     "guard_optimizer",
     "list_records",
     "load",

@@ -29,7 +29,7 @@ from typing import Any
 
 import torch
 
-from relight.ckpt.engine import save
+from relight.ckpt.checkpointer import save
 from relight.ckpt.errors import (
     CheckpointError,
     CheckpointNotFoundError,

@@ -7,8 +7,8 @@ import logging
 from collections.abc import Callable
 from typing import Any
 
+from relight.ckpt.checkpointer import wait_staged
 from relight.ckpt.handle import SaveHandle
-from relight.ckpt.resources import wait_staged
 
 logger = logging.getLogger(__name__)
 

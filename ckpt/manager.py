@@ -14,10 +14,10 @@ from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any, Protocol
 
+from relight.ckpt.checkpointer import Checkpointer
 from relight.ckpt.collective import RemoteError, all_or_raise
 from relight.ckpt.comm import Comm
 from relight.ckpt.commit import CommitHooks
-from relight.ckpt.engine import LoadInfo, SaveHandle, SaveOptions, load, save
 from relight.ckpt.errors import (
     CheckpointNotFoundError,
     CorruptCheckpointError,
@@ -25,7 +25,10 @@ from relight.ckpt.errors import (
     SavesFailingError,
     UnsupportedVersionError,
 )
+from relight.ckpt.handle import SaveHandle
+from relight.ckpt.loader import LoadInfo
 from relight.ckpt.manifest import Manifest
+from relight.ckpt.options import SaveOptions
 from relight.ckpt.rank_log import rank_step_prefix
 from relight.ckpt.root_layout import (
     commit_key,
@@ -183,6 +186,8 @@ class CheckpointManager:
         policies: more `RetentionPolicy`s; a step any policy keeps is kept.
         busy: "wait" or "skip": what `save` does while the previous save persists.
         on_failures: when failed saves stop the run (`SaveFailurePolicy`).
+        checkpointer: the engine to save and load with (default: a new one, the
+            manager's own).
 
     Raises:
         ValueError: `busy`, `keep_last` or `keep_every` is invalid.
@@ -203,8 +208,12 @@ class CheckpointManager:
         policies: list[RetentionPolicy] | None = None,
         busy: str = "wait",
         on_failures: SaveFailurePolicy | None = None,
+        checkpointer: Checkpointer | None = None,
     ) -> None:
         _check_busy(busy)
+        self.checkpointer = checkpointer or Checkpointer()
+        """The engine this manager saves and loads with: its own unless one is given
+        (its cached plan, staging buffers, save worker and the pages of its last save)."""
         self.store = open_store(root_url)
         self.process_group = process_group
         self.options = options or SaveOptions()
@@ -302,7 +311,7 @@ class CheckpointManager:
             if self.last_wait_s > 0.001:
                 logger.info("save of step %d waited %.3f s for step %s", step,
                             self.last_wait_s, prev.step)
-        self._handle = save(
+        self._handle = self.checkpointer.save(
             state_dict, self.store.child(step_dir(step)), async_save=async_save, step=step,
             config=config if config is not None else self.config,
             layout=layout if layout is not None else self.layout,
@@ -325,6 +334,14 @@ class CheckpointManager:
                 self._failed(self._handle, e)
                 raise
             self._account(self._handle, None)
+
+    def close(self) -> None:
+        """Wait for the save in flight (raising its error, as `wait()`), then let the
+        engine's save threads end. A later `save()` starts them again."""
+        try:
+            self.wait()
+        finally:
+            self.checkpointer.close()
 
     def _account(self, handle: SaveHandle, error: BaseException | None) -> bool:
         """Count a finished save's outcome once; False if it was counted already."""
@@ -431,7 +448,7 @@ class CheckpointManager:
         storage_failed = False
         for s in candidates:
             try:
-                self.last_load = load(state_dict, self.store.child(step_dir(s)),
+                self.last_load = self.checkpointer.load(state_dict, self.store.child(step_dir(s)),
                                       strict=strict, process_group=self.process_group,
                                       collective_timeout_s=self.options.collective_timeout_s)
             except (CorruptCheckpointError, CheckpointNotFoundError,

@@ -1,6 +1,6 @@
 """`RegionReader`: read one region of one tensor of a committed checkpoint.
 
-Used by every load (`ckpt.engine.load`), by exports (`ckpt.export`) and by anything
+Used by every load (`ckpt.loader.load`), by exports (`ckpt.export`) and by anything
 else that wants part of a stored tensor without loading a state dict.
 """
 
@@ -17,7 +17,7 @@ from relight.ckpt.errors import CheckpointError
 from relight.ckpt.format import StorageKind, chunk_key, numel
 from relight.ckpt.manifest import Manifest, PieceEntry, TensorEntry
 from relight.ckpt.plan import intersect
-from relight.ckpt.resources import resources
+from relight.ckpt.read_pools import read_pools
 from relight.ckpt.shardio import ShardGeometry, direct_read_ok, grid_geometry, read_shard_region
 from relight.ckpt.tsio import map_ts_error, open_array, tensorstore, to_numpy
 from relight.storage import StorageError, Store
@@ -49,7 +49,7 @@ def _read_bytes(store: Store, key: str, geo: ShardGeometry, lo: int, hi: int, ur
                 compression: str | None) -> np.ndarray:
     out = np.empty(hi - lo, dtype=np.uint8)
     read_shard_region(store, key, geo, (slice(lo, hi),), out, url=url, tensor=tensor,
-                      cpu=resources().decode_lock, expect=expect, compression=compression)
+                      cpu=read_pools().decode_lock, expect=expect, compression=compression)
     return out
 
 
@@ -135,7 +135,7 @@ class RegionReader:
             n = size if whole else (((bo + nb - 1) // pi - bo // pi + 1) * pi if nb else 0)
             self.bytes += n
             if direct:
-                fut = resources().read_pool(self.store).submit(
+                fut = read_pools().pool(self.store).submit(
                     _read_bytes, self.store, key, geo, lo_b, hi_b, self.store.url, self.name,
                     m.chunk_crcs(key), comp)
             else:
@@ -171,11 +171,11 @@ class RegionReader:
     def _direct(self, key: str, geo: ShardGeometry, src: tuple[slice, ...],
                 dst: tuple[slice, ...], comp: str | None) -> None:
         view = to_numpy(self.out[dst] if dst else self.out)
-        res = resources()
-        fut = res.read_pool(self.store).submit(
+        reads = read_pools()
+        fut = reads.pool(self.store).submit(
             read_shard_region, self.store, key, geo, src, view, url=self.store.url,
-            tensor=self.name, cpu=res.decode_lock, expect=self.m.chunk_crcs(key),
-            compression=comp, buffers=res.read_buffers)
+            tensor=self.name, cpu=reads.decode_lock, expect=self.m.chunk_crcs(key),
+            compression=comp, buffers=reads.buffers)
         self.parts.append((fut, dst, None, key))
 
     def _ts(self, src: Any, dst: tuple[slice, ...], obj: str) -> None:

@@ -19,12 +19,10 @@ from concurrent.futures import ThreadPoolExecutor
 from typing import Any
 
 import numpy as np
-import torch
 
 from relight.ckpt.collective import coordinator_outcome, gather_or_raise
 from relight.ckpt.comm import Comm
 from relight.ckpt.commit import (
-    CommitHooks,
     build_manifest,
     commit,
     exists_error,
@@ -33,7 +31,6 @@ from relight.ckpt.commit import (
     write_index,
     write_index_error,
 )
-from relight.ckpt.commit_group import CommitGroup
 from relight.ckpt.errors import CheckpointError, CheckpointSaveError, CollectiveError
 from relight.ckpt.format import (
     CHUNK_CRCS,
@@ -45,15 +42,11 @@ from relight.ckpt.format import (
     itemsize,
     zarr_metadata,
 )
-from relight.ckpt.handle import SaveHandle
 from relight.ckpt.manifest import Manifest
-from relight.ckpt.options import SaveOptions
-from relight.ckpt.plan import PieceWrite, SavePlan, TensorPlan
-from relight.ckpt.resources import resources
+from relight.ckpt.plan import TensorPlan
+from relight.ckpt.save_context import RankShare, SaveContext
 from relight.ckpt.shardio import ShardGeometry, direct_ok, encode_shard, stored_crcs
-from relight.ckpt.staging import Stager
 from relight.ckpt.tsio import open_array, put_metadata, to_numpy
-from relight.storage import Store
 from relight.storage.direct_io import BufferPool
 
 logger = logging.getLogger(__name__)
@@ -70,27 +63,14 @@ several times slower than one encoder per rank)."""
 class _SaveJob:
     """Persist, index and commit one rank's part of a save; `run()` once."""
 
-    def __init__(self, store: Store, plan: SavePlan, attempt: str, rank: int,
-                 staged: dict[tuple[str, tuple[int, ...]], torch.Tensor],
-                 packed: np.ndarray | None, values: dict[str, Any], opts: SaveOptions,
-                 meta: dict[str, Any], handle: SaveHandle, hooks: CommitHooks, pre: str,
-                 stager: Stager | None = None, *,
-                 writes: list[tuple[TensorPlan, PieceWrite]] | None = None,
-                 group: CommitGroup | None = None) -> None:
-        self.store, self.plan, self.attempt, self.rank = store, plan, attempt, rank
-        self.group = group
-        """Async saves: the gloo group the commit goes over (None: storage only)."""
+    def __init__(self, ctx: SaveContext, share: RankShare) -> None:
+        self.ctx, self.share = ctx, share
+        self.store, self.plan, self.rank = ctx.store, ctx.the_plan(), ctx.rank
         self.committed: BaseException | bool | None = None
         """Coordinator: True once it committed, or why it failed to; None before."""
         self.recycled: object | None = None
         """This save's token with the page recycler (`ckpt.page_recycle`), once it writes."""
-        self.staged, self.packed, self.values, self.opts = staged, packed, values, opts
-        self.meta, self.handle, self.hooks, self.pre = meta, handle, hooks, pre
-        self.stager = stager
-        """Pipelined staging: the copy this thread makes before persisting."""
-        self.writes = plan.writes_of(rank) if writes is None else writes
-        """This rank's pieces (`plan.writes_of`; the engine passes its cached list)."""
-        self.data = f"{DATA_PREFIX}{attempt}"
+        self.data = f"{DATA_PREFIX}{ctx.attempt}"
         self.t0 = time.perf_counter()
         self.chunk_crcs: dict[str, list[int | None]] = {}
         """Data object key -> crc32c of each inner chunk (the manifest's CHUNK_CRCS)."""
@@ -100,10 +80,10 @@ class _SaveJob:
     # -- persist ---------------------------------------------------------------------
 
     def _meta_of(self, t: TensorPlan, piece_shape: tuple[int, ...] | None) -> dict[str, Any]:
-        comp = self.opts.compression
+        comp = self.ctx.opts.compression
         if piece_shape is None:
             return zarr_metadata(list(t.shape), t.dtype, list(t.chunks), list(t.inner), comp)
-        inner = inner_chunk_shape(piece_shape, itemsize(t.dtype), self.opts.inner_bytes)
+        inner = inner_chunk_shape(piece_shape, itemsize(t.dtype), self.ctx.opts.inner_bytes)
         return zarr_metadata(list(piece_shape), t.dtype, list(piece_shape), list(inner), comp)
 
     def persist(self) -> int:
@@ -111,16 +91,16 @@ class _SaveJob:
         Whole uncompressed shards go straight to storage (`ckpt.shardio`), the rest
         (zstd, partial edge shards, 0-d arrays) through tensorstore, whose objects are
         noted in `ts_objects` for `_bind_stored_objects`."""
-        comp = self.opts.compression
+        comp = self.ctx.opts.compression
         futures = []
         direct: list[tuple[str, np.ndarray, ShardGeometry]] = []
         nbytes = ts_bytes = 0
         opened: dict[str, Any] = {}
         metas: list[tuple[str, dict[str, Any]]] = []
-        for t, p in self.writes:
+        for t, p in self.share.writes:
             if t.storage is StorageKind.PACKED:
                 continue
-            arr = self.staged[(t.name, p.offset)]
+            arr = self.share.staged[(t.name, p.offset)]
             size = arr.numel() * arr.element_size()
             nbytes += size
             if t.storage is StorageKind.GRID:
@@ -154,18 +134,18 @@ class _SaveJob:
         for t in self.plan.tensors.values():
             if t.storage is StorageKind.GRID and t.meta_writer == self.rank:
                 metas.append((f"{self.data}/{t.array}", self._meta_of(t, None)))
-        if self.packed is not None:
+        if self.share.packed is not None:
             path = f"{self.data}/packed/r{self.rank:05d}"
-            size = self.packed.shape[0]
+            size = self.share.packed.shape[0]
             meta = zarr_metadata([size], "uint8", [size], [self.plan.packed_inner], comp)
             metas.append((path, meta))
             nbytes += size
             key, geo = chunk_key(path, (0,)), ShardGeometry((size,), (self.plan.packed_inner,), 1)
             if direct_ok(geo.shape, geo.inner, comp):
-                direct.append((key, self.packed, geo))
+                direct.append((key, self.share.packed, geo))
             else:
                 arr = open_array(self.store, path, meta, read=False).result()
-                futures.append(arr.write(self.packed))
+                futures.append(arr.write(self.share.packed))
                 ts_bytes += size
                 self.ts_objects[key] = geo.n_chunks
         # Objects are independent: publish them concurrently (atomic, not yet flushed)
@@ -176,7 +156,7 @@ class _SaveJob:
         # Encoded objects go into at most PERSIST_THREADS aligned buffers (the puts in
         # flight and the one being filled), each reused once its put has returned.
         buffers = BufferPool()
-        recycler = resources().recycler
+        recycler = self.ctx.checkpointer.recycler
         self.recycled = recycler.begin_save()
         with ThreadPoolExecutor(max_workers=PERSIST_THREADS,
                                 thread_name_prefix="ckpt-put") as pool:
@@ -222,47 +202,51 @@ class _SaveJob:
 
     def _manifest(self, indexes: dict[int, dict[str, Any]]) -> Manifest:
         """The manifest, once its chunk crc32c table is durable (the manifest binds it)."""
-        manifest, table = build_manifest(self.plan, self.attempt, self.data, indexes,
-                                         inner_bytes=self.opts.inner_bytes,
-                                         compression=self.opts.compression, meta=self.meta)
+        opts = self.ctx.opts
+        manifest, table = build_manifest(self.plan, self.ctx.attempt, self.data, indexes,
+                                         inner_bytes=opts.inner_bytes,
+                                         compression=opts.compression, meta=self.ctx.meta)
         assert manifest.chunk_crc32c_table is not None
         self.store.put(manifest.chunk_crc32c_table["object"], table)
         return manifest
 
     def _commit(self, indexes: dict[int, dict[str, Any]]) -> None:
         """Coordinator: manifest, then the commit marker, then the post-commit hook."""
-        manifest = commit(self.store, self.attempt, lambda: self._manifest(indexes),
-                          self.hooks, rank=self.rank, pre=self.pre)
-        logger.info("%s committed %s (%d tensors, %.3f s)", self.pre, self.store.url,
+        manifest = commit(self.store, self.ctx.attempt, lambda: self._manifest(indexes),
+                          self.ctx.hooks, rank=self.rank, pre=self.ctx.pre)
+        logger.info("%s committed %s (%d tensors, %.3f s)", self.ctx.pre, self.store.url,
                     len(manifest.tensors), time.perf_counter() - self.t0)
 
     def _stage(self) -> None:
-        assert self.stager is not None
+        share, handle = self.share, self.ctx.handle
+        assert share.stager is not None
         t0 = time.perf_counter()
         try:
-            self.staged, self.packed = resources().save_worker.run_staging(self.stager.run)
+            share.staged, share.packed = self.ctx.checkpointer.save_worker.run_staging(
+                share.stager.run)
         finally:
-            self.handle.stage_s = time.perf_counter() - t0
-            self.handle._mark_staged()
-            self.stager = None  # drop the references to the live tensors
+            handle.stage_s = time.perf_counter() - t0
+            handle._mark_staged()
+            share.stager = None  # drop the references to the live tensors
 
     def _persist_and_index(self, check_exists: bool = False) -> BaseException | None:
+        ctx = self.ctx
         try:
-            if self.stager is not None:  # first: the caller waits for it, not for storage
+            if ctx.pipelined:  # first: the caller waits for it, not for storage
                 self._stage()
             if check_exists and self.store.exists(COMMIT_KEY):
                 raise exists_error(self.store.url)
-            if self.hooks.on_start is not None and self.rank == self.plan.coordinator:
-                self.hooks.on_start()
+            if ctx.hooks.on_start is not None and self.rank == self.plan.coordinator:
+                ctx.hooks.on_start()
             nbytes = self.persist()
             self._bind_stored_objects()
-            self.handle.bytes_written = nbytes
-            write_index(self.store, self.attempt, self.rank, nbytes, self.values,
+            ctx.handle.bytes_written = nbytes
+            write_index(self.store, ctx.attempt, self.rank, nbytes, self.share.values,
                         self.chunk_crcs)
             return None
         except BaseException as e:  # noqa: BLE001 - reported by the caller
-            logger.error("%s persisting to %s failed: %s", self.pre, self.store.url, e)
-            write_index_error(self.store, self.attempt, self.rank, e, self.pre)
+            logger.error("%s persisting to %s failed: %s", ctx.pre, self.store.url, e)
+            write_index_error(self.store, ctx.attempt, self.rank, e, ctx.pre)
             return e
 
     def _run_sync(self, comm: Comm) -> None:
@@ -281,7 +265,7 @@ class _SaveJob:
                 f"save to {url} failed on rank(s) {sorted(msgs)}: {msgs}", url=url,
                 failures=msgs)
 
-        indexes = gather_or_raise(comm, local, {"values": self.values,
+        indexes = gather_or_raise(comm, local, {"values": self.share.values,
                                                 CHUNK_CRCS: self.chunk_crcs},
                                   f"the save to {url} (every rank's write)",
                                   url=url, remote=failed)
@@ -304,31 +288,32 @@ class _SaveJob:
 
     def _run_async(self) -> None:
         local = self._persist_and_index(check_exists=True)
-        deadline = time.monotonic() + self.opts.commit_timeout_s
-        if self.group is not None:
+        deadline = time.monotonic() + self.ctx.opts.commit_timeout_s
+        group = self.ctx.group
+        if group is not None:
             try:
-                self._commit_over(self.group.comm(), local)
+                self._commit_over(group.comm(), local)
                 return
             except CollectiveError as e:
                 # The group failed (a peer gone, a timeout), not the save: storage, which
                 # holds every rank's index and decides by the commit marker, finishes it.
-                self.group.mark_broken(e, self.pre)
+                group.mark_broken(e, self.ctx.pre)
         if local is not None:
             raise local
         left = max(0.0, deadline - time.monotonic())
         if self.rank != self.plan.coordinator:
-            wait_for_commit(self.store, self.attempt, left)
+            wait_for_commit(self.store, self.ctx.attempt, left)
         elif self.committed is not None:  # it did commit (or failed to) before the group did
             if isinstance(self.committed, BaseException):
                 raise self.committed
         else:
-            self._commit(wait_for_indexes(self.store, self.attempt, self.plan.ranks, left))
+            self._commit(wait_for_indexes(self.store, self.ctx.attempt, self.plan.ranks, left))
 
-    def run(self, comm: Comm | None = None) -> None:
+    def run(self) -> None:
         error: BaseException | None = None
         try:
-            if comm is not None:
-                self._run_sync(comm)
+            if not self.ctx.async_save:
+                self._run_sync(self.ctx.comm)
             else:
                 self._run_async()
         except BaseException as e:  # noqa: BLE001 - surfaced through the handle
@@ -339,10 +324,11 @@ class _SaveJob:
                     failures={self.rank: str(e)})
                 err.__cause__ = e
                 e = err
-            logger.error("%s save to %s failed: %s", self.pre, self.store.url, e)
+            logger.error("%s save to %s failed: %s", self.ctx.pre, self.store.url, e)
             error = e
         if error is None and self.recycled is not None:
             # Every rank knows the checkpoint committed: its pages are the ones kept.
-            resources().recycler.committed(self.recycled)
-        self.handle.total_s = time.perf_counter() - self.t0 + self.handle.stall_s
-        self.handle._finish(error)
+            self.ctx.checkpointer.recycler.committed(self.recycled)
+        handle = self.ctx.handle
+        handle.total_s = time.perf_counter() - self.t0 + handle.stall_s
+        handle._finish(error)

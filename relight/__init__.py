@@ -26,6 +26,7 @@ __version__ = "0.1.0"
 # name -> the module that defines it (imported when the name is first read)
 _PUBLIC: dict[str, str] = {
     "CheckpointManager": "relight.ckpt",
+    "Checkpointer": "relight.ckpt",
     "SaveOptions": "relight.ckpt",
     "SaveHandle": "relight.ckpt",
     "CheckpointError": "relight.ckpt",
@@ -43,6 +44,7 @@ _PACKAGES = ("chaos", "ckpt", "elastic", "runtime", "storage")
 __all__ = [
     "CheckpointError",
     "CheckpointManager",
+    "Checkpointer",
     "RelightError",
     "ReplicaManager",
     "ReplicaOptimizer",
@@ -65,6 +67,7 @@ __all__ = [
 if TYPE_CHECKING:
     from relight import chaos, ckpt, elastic, runtime, storage
     from relight.ckpt import (
+        Checkpointer,
         CheckpointError,
         CheckpointManager,
         SaveHandle,

@@ -302,25 +302,25 @@ def async_staging_fails_on_one_rank(url: str, failing: int) -> dict[str, Any]:
     copy, then an all-gather) and on the cached plan (the copy before the handshake)."""
     from relight import ckpt
 
-    real = ckpt.engine.Stager.run
+    real = ckpt.saver.Stager.run
 
     def broken(self):  # noqa: ANN001, ANN202
         raise RuntimeError("staging copy failed (injected)")
 
     state = build([{"name": "w", "shape": [64, 48], "dtype": "float32"}], [4], [["S0"]], 1)
-    ckpt.engine.resources().cached = None  # the first failure meets a new plan
+    ckpt.default_checkpointer().cached = None  # the first failure meets a new plan
     errors, committed = [], []
     for attempt in range(2):
         target = f"{url}/{attempt}"
         if dist.get_rank() == failing:
-            ckpt.engine.Stager.run = broken
+            ckpt.saver.Stager.run = broken
         try:
             ckpt.save(state, target, async_save=True)
             errors.append(None)
         except Exception as e:  # noqa: BLE001 - returned to the test
             errors.append(f"{type(e).__name__}: {e}")
         finally:
-            ckpt.engine.Stager.run = real
+            ckpt.saver.Stager.run = real
         ckpt.save(state, target, async_save=True).wait()
         committed.append(storage.open_store(target).exists("COMMIT"))
     return {"errors": errors, "committed": committed}
@@ -436,7 +436,6 @@ def async_commit_paths(root: str, broken_rank: int) -> dict[str, Any]:
     cached plan's id (one plan serves all five: the layout never changes)."""
     from relight.ckpt.commit_group import CommitGroup
     from relight.ckpt.errors import CollectiveError
-    from relight.ckpt.resources import resources
 
     rank = dist.get_rank()
     real_comm = CommitGroup.comm
@@ -462,10 +461,10 @@ def async_commit_paths(root: str, broken_rank: int) -> dict[str, Any]:
                 except Exception as e:  # noqa: BLE001 - reported to the test
                     out["errors"].append(f"{step}: {type(e).__name__}: {e}")
                 CommitGroup.comm = real_comm
-                group = resources().commit_group
+                group = mgr.checkpointer.commit_group
                 out["collects"].append(collects[0] - before)
                 out["groups"].append(None if group is None or step == 2 else group.ident)
-                out["plans"].append(resources().cached.ident)
+                out["plans"].append(mgr.checkpointer.cached.ident)
         finally:
             CommitGroup.comm = real_comm
     sd = {"w": torch.zeros(64, 48)}

@@ -9,7 +9,6 @@ import pytest
 import torch
 
 from relight import ckpt
-from relight.ckpt.resources import resources
 from relight.ckpt.staging import host_buffer
 
 pytestmark = pytest.mark.cuda
@@ -63,7 +62,7 @@ def test_cuda_state_round_trips_bitwise_onto_cpu(tmp_path, mode: str) -> None:
 def test_staging_buffers_are_pinned_and_exactly_sized(tmp_path) -> None:
     sd = _state()
     ckpt.save(sd, tmp_path / "c", async_save=True).wait()
-    bufs = resources().cached.bufs
+    bufs = ckpt.default_checkpointer().cached.bufs
     assert bufs.pinned_for == "cuda"
     assert bufs.staging is not None and bufs.staging.is_pinned()
     assert bufs.packed is not None and bufs.packed.is_pinned()

@@ -12,7 +12,6 @@ import torch
 
 from relight import ckpt, storage
 from relight.ckpt.page_recycle import PageRecycler
-from relight.ckpt.resources import resources
 from relight.storage.direct_io import cached_pages
 from relight.storage.memory_store import MemoryStore
 from tests.storage.filesystems import on_memory_filesystem
@@ -40,7 +39,7 @@ def _state(seed: int) -> dict:
 def test_a_save_takes_the_pages_of_older_saves_and_keeps_the_newest_committed(tmp_path):
     if on_memory_filesystem(str(tmp_path)):
         pytest.skip(f"{tmp_path} is on a memory filesystem: its pages are the file")
-    resources().recycler.forget()
+    ckpt.default_checkpointer().recycler.forget()
     states = {name: _state(seed) for seed, name in enumerate("abc", start=1)}
     ckpt.save(states["a"], str(tmp_path / "a"))
     objs = {"a": _shard_objects(str(tmp_path / "a"))}
@@ -71,7 +70,7 @@ def test_a_save_takes_the_pages_of_older_saves_and_keeps_the_newest_committed(tm
             assert cached == 0, "the cold checkpoint was read around the cache"
         else:
             assert cached >= sum(os.path.getsize(p) for p in objs[name]) // 2, (name, cached)
-    resources().recycler.forget()
+    ckpt.default_checkpointer().recycler.forget()
 
 
 def test_the_recycler_drops_about_as_many_bytes_as_each_write_takes():

@@ -11,8 +11,8 @@ import pytest
 import torch
 
 from relight import ckpt
-from relight.ckpt import resources as res_mod
-from relight.ckpt.resources import SaveWorker
+from relight.ckpt import save_worker as res_mod
+from relight.ckpt.save_worker import SaveWorker
 
 pytestmark = pytest.mark.skipif(not sys.platform.startswith("linux"),
                                 reason="per-thread nice values are Linux's")

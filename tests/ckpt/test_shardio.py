@@ -151,7 +151,7 @@ def test_reads_with_a_buffer_pool_reuse_its_buffers_and_check_every_chunk(tmp_pa
     a read of a cached object takes none (it is mapped), a bit flip is still caught, and
     a load keeps no fetch memory once it returns."""
     from relight.ckpt.errors import ChecksumMismatchError
-    from relight.ckpt.resources import resources
+    from relight.ckpt.read_pools import read_pools
     from relight.storage.direct_io import BufferPool
 
     store = storage.open_store(tmp_path / "s")
@@ -198,4 +198,4 @@ def test_reads_with_a_buffer_pool_reuse_its_buffers_and_check_every_chunk(tmp_pa
     got = {"w": torch.zeros(1024, 1024)}
     ckpt.load(got, tmp_path / "c")
     assert torch.equal(got["w"], w)
-    assert resources().read_buffers.free == []
+    assert read_pools().buffers.free == []
