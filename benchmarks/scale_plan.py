@@ -9,12 +9,12 @@ arm, sampled every 5 ms (the planners are pure Python; the sampler costs nothing
 measurable next to them). Times are CPU seconds of the worker (`Clock`), wall seconds
 beside them in the JSON; the cap is on wall time.
 
-Relight (what `ckpt.saver` and `ckpt.loader` run on every rank): the parse of every rank's layout as the
-exchange delivers it, `plan_save`, this rank's `writes_of`; the parse of every rank's load
-needs, `plan_load` and this rank's tasks (`LoadPlan.mine`), loading into the layout
-saved; then the
-manifest built from the plan as the coordinator builds it (`ckpt.commit`), its bytes,
-and its parse time (`parse_manifest`: json + checks, as `read_manifest` does on each rank).
+Relight (what `ckpt.saver` and `ckpt.loader` run on every rank): the parse of every
+rank's layout as the exchange delivers it, `plan_save`, this rank's `writes_of`; the parse
+of every rank's load needs, `plan_load` and this rank's tasks (`LoadPlan.mine`), loading
+into the layout saved; then the manifest built from the plan as the coordinator builds it
+(`ckpt.commit`), its bytes, and its parse time (`parse_manifest`: json + checks, as
+`read_manifest` does on each rank).
 
 DCP (torch.distributed.checkpoint's default planners): save is
 `DefaultSavePlanner.create_global_plan` over one synthetic local `SavePlan` per rank

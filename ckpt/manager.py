@@ -29,7 +29,6 @@ from relight.ckpt.handle import SaveHandle
 from relight.ckpt.loader import LoadInfo
 from relight.ckpt.manifest import Manifest
 from relight.ckpt.options import SaveOptions
-from relight.ckpt.rank_log import rank_step_prefix
 from relight.ckpt.root_layout import (
     commit_key,
     committed_steps,
@@ -39,6 +38,7 @@ from relight.ckpt.root_layout import (
     record_key,
     step_dir,
 )
+from relight.rank_log import rank_step_prefix
 from relight.storage import StorageError, Store, open_store
 
 logger = logging.getLogger(__name__)

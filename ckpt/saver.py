@@ -46,10 +46,10 @@ from relight.ckpt.plan import (
     layouts_from_parts,
     plan_save,
 )
-from relight.ckpt.rank_log import rank_step_prefix
 from relight.ckpt.save_context import RankShare, SaveContext
 from relight.ckpt.staging import Stager, StagingBuffers
 from relight.ckpt.writer import _SaveJob
+from relight.rank_log import rank_step_prefix
 from relight.storage import Store, open_store
 
 if TYPE_CHECKING:

@@ -24,8 +24,8 @@ from typing import Any
 from relight.ckpt.comm import Comm
 from relight.ckpt.local_tier import REPLICA_DIR, TierStats, local_tier_dir, tier_node
 from relight.ckpt.peer import PeerServer
-from relight.ckpt.rank_log import rank_step_prefix
 from relight.ckpt.tiered import TieredStore
+from relight.rank_log import rank_step_prefix
 from relight.storage import Store, open_store
 
 logger = logging.getLogger(__name__)
@@ -85,6 +85,19 @@ class CheckpointRoot:
     def tier_stats(self) -> TierStats | None:
         """What each tier served (None without tiers)."""
         return None if self.tiered is None else self.tiered.tier_stats
+
+    def served_by_every_rank(self, process_group: Any = None,
+                             timeout_s: float = 300.0) -> dict[str, int]:
+        """Bytes each tier served, summed over the ranks of `process_group` (what a
+        restore's metrics report). Collective; {} on every rank without tiers."""
+        stats = self.tier_stats
+        mine = {} if stats is None else stats.snapshot()["served"]
+        total: dict[str, int] = {}
+        for served in Comm(process_group, timeout_s).allgather_json(
+                mine, "the tier statistics of a restore (every rank must ask)"):
+            for tier, n in served.items():
+                total[tier] = total.get(tier, 0) + n
+        return total
 
     def drop_local_tier(self, process_group: Any = None, timeout_s: float = 300.0) -> bool:
         """The run is complete: free the node memory the local tier holds, after every

@@ -1,7 +1,7 @@
 """The trainer's checkpoint component: where checkpoints live, when they are written, and
 what is reported about them.
 
-`Checkpointer` opens the checkpoint root (the persistent store, fronted by the node-local
+`RunCheckpoints` opens the checkpoint root (the persistent store, fronted by the node-local
 tier and its peers when configured), restores the newest committed step at start,
 starts a save when one is due (`checkpoint.every`, and the last step), reports each
 save once it finished (log line, commit age, Prometheus, the timings the preemption
@@ -26,7 +26,7 @@ from relight.runtime.mesh import Layout
 from relight.runtime.observability import PrometheusExporter
 from relight.runtime.preemption import NoticeWatcher, decide, estimate_save_s
 
-__all__ = ["Checkpointer", "all_gather"]
+__all__ = ["RunCheckpoints", "all_gather"]
 
 
 def all_gather(out: torch.Tensor, inp: torch.Tensor) -> None:
@@ -36,7 +36,7 @@ def all_gather(out: torch.Tensor, inp: torch.Tensor) -> None:
     fn(out, inp)
 
 
-class Checkpointer:
+class RunCheckpoints:
     """Checkpoints of one run on this rank (see the module docstring).
 
     Call order: `open()` once (it may restore), then per step `maybe_save()` and
@@ -160,13 +160,10 @@ class Checkpointer:
         if tiers is not None:
             self.log.info("restore served %s bytes per tier (local tier misses: %s)",
                           tiers["served"], tiers["misses"] or "none")
-            from relight.ckpt.comm import Comm
-
             # Every rank's figures, summed: what the metrics (and the chaos verifier) see.
-            self.restore_tier_bytes = {}
-            for served in Comm(None).allgather_json(tiers["served"]):
-                for tier, n in served.items():
-                    self.restore_tier_bytes[tier] = self.restore_tier_bytes.get(tier, 0) + n
+            assert self.root is not None
+            self.restore_tier_bytes = self.root.served_by_every_rank(
+                timeout_s=self.cfg.train.collective_timeout_s)
         if self.rank == 0:
             self._note_restored_commit(restored)
 
@@ -197,7 +194,7 @@ class Checkpointer:
 
     def _note_restored_commit(self, step: int) -> None:
         """The restored checkpoint is the newest commit until this run commits one."""
-        from relight.ckpt.root_layout import list_records
+        from relight.ckpt import list_records
 
         try:
             rec = list_records(self.manager.store).get(step)

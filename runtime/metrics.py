@@ -12,7 +12,7 @@ from typing import Any
 
 import torch
 
-from relight.ckpt.rank_log import rank_step_prefix
+from relight.rank_log import rank_step_prefix
 from relight.runtime.config import ModelConfig
 
 __all__ = ["MetricsWriter", "flops_per_token", "memory_mb", "peak_flops"]

@@ -36,9 +36,9 @@ from datetime import datetime
 from types import FrameType
 from typing import Any, Protocol
 
-from relight.ckpt.rank_log import RankStepLogger
 from relight.errors import RelightError
 from relight.exit_codes import HUNG_EXIT_CODE, PREEMPTED_EXIT_CODE
+from relight.rank_log import RankStepLogger
 from relight.runtime.config import PreemptionConfig
 
 __all__ = [

@@ -3,7 +3,7 @@
 
 Runs as a single process or under torchrun (one process per rank). `Trainer` composes
 the parts of a run: the model, optimizer and data it builds itself; checkpoints through
-its `runtime.checkpointing.Checkpointer` (where they live, when they are written, the
+its `runtime.checkpointing.RunCheckpoints` (where they live, when they are written, the
 restore at start, the emergency save); replica groups through
 `runtime.replicas.ReplicaTraining` (the quorum, the cross-group reduction, the heal);
 metrics through `runtime.metrics.MetricsWriter`. Order of a run:
@@ -50,15 +50,15 @@ import torch.distributed as dist
 import torch.nn.functional as F
 from torch.distributed.fsdp import FSDPModule
 
-from relight.ckpt.rank_log import RankStepLogger
 from relight.exit_codes import (
     CONFIG_EXIT_CODE,
     NO_LOADABLE_CHECKPOINT_EXIT_CODE,
     PREEMPTED_EXIT_CODE,
     WATCHDOG_EXIT_CODE,
 )
+from relight.rank_log import RankStepLogger
 from relight.runtime import state as st
-from relight.runtime.checkpointing import Checkpointer, all_gather
+from relight.runtime.checkpointing import RunCheckpoints, all_gather
 from relight.runtime.config import Config, ConfigError, MixedPrecision, load_config
 from relight.runtime.data import BatchPlan, DataLoader, Deal, MicroBatch, build_corpus
 from relight.runtime.device import Device, bound_mesh_timeouts, init_process_group, resolve_device
@@ -198,7 +198,7 @@ class Trainer:
 
             self.replicas = ReplicaTraining(cfg.replica, self.plan, state=self.state_dict,
                                             load=self.load_state_dict,
-                                            restore=lambda: self.checkpointer.restore())
+                                            restore=lambda: self.checkpoints.restore())
         self._schedules: dict[tuple[int, float], Any] = {}
         self.schedule = self._pipeline(self.plan) if self.layout.pp > 1 else None
         self.pp_group = self.pmesh["pp"].get_group() if self.layout.pp > 1 else None
@@ -215,7 +215,7 @@ class Trainer:
         self.restarts = restarts_from_env()
         self.rdzv_round = rdzv_round_from_env()
         self.prometheus = self._start_prometheus()
-        self.checkpointer = Checkpointer(
+        self.checkpoints = RunCheckpoints(
             cfg, rank=self.rank, world=self.world, device=self.device, layout=self.layout,
             log=self.log, optimizer=self.optimizer, state=self.state_dict,
             load=self.load_state_dict, step=lambda: self.step, prometheus=self.prometheus,
@@ -225,11 +225,11 @@ class Trainer:
     @property
     def ckpt_mgr(self) -> Any:
         """The run's `ckpt.CheckpointManager` (None without `checkpoint.url`)."""
-        return self.checkpointer.manager
+        return self.checkpoints.manager
 
     @property
     def restored_step(self) -> int | None:
-        return self.checkpointer.restored_step
+        return self.checkpoints.restored_step
 
     # ---- state ---------------------------------------------------------------------------
 
@@ -496,7 +496,7 @@ class Trainer:
         watchdog = Watchdog(cfg.train.watchdog_timeout_s, rank=self.rank).start()
         self.watcher = NoticeWatcher(cfg.preemption, rank=self.rank).start()
         try:
-            ck = self.checkpointer
+            ck = self.checkpoints
             ck.open(healing=self.replicas is not None and self.replicas.healing)
             result.restored_step = ck.restored_step
             watchdog.beat(self.step)
@@ -615,7 +615,7 @@ class Trainer:
         if self.replicas is not None:
             self.replicas.close()
             self.replicas = None
-        self.checkpointer.close()
+        self.checkpoints.close()
         if self.prometheus is not None:
             self.prometheus.close()
             self.prometheus = None
@@ -670,7 +670,7 @@ def main(argv: list[str] | None = None) -> int:
         log.error("%s: %s", type(e).__name__, e)
         return CONFIG_EXIT_CODE
     except Exception as e:
-        from relight.ckpt.errors import NoLoadableCheckpointError  # lazily, like the engine itself
+        from relight.ckpt import NoLoadableCheckpointError  # lazily, like the engine itself
 
         if not isinstance(e, NoLoadableCheckpointError):
             raise

@@ -15,8 +15,8 @@ import sys
 import threading
 import time
 
-from relight.ckpt.rank_log import RankStepLogger
 from relight.exit_codes import WATCHDOG_EXIT_CODE
+from relight.rank_log import RankStepLogger
 
 __all__ = ["WATCHDOG_EXIT_CODE", "Watchdog"]
 

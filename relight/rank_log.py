@@ -3,8 +3,7 @@
 
 The trainer, its watchdog and preemption watcher, and the checkpoint engine all prefix
 their lines this way, so that one grep follows a rank through a run (docs/operations.md,
-"Logs"). It lives in `ckpt` because `ckpt` is the lowest layer that logs per rank and is
-used from a user's own training loop as well as from `runtime`.
+"Logs"). A leaf module, like `relight.errors`: every layer may use it.
 """
 
 from __future__ import annotations
