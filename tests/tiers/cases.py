@@ -21,12 +21,12 @@ def train(overrides: list[str], config: str = "configs/tiny.toml",
     trainer = _trainer(config, overrides)
     try:
         res = trainer.run()
-        root = trainer.checkpointer.root
+        root = trainer.checkpoints.root
         if root is not None and root.tiered is not None:
             root.tiered.flush()
     finally:
         trainer.close()
     return {"restored_step": res.restored_step, "final_step": res.final_step,
-            "tiers": trainer.checkpointer.tier_stats(),
-            "restore_io": trainer.checkpointer.restore_io,
+            "tiers": trainer.checkpoints.tier_stats(),
+            "restore_io": trainer.checkpoints.restore_io,
             "state": {k: _full(v) for k, v in flat_names(trainer.state_dict()).items()}}
