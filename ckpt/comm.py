@@ -24,6 +24,11 @@ from relight.ckpt.gc_pause import gc_paused
 __all__ = ["Comm", "parse_json_list", "ranks_text"]
 
 GENERIC = "a checkpoint collective"
+INLINE_BYTES = 120
+"""Payload bytes `Comm.allgather_bytes` carries in its first all-gather, beside each
+rank's length: a load's agreement (a digest and an error flag) and a barrier fit, so
+they take one all-gather, not a sizes all-gather and a data all-gather. Kept small: at
+16,384 ranks every rank receives 128 bytes of each."""
 
 
 @gc_paused
@@ -116,17 +121,35 @@ class Comm:
         return [bytes(o[:n].cpu().numpy().tobytes()) for o, n in zip(out, lens, strict=True)]
 
     def allgather_bytes(self, payload: bytes, what: str = GENERIC) -> list[bytes]:
+        """Every rank's payload, in group order. The length and the first `INLINE_BYTES`
+        travel in one fixed-width all-gather; only when some rank's payload is longer
+        does a second carry the rest (each collective here waits for the slowest rank,
+        and on a ring, as gloo's all-gather is, takes a hop per rank)."""
         if not self.active or self.size == 1:
             return [payload]
-        n = torch.tensor([len(payload)], dtype=torch.int64, device=self.device)
-        sizes = [torch.zeros(1, dtype=torch.int64, device=self.device) for _ in range(self.size)]
-        self._wait(self._all_gather(sizes, n), what)
-        lens = [int(s.item()) for s in sizes]
-        width = max(lens)
-        buf = self._padded(payload, width)
+        width = 8 + INLINE_BYTES
         out = self._buffers(width)
-        self._wait(self._all_gather(out, buf), what)
-        return self._unpadded(out, lens)
+        self._wait(self._all_gather(
+            out, self._padded(len(payload).to_bytes(8, "little") + payload[:INLINE_BYTES],
+                              width)), what)
+        heads = self._rows(out)
+        lens = [int.from_bytes(h[:8], "little") for h in heads]
+        rest = max(lens) - INLINE_BYTES
+        if rest <= 0:
+            return [h[8: 8 + n] for h, n in zip(heads, lens, strict=True)]
+        tails_out = self._buffers(rest)
+        self._wait(self._all_gather(tails_out, self._padded(payload[INLINE_BYTES:], rest)),
+                   what)
+        tails = self._unpadded(tails_out, [max(0, n - INLINE_BYTES) for n in lens])
+        return [h[8: 8 + min(n, INLINE_BYTES)] + t
+                for h, n, t in zip(heads, lens, tails, strict=True)]
+
+    @staticmethod
+    def _rows(out: list[torch.Tensor]) -> list[bytes]:
+        """Each rank's buffer as bytes, in one conversion of the stacked buffers."""
+        flat = torch.stack(out).cpu().numpy().tobytes()
+        w = out[0].numel()
+        return [flat[i * w: (i + 1) * w] for i in range(len(out))]
 
     def allgather_fixed(self, payload: bytes, width: int, what: str = GENERIC) -> list[bytes]:
         """One all-gather of a fixed-width payload (the cheap per-save handshake)."""
@@ -190,21 +213,28 @@ class Comm:
                          ) -> list[tuple[bytes, bytes]]:
         """Every rank's (`shared`, `own`) pair, in group order. `shared` is what many
         ranks send alike (the layout of a mesh's tensors): it travels as a digest in the
-        all-gather of the `own` parts, and each distinct text once, broadcast by the
-        first rank that has it. Ranks with equal shared texts get the same bytes object."""
+        all-gather of the `own` parts, and each distinct text that some rank lacks once,
+        broadcast by the first rank that has it (when every rank sends the same text, as
+        the ranks of one mesh loading or saving the same state dict do, nothing more
+        travels). Ranks with equal shared texts get the same bytes object."""
         if not self.active or self.size == 1:
             return [(shared, own)]
         head = hashlib.sha256(shared).digest()[:16] + len(shared).to_bytes(8, "little")
         got = self.allgather_bytes(head + own, what)
         first: dict[bytes, int] = {}
+        holders: dict[bytes, int] = {}
         for i, g in enumerate(got):
             first.setdefault(g[:16], i)
+            holders[g[:16]] = holders.get(g[:16], 0) + 1
         texts: dict[bytes, bytes] = {}
         for digest, i in first.items():  # the same order on every rank
             n = int.from_bytes(got[i][16:24], "little")
             mine = self.ranks[i] == self.rank
-            if n == 0 or self.size == 1:
-                texts[digest] = shared if mine else b""
+            if holders[digest] == self.size:  # every rank holds this text already
+                texts[digest] = shared
+                continue
+            if n == 0:
+                texts[digest] = b""
                 continue
             buf = self._padded(shared if mine else b"", n)
             self._wait(self._broadcast(buf, self.ranks[i]), what)

@@ -9,6 +9,7 @@ ranks that need them too. A problem any rank finds is raised on every rank.
 
 from __future__ import annotations
 
+import json
 import logging
 import os
 from dataclasses import dataclass, field
@@ -16,8 +17,8 @@ from typing import Any
 
 import torch
 
-from relight.ckpt.collective import all_or_raise
-from relight.ckpt.comm import Comm
+from relight.ckpt.collective import RemoteError, all_or_raise, encode_error, rebuild_error
+from relight.ckpt.comm import Comm, parse_json_list
 from relight.ckpt.errors import (
     CheckpointError,
     DtypeMismatchError,
@@ -168,11 +169,18 @@ def load(
     wanted = sorted(set(flat.tensors) | set(flat.values))
     what = (f"the load of {store.url} (every rank of the group must call ckpt.load / "
             "CheckpointManager.restore)")
-    gathered = all_or_raise(comm, error, {"needs": needs}, what, url=store.url)
+    # One agreement: the tensors with a grid and the wanted names are the same text on
+    # every rank of a mesh that loads the same state dict, so they travel as a digest
+    # (each distinct text once, and only to ranks that lack it) beside each rank's own
+    # part: its failure, if any, and its regions without a grid.
+    own = json.dumps({"err": encode_error(error) if error is not None else None,
+                      "needs": needs if error is None else None},
+                     separators=(",", ":")).encode()
+    shared = comm.allgather_shared(
+        grid_needs_json(grid_needs, wanted) if error is None else b"", own, what)
+    gathered = parse_json_list([o for _, o in shared])
+    _raise_first(comm, error, [g["err"] for g in gathered], store.url)
     assert m is not None
-    # The tensors with a grid and the wanted names: the same text on every rank of a
-    # mesh that loads the same state dict, so each distinct one travels and parses once.
-    shared = comm.allgather_shared(grid_needs_json(grid_needs, wanted), b"", what)
     grids = parse_grid_needs([text for text, _ in shared], comm.ranks)
     all_wanted = set().union(*(set(w) for _, w, _ in grids))
     unexpected = sorted((set(m.tensors) | set(m.values)) - all_wanted)
@@ -215,7 +223,12 @@ def load(
         for _, r in readers:
             r.drain()
     read_pools().buffers.clear()  # the load's reads are done: no fetch memory kept
-    all_or_raise(comm, error, None, f"the reads of the load of {store.url}", url=store.url)
+    # Every rank's failure flag in one 1-byte all-gather; the errors' texts cross only
+    # when some rank failed.
+    reads = f"the reads of the load of {store.url}"
+    flags = comm.allgather_fixed(b"E" if error is not None else b"-", 1, reads)
+    if any(f[:1] == b"E" for f in flags):
+        all_or_raise(comm, error, None, reads, url=store.url)
 
     sends, recvs, copies = [], [], []
     for tag, task in mine:
@@ -250,6 +263,18 @@ def load(
         obj.load_state_dict(sub)
     return LoadInfo(store.url, m.step, m.config, nbytes, needed, missing=missing,
                     unexpected=unexpected)
+
+
+def _raise_first(comm: Comm, error: BaseException | None,
+                 errors: list[RemoteError | None], url: str) -> None:
+    """After a collective that carried every rank's failure (`errors`, in group order):
+    raise `error` on the rank that has one and the first rank's failure, as its own type
+    (`rebuild_error`), on the others, as `all_or_raise` does."""
+    if error is not None:
+        raise error
+    for rank, e in zip(comm.ranks, errors, strict=True):
+        if e:
+            raise rebuild_error(e, rank, url)
 
 
 FEW = 5
