@@ -636,6 +636,50 @@ def _worker(rank: int, world: int, init: str, args: dict, out_q: Any) -> None:
     dist.destroy_process_group()
 
 
+RESULT_TIMEOUT_S = 3600.0
+"""How long the parent waits for rank 0's results while every worker is alive."""
+
+
+class WorkerDiedError(RuntimeError):
+    """A benchmark worker exited before rank 0 reported the results."""
+
+    def __init__(self, msg: str, exit_code: int) -> None:
+        super().__init__(msg)
+        self.exit_code = exit_code
+        """The first failed worker's exit status as a shell reports it (128 + N when
+        signal N killed it)."""
+
+
+def _result(q: Any, procs: list[Any], timeout_s: float, poll_s: float = 0.5) -> Any:
+    """Rank 0's results from `q`. Fails fast, naming the rank and its exit code, when a
+    worker exits without them (a crash leaves the others blocked in a collective, and
+    the parent would otherwise wait out `timeout_s`)."""
+    import queue
+
+    deadline = time.monotonic() + timeout_s
+    while True:
+        try:
+            return q.get(timeout=poll_s)
+        except queue.Empty:
+            pass
+        dead = [(r, pr.exitcode) for r, pr in enumerate(procs) if pr.exitcode is not None]
+        failed = [(r, code) for r, code in dead if code != 0]
+        if failed or len(dead) == len(procs):
+            if not failed:  # every worker exited cleanly: the results may be in flight
+                try:
+                    return q.get(timeout=5)
+                except queue.Empty:
+                    pass
+            shown = failed or dead
+            code = shown[0][1]
+            raise WorkerDiedError(
+                "benchmark worker(s) exited before reporting: " + ", ".join(
+                    f"rank {r} with exit code {c}" for r, c in shown)
+                + "; see the worker's traceback above", 128 - code if code < 0 else code or 1)
+        if time.monotonic() > deadline:
+            raise TimeoutError(f"no benchmark results after {timeout_s:.0f} s")
+
+
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__,
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
@@ -703,7 +747,11 @@ def main(argv: list[str] | None = None) -> int:
     try:
         for pr in procs:
             pr.start()
-        got = q.get(timeout=3600)
+        try:
+            got = _result(q, procs, RESULT_TIMEOUT_S)
+        except WorkerDiedError as e:
+            print(f"error: {e}", file=sys.stderr)
+            return e.exit_code
         for pr in procs:
             pr.join(timeout=60)
     finally:

@@ -68,3 +68,49 @@ def test_loads_of_the_checkpoint_before_the_newest_as_saved_are_cached_and_bitwi
         os.close(fd)
     if counts and not on_memory_filesystem(str(tmp_path)):
         assert got["extra"]["relight_load_cached_share"] >= 0.99, got["extra"]
+
+
+def test_a_worker_that_dies_fails_the_benchmark_at_once_with_its_exit_code() -> None:
+    """A crashed worker leaves the others blocked in a collective: the parent must not
+    wait out the result timeout on the queue, but fail naming the rank and exit code."""
+    import multiprocessing as mp
+    import sys
+    import time
+
+    ctx = mp.get_context("spawn")
+    q = ctx.Queue()
+    procs = [ctx.Process(target=time.sleep, args=(30,)), ctx.Process(target=sys.exit, args=(3,))]
+    for p in procs:
+        p.start()
+    try:
+        t0 = time.monotonic()
+        with pytest.raises(ckpt_bench.WorkerDiedError, match="rank 1 with exit code 3") as got:
+            ckpt_bench._result(q, procs, timeout_s=600, poll_s=0.1)
+        assert got.value.exit_code == 3
+        assert time.monotonic() - t0 < 20
+    finally:
+        for p in procs:
+            p.kill()
+            p.join()
+
+
+def test_a_worker_killed_by_a_signal_reports_the_shell_status() -> None:
+    """One that exits cleanly without results fails too (after a short grace for results
+    in flight); a SIGKILLed one gives 128 + 9, as a shell would."""
+    import multiprocessing as mp
+    import signal
+
+    ctx = mp.get_context("spawn")
+    q = ctx.Queue()
+    p = ctx.Process(target=int)  # exits 0 at once, without results
+    p.start()
+    p.join()
+    with pytest.raises(ckpt_bench.WorkerDiedError, match="rank 0 with exit code 0"):
+        ckpt_bench._result(q, [p], timeout_s=600, poll_s=0.1)
+    killed = ctx.Process(target=signal.pause)
+    killed.start()
+    killed.kill()
+    killed.join()
+    with pytest.raises(ckpt_bench.WorkerDiedError) as got:
+        ckpt_bench._result(q, [killed], timeout_s=600, poll_s=0.1)
+    assert got.value.exit_code == 128 + signal.SIGKILL
