@@ -11,6 +11,10 @@ copies the live state (weights and AdamW's moments) from a live group's memory.
     python examples/replica_user_loop.py --etcd 127.0.0.1:2379 --job demo --group g0 &
     python examples/replica_user_loop.py --etcd 127.0.0.1:2379 --job demo --group g1 &
 
+With `--ddp` the model is wrapped in DistributedDataParallel over the group's own ranks
+(here one process per group) and `optimizer.register_ddp(model)` sums each gradient
+bucket across the groups while backward runs; the weights come out bitwise the same.
+
 Every committed step appends one JSON line to `--events` (when given): the step, the
 quorum, the samples this group trained and a digest of its weights, which is the same on
 every group after every step.
@@ -108,6 +112,8 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
                    help="append one JSON line per committed step here (the harness's fields)")
     p.add_argument("--events", default=None, help="append one JSON line per step here")
     p.add_argument("--stop-file", default=None, help="stop at the next step once it exists")
+    p.add_argument("--ddp", action="store_true",
+                   help="wrap the model in DDP and sum its gradient buckets during backward")
     a, _ = p.parse_known_args(argv)  # a scenario's overrides are not this script's
     if not a.group:
         p.error("--group or $RELIGHT_REPLICA_GROUP is required")
@@ -120,6 +126,11 @@ def main(argv: list[str] | None = None) -> int:
     a = parse_args(argv)
 
     model = make_model(a.width)
+    forward = model
+    if a.ddp:  # the group's own data parallelism: here a world of this one process
+        torch.distributed.init_process_group(
+            "gloo", store=torch.distributed.HashStore(), rank=0, world_size=1)
+        forward = nn.parallel.DistributedDataParallel(model)
     replicas = relight.ReplicaManager(
         relight.ReplicaSettings(job=a.job, group=a.group, min_groups=a.min_groups,
                                 host=a.host, lease_ttl=5.0, collective_timeout_s=5.0,
@@ -128,6 +139,8 @@ def main(argv: list[str] | None = None) -> int:
         restore=lambda: restore())  # no live group holds the state: storage does
     optimizer = relight.ReplicaOptimizer(
         replicas, torch.optim.AdamW(model.parameters(), lr=3e-3, weight_decay=0.01))
+    if a.ddp:
+        optimizer.register_ddp(forward)
     state = {"model": model, "optim": optimizer}  # the optimizer carries the step count
     checkpoints = relight.CheckpointManager(a.ckpt, keep_last=3) if a.ckpt else None
     restored: int | None = None
@@ -162,7 +175,7 @@ def main(argv: list[str] | None = None) -> int:
                 heal_seen = replicas.heal_stats
                 once["healed_bytes"] = heal_seen.bytes
             x, y, indices = batch(step, optimizer.rank, optimizer.size)
-            loss = nn.functional.mse_loss(model(x), y)
+            loss = nn.functional.mse_loss(forward(x), y)
             loss.backward()
             global_loss = loss.detach().clone()
             replicas.allreduce([global_loss])     # the mean over groups: the job's loss
@@ -173,7 +186,8 @@ def main(argv: list[str] | None = None) -> int:
                 continue
             crc = digest(model)
             record(ev="step", step=step, quorum=quorum.id, size=quorum.size,
-                   samples=indices, digest=crc, etcd_requests=replicas.stats.etcd_requests)
+                   samples=indices, digest=crc, etcd_requests=replicas.stats.etcd_requests,
+                   in_backward=optimizer.reduced_in_backward)
             done = optimizer.steps
             if a.metrics_path:  # logged before the step is checkpointed
                 append_line(a.metrics_path, {

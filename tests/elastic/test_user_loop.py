@@ -131,6 +131,43 @@ def test_a_users_adamw_loop_heals_and_a_mismatched_joiner_is_told(etcd_server,
 
 
 @pytest.mark.timeout(180)
+def test_ddp_buckets_summed_in_backward_give_the_same_weights(etcd_server, tmp_path) -> None:
+    """The loop with its model in DDP and `register_ddp`: every step's gradients are summed
+    across the groups by the bucket hook during backward, and the weights after every
+    step are bitwise those of the same loop summing in `step()` (two jobs side by side,
+    two groups each, the same seedless data by sample index)."""
+    env = {**os.environ, "OMP_NUM_THREADS": "1"}
+    procs: dict[str, subprocess.Popen] = {}
+    runs = {"ddp": ("--ddp",), "plain": ()}
+    for run, extra in runs.items():
+        job = job_id()
+        for group in ("g0", "g1"):
+            log = open(tmp_path / f"{run}-{group}.log", "wb")  # noqa: SIM115 - the child owns it
+            procs[f"{run}-{group}"] = subprocess.Popen(
+                [sys.executable, str(EXAMPLE), "--etcd", etcd_server.endpoint, "--job", job,
+                 "--group", group, "--steps", "15", "--min-groups", "2",
+                 "--events", str(tmp_path / f"{run}.jsonl"), *extra],
+                stdout=log, stderr=subprocess.STDOUT, env=env, cwd=ROOT,
+                start_new_session=True)
+    try:
+        for name, p in procs.items():  # each run ends at its last step
+            p.wait(150)
+            assert p.returncode == 0, (name, (tmp_path / f"{name}.log").read_text()[-3000:])
+    finally:
+        kill_sessions(procs.values())
+    digests: dict[str, dict[int, set[int]]] = {}
+    for run in runs:
+        steps = [e for e in _events(tmp_path / f"{run}.jsonl") if e["ev"] == "step"]
+        assert {e["in_backward"] for e in steps} == {run == "ddp"}, run
+        assert all(e["size"] == 2 for e in steps), run
+        for e in steps:
+            digests.setdefault(run, {}).setdefault(e["step"], set()).add(e["digest"])
+    assert sorted(digests["ddp"]) == list(range(15))
+    assert digests["ddp"] == digests["plain"]  # one digest per step, the same in both
+    assert all(len(d) == 1 for d in digests["ddp"].values())
+
+
+@pytest.mark.timeout(180)
 def test_the_loop_resumes_from_its_checkpoint_as_if_never_stopped(etcd_server,
                                                                     tmp_path) -> None:
     """The chaos harness's contract for a user's script, on one group: checkpoints every
