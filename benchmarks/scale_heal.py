@@ -234,6 +234,43 @@ def _parallel(fns: list[Any], timeout: float) -> tuple[list[float], list[str]]:
     return done, errors
 
 
+class _Marks:
+    """When one group passed each point of a change (monotonic clock: one clock for every
+    process of the machine), its role in the new quorum, and its etcd requests."""
+
+    def __init__(self, g: _Group) -> None:
+        self.g = g
+        self.out: dict[str, Any] = {}
+        self.requests0 = g.client.requests
+
+    def __call__(self, point: str) -> None:
+        self.out[point] = time.monotonic()
+
+    def done(self, quorum: Any) -> dict[str, Any]:
+        deciders = quorum.deciders(self.g.client.deciders)
+        self.out["role"] = ("host" if quorum.host == self.g.name
+                            else "decider" if self.g.name in deciders else "follower")
+        self.out["requests"] = self.g.client.requests - self.requests0
+        return self.out
+
+
+def _phases(marks: list[dict[str, Any]], t0: float) -> dict[str, Any]:
+    """Per point of a change, seconds from `t0` to the first and the last group past it
+    (deciders and followers apart), and the host's own times: where a settle time goes."""
+    out: dict[str, Any] = {}
+    points = [p for p in ("voted", "saw", "agreed", "entered") if any(p in m for m in marks)]
+    for role in ("host", "decider", "follower"):
+        mine = [m for m in marks if m["role"] == role]
+        if not mine:
+            continue
+        for p in points:
+            ts = sorted(m[p] - t0 for m in mine if p in m)
+            out[f"{role}_{p}"] = [round(ts[0], 3), round(ts[len(ts) // 2], 3),
+                                  round(ts[-1], 3)]
+        out[f"{role}_requests_max"] = max(m["requests"] for m in mine)
+    return out
+
+
 def _enter(g: _Group, quorum: Any) -> None:
     entry = g.client.confirm(quorum, 120.0)
     if not entry.complete:
@@ -284,34 +321,50 @@ class _Worker:
         self.groups.pop(name).die()
 
     def fail_over(self, q0: Any, dead: str, grace_s: float, timeout: float
-                  ) -> tuple[list[float], list[str]]:
+                  ) -> tuple[list[float], list[str], list[dict[str, Any]]]:
+        marks: list[dict[str, Any]] = []
+
         def run(g: _Group) -> None:
+            mark = _Marks(g)
             g.client.vote(q0, 0, False)
+            mark("voted")
             q, _ = g.client.agree(failed=(q0, 0), grace_s=grace_s)
+            mark("agreed")
             if dead in q.members:
                 raise RuntimeError(f"{g.name}: the dead group is still in quorum {q.id}")
             self.quorums[g.name] = q
             _enter(g, q)
+            mark("entered")
+            marks.append(mark.done(q))
 
         done, errors = _parallel([lambda g=g: run(g) for g in self.groups.values()], timeout)
         for g in self.groups.values():
             g.client.watch_membership()
-        return done, errors
+        return done, errors, marks
 
-    def take_in(self, joiner: str, timeout: float) -> tuple[list[float], list[str]]:
+    def take_in(self, joiner: str, timeout: float
+                ) -> tuple[list[float], list[str], list[dict[str, Any]]]:
+        marks: list[dict[str, Any]] = []
+
         def run(g: _Group) -> None:
+            mark = _Marks(g)
             if g.name != joiner:
                 # The member's watch says the keys changed; at its next step boundary
                 # (not waited for here) it agrees again.
                 if not g.client.membership_changed.wait(timeout):
                     raise RuntimeError(f"{g.name}'s watch never saw the joiner")
+            mark("saw")
             q, _ = g.client.agree()
             while joiner not in q.members:
                 g.client.client.wait_for_change(g.client.root, q.revision, 5.0)
                 q, _ = g.client.agree()
+            mark("agreed")
             _enter(g, q)
+            mark("entered")
+            marks.append(mark.done(q))
 
-        return _parallel([lambda g=g: run(g) for g in self.groups.values()], timeout)
+        done, errors = _parallel([lambda g=g: run(g) for g in self.groups.values()], timeout)
+        return done, errors, marks
 
     def close(self) -> None:
         for g in self.groups.values():
@@ -352,6 +405,7 @@ class _Pool:
             proc.start()
             self.conns.append(parent)
             self.procs.append(proc)
+        self.pids = [p.pid for p in self.procs]
 
     def call(self, which: list[int], name: str, *args: Any, timeout: float) -> list[Any]:
         """`name(*args)` on each worker in `which`, at once; their results, in order."""
@@ -424,31 +478,39 @@ def _one_size(pool: _Pool, endpoints: list[str], pids: list[int], n: int,
         dead = names[-1]
         pool.call([owner[dead]], "die", dead, timeout=timeout)
         probe = _Probe(endpoints, pids)
+        clients_cpu0 = _cpu_s(pool.pids)
         t0 = time.monotonic()
         failed = pool.call(used, "fail_over", first, dead, 1.0 + 2 * cfg.step_s, timeout,
                            timeout=timeout)
         lost = probe.delta()
-        done = [t for d, _ in failed for t in d]
-        errors = [e for _, errs in failed for e in errs]
+        done = [t for d, _, _ in failed for t in d]
+        errors = [e for _, errs, _ in failed for e in errs]
         row["lost"] = {"settle_s": max(done) - t0 if len(done) == n - 1 else None,
                        "requests_per_group": lost["requests"] / (n - 1),
                        "bytes_per_group": (lost["bytes_in"] + lost["bytes_out"]) / (n - 1),
-                       "etcd_cpu_s": lost["cpu_s"], "errors": errors[:3]}
+                       "etcd_cpu_s": lost["cpu_s"],
+                       "clients_cpu_s": _cpu_s(pool.pids) - clients_cpu0,
+                       "phases": _phases([m for _, _, ms in failed for m in ms], t0),
+                       "errors": errors[:3]}
         if errors or len(done) < n - 1:
             return row
         # 4. a joiner
         joiner = f"j{n:05d}"
         probe = _Probe(endpoints, pids)
+        clients_cpu0 = _cpu_s(pool.pids)
         (t0,) = pool.call([used[0]], "build", endpoints, job, [joiner], cfg.lease_ttl_s,
                           False, timeout=timeout)
         taken = pool.call(used, "take_in", joiner, timeout, timeout=timeout)
         joined = probe.delta()
-        done = [t for d, _ in taken for t in d]
-        errors = [e for _, errs in taken for e in errs]
+        done = [t for d, _, _ in taken for t in d]
+        errors = [e for _, errs, _ in taken for e in errs]
         row["joined"] = {"settle_s": max(done) - t0 if len(done) == n else None,
                          "requests_per_group": joined["requests"] / n,
                          "bytes_per_group": (joined["bytes_in"] + joined["bytes_out"]) / n,
-                         "etcd_cpu_s": joined["cpu_s"], "errors": errors[:3]}
+                         "etcd_cpu_s": joined["cpu_s"],
+                         "clients_cpu_s": _cpu_s(pool.pids) - clients_cpu0,
+                         "phases": _phases([m for _, _, ms in taken for m in ms], t0),
+                         "errors": errors[:3]}
         return row
     except RuntimeError as exc:
         row.setdefault("errors", [str(exc)[:300]])
