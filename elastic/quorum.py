@@ -48,6 +48,7 @@ Pure decisions (`Quorum.from_snapshot`, `decide_votes`) are separate from the I/
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import logging
 import socket
@@ -271,6 +272,12 @@ _REPROBE_S = 0.1
 member is gone: a process that exits changes no key (its lease outlives it), so only a
 new probe of its store sees it."""
 
+_HOST_CHECK_S = 0.5
+"""How long a member waiting for the host's entry report lets the host say nothing
+before it checks that the host lives (its key, its store): every member checks, so at a
+thousand members a check every `_REPROBE_S` was ten thousand requests a second into
+etcd while the host counted; a host that died costs this much more."""
+
 
 def _membership_change(kv: KeyValue | None) -> bool:
     """Whether a change under the job's root is one the members must agree on: not a
@@ -452,13 +459,22 @@ class QuorumClient:
         stop = self._watch_stop = threading.Event()
         rev = self.last_revision if after_revision is None else after_revision
         client = self.client.sibling(timeout=self.lease_ttl + 5.0)
+        quorum_key = self.root + "quorum"
+        held = self._known.revision if self._known is not None else None
+
+        def change(kv: KeyValue | None) -> bool:
+            # The write of the quorum this group holds is no change to it: a decider
+            # that wrote it judged it on the read before that write, and watches from
+            # there.
+            return _membership_change(kv) and not (
+                kv is not None and kv.key == quorum_key and kv.mod_revision == held)
 
         def run() -> None:
             while not stop.is_set():
                 self.watch_requests += 1
                 try:
                     hit = client.wait_for_change(self.root, rev, self.lease_ttl,
-                                                 until=_membership_change)
+                                                 until=change)
                 except Exception as exc:  # noqa: BLE001 - agree reports it
                     logger.debug("[replica %s] membership watch failed: %s", self.group, exc)
                     hit = True
@@ -564,41 +580,65 @@ class QuorumClient:
             return None
         since = self.last_revision
         deadline = time.monotonic() + (grace_s if failed else 0.0) + self.follow_s
+        quorum_key, checked_key = self.root + "quorum", self.root + _CHECKED
         while True:
             self._check_lease()
             # The keys' revisions first: the quorum document (every member's name) is
-            # read only once it changed, the deciders' report only once it was written.
+            # read only once it changed, the deciders' report only once it was written;
+            # after this read both come in the watch's events, with their values.
             self.requests += 1
-            kvs, revision = self.client.get_prefix(self.root + "quorum", keys_only=True)
+            kvs, revision = self.client.get_prefix(quorum_key, keys_only=True)
             self.last_revision = max(self.last_revision, revision)
-            by_key = {kv.key[len(self.root):]: kv for kv in kvs}
-            if "quorum" not in by_key:
+            by_key = {kv.key: kv for kv in kvs}
+            if quorum_key not in by_key:
                 return None
-            if by_key["quorum"].mod_revision != known.revision:
+            said: KeyValue | None = None
+            if by_key[quorum_key].mod_revision != known.revision:
                 self.requests += 1
-                kv = self.client.get(self.root + "quorum")
-                current = (None if kv is None
-                           else Snapshot.parse([kv], self.root, revision).quorum)
-                if current is None or current.id <= known.id:
+                said = self.client.get(quorum_key)
+            elif (not failed and checked_key in by_key
+                  and by_key[checked_key].mod_revision > since):
+                self.requests += 1
+                said = self.client.get(checked_key)
+            while True:
+                if said is not None:
+                    self.last_revision = max(self.last_revision, said.mod_revision)
+                    revision = max(revision, said.mod_revision)
+                    if said.key == quorum_key:
+                        current = Snapshot.parse([said], self.root, revision).quorum
+                        if current is None or current.id <= known.id:
+                            return None
+                        if self.group not in current.members:
+                            return None  # left out: the full rules say why, or take it in
+                        self._last_quorum = current.id
+                        return current, self._with_host(current, revision)
+                    doc = said.json()
+                    if int(doc["id"]) == known.id and int(doc["rev"]) >= since:
+                        return known, self._with_host(known, revision)
+                    said = None  # a report on an earlier change: wait on, from after it
+                remaining = deadline - time.monotonic()
+                if remaining <= 0:
+                    logger.info("[replica %s] quorum %d: its deciders %s said nothing "
+                                "within %.1fs; deciding alone", self.group, known.id,
+                                list(known.deciders(self.deciders)), self.follow_s)
                     return None
-                if self.group not in current.members:
-                    return None  # left out: the full rules say why, or take it back in
-                self._last_quorum = current.id
-                return current, self._with_host(current, revision)
-            checked = by_key.get(_CHECKED)
-            if not failed and checked is not None and checked.mod_revision > since:
-                self.requests += 1
-                kv = self.client.get(self.root + _CHECKED)
-                doc = None if kv is None else kv.json()
-                if doc is not None and int(doc["id"]) == known.id and int(doc["rev"]) >= since:
-                    return known, self._with_host(known, revision)
-            remaining = deadline - time.monotonic()
-            if remaining <= 0:
-                logger.info("[replica %s] quorum %d: its deciders %s said nothing within "
-                            "%.1fs; deciding alone", self.group, known.id,
-                            list(known.deciders(self.deciders)), self.follow_s)
-                return None
-            self.client.wait_for_change(self.root + "quorum", revision, remaining)
+                events: list[KeyValue | None] = []
+
+                def outcome(kv: KeyValue | None,
+                            events: list[KeyValue | None] = events) -> bool:
+                    if kv is not None and not (
+                            (kv.key == quorum_key and kv.mod_revision != known.revision)
+                            or (kv.key == checked_key and not failed)):
+                        return False  # the entry report of `known`, say
+                    events.append(kv)
+                    return True
+
+                if not self.client.wait_for_change(quorum_key, revision, remaining,
+                                                   until=outcome):
+                    continue
+                if not events or events[0] is None:
+                    break  # a broken watch or a key deleted: read again
+                said = events[0]
 
     def _with_host(self, quorum: Quorum, revision: int) -> Snapshot:
         """A snapshot of `quorum` and its host's key alone: what a follower needs to
@@ -645,6 +685,7 @@ class QuorumClient:
         """
         deadline = time.monotonic() + self.timeout
         prefetched = self._take_prefetched()
+        judged_here = False  # `prefetched` is this group's last read, with its own write
         while True:
             self._check_lease()
             snap, prefetched = prefetched or self.snapshot(), None
@@ -733,14 +774,45 @@ class QuorumClient:
                 proposal = self._proposal(current.id + 1 if current else 0, entitled, snap,
                                           current)
             self.requests += 1
-            if self.client.cas(self.root + "quorum", current.revision if current else 0,
-                               proposal.to_json()):
+            quorum_key = self.root + "quorum"
+            result = self.client.txn(
+                [Compare(quorum_key, "mod", "==", current.revision if current else 0)],
+                [OpPut(quorum_key, proposal.to_json())], [OpRange(quorum_key)])
+            failed = None  # the failed quorum is replaced, by this group or another
+            if result.succeeded:
                 logger.info("[replica %s] quorum %d: %s", self.group, proposal.id,
                             list(proposal.members))
-            failed = None  # the failed quorum is replaced, by this group or another
+                if not judged_here:
+                    # Judge the quorum just written on the snapshot it was decided from,
+                    # not on a read of every key again: what changed since that read is
+                    # said by the membership watch, which starts from it.
+                    judged_here = True
+                    prefetched = dataclasses.replace(
+                        snap, quorum=dataclasses.replace(proposal, revision=result.revision))
+                    continue
+            else:
+                winner = next((Snapshot.parse([kv], self.root, result.revision).quorum
+                               for kv in result.ranges[0] if kv.key == quorum_key), None)
+                if (winner is not None and winner.id == proposal.id
+                        and self._takes(winner, snap)):
+                    # Another decider won with the same snapshot's rules: take its
+                    # quorum as a follower does, without reading every key again.
+                    self._last_quorum = winner.id
+                    self.last_revision = max(self.last_revision, result.revision)
+                    return winner, self._with_host(winner, result.revision)
+            judged_here = False
             if time.monotonic() > deadline:
                 raise QuorumError(f"replica group {self.group}: no quorum within "
                                   f"{self.timeout:.0f}s under {self.root}")
+
+    def _takes(self, quorum: Quorum, snap: Snapshot) -> bool:
+        """Whether this group may take `quorum`, written by another, without judging it
+        on a read of every key (as a follower takes its deciders'): it names this group,
+        as healing if the group asks to heal (`snap`), and has a member holding the
+        state (a quorum of joiners alone is left to the full rules: only its first live
+        member restores)."""
+        return (self.group in quorum.members and bool(quorum.healthy)
+                and (self.group not in snap.healing or self.group in quorum.healing))
 
     def _wait_or_give_up(self, key: str, snap: Snapshot, deadline: float, what: str) -> None:
         """One wait of `agree` for a change under `key` (relative to the root; "": any),
@@ -844,69 +916,137 @@ class QuorumClient:
 
     def _count_entries(self, quorum: Quorum, timeout: float) -> Entry:
         """The host's part of `confirm`: wait until every member entered, one is gone,
-        or `timeout`."""
+        or `timeout`. One read of every key, then the entries are counted from a watch's
+        events (each carries the member's document): at a thousand members a read of
+        every key per burst of entries cost the host more than the entries themselves.
+        A member still waiting is probed (`_gone`) when no entry came for `_REPROBE_S`
+        (at most once per `_HOST_CHECK_S`), not while entries stream in."""
         deadline = time.monotonic() + timeout
+        quorum_key = self.root + "quorum"
+        groups = self.root + "groups/"
         while True:
             snap = self.snapshot()
             if snap.quorum is None or snap.quorum.revision != quorum.revision:
                 return Entry(replaced=True)
-            docs = {m: snap.groups.get(m) for m in quorum.members}
-            waiting = tuple(m for m, d in docs.items()
-                            if d is not None and d.get("at") != quorum.id)
-            remaining = deadline - time.monotonic()
-            gone = tuple(m for m in quorum.members if m not in snap.groups or (
-                m in waiting and self._gone(snap, quorum, m, min(_PROBE_S, remaining))))
-            if not gone and not waiting:
-                return Entry()
-            if gone or remaining <= 0:
-                absent = gone or waiting
-                logger.warning("[replica %s] quorum %d: %s did not enter it (%s)", self.group,
-                               quorum.id, list(absent),
-                               "gone" if gone else f"not within {timeout:.0f}s")
-                return Entry(absent=absent)
-            if self.client.wait_for_change(self.root + "groups/", snap.revision,
-                                           min(remaining, _REPROBE_S)):
-                # Entries come in a burst: one read after it, not one per entry (each
-                # read is every group's key).
-                time.sleep(min(max(remaining, 0.0), _gather_s(quorum.size)))
+            waiting = {m for m in quorum.members
+                       if m in snap.groups and snap.groups[m].get("at") != quorum.id}
+            gone = tuple(m for m in quorum.members if m not in snap.groups)
+            seen = snap.revision
+            reread = False
+            probe_at = 0.0
+
+            def entered(kv: KeyValue | None, waiting: set[str] = waiting) -> bool:
+                """Count one event; True when the wait ends: all in, or a change that
+                needs a read (the quorum replaced, a key deleted, a member's key written
+                without its entry: a restart)."""
+                nonlocal seen, reread
+                if kv is None:
+                    reread = True
+                    return True
+                seen = max(seen, kv.mod_revision)
+                if kv.key == quorum_key:
+                    reread = True
+                    return True
+                name = kv.key[len(groups):] if kv.key.startswith(groups) else None
+                if name in waiting:
+                    try:
+                        at = json.loads(kv.value).get("at")
+                    except (ValueError, AttributeError):
+                        at = None
+                    if at != quorum.id:
+                        reread = True
+                        return True
+                    waiting.discard(name)
+                return not waiting
+
+            while True:
+                remaining = deadline - time.monotonic()
+                if not gone and not waiting:
+                    return Entry()
+                if gone or remaining <= 0:
+                    absent = gone or tuple(sorted(waiting))
+                    logger.warning("[replica %s] quorum %d: %s did not enter it (%s)",
+                                   self.group, quorum.id, list(absent),
+                                   "gone" if gone else f"not within {timeout:.0f}s")
+                    return Entry(absent=absent)
+                if not self.client.wait_for_change(self.root, seen,
+                                                   min(remaining, _REPROBE_S),
+                                                   until=entered):
+                    # A lull: the members still waiting are slow, or gone. A round of
+                    # probes is a connection per waiting member: one per `_HOST_CHECK_S`.
+                    now = time.monotonic()
+                    if now >= probe_at:
+                        probe_at = now + _HOST_CHECK_S
+                        gone = tuple(m for m in sorted(waiting) if self._gone(
+                            snap, quorum, m, min(_PROBE_S, max(deadline - now, 0.0))))
+                elif reread or waiting:
+                    break  # or a broken watch: read again
 
     def _await_host(self, quorum: Quorum, timeout: float) -> Entry:
         """A member's part of `confirm`: follow the `quorum` and `entered` keys (one
         prefix) until the host says how entering went, or the quorum is replaced. The
-        host's liveness is checked as any member's is (its key, its store) every
-        `_REPROBE_S`; past `timeout` and a margin for its own wait, a host that said
-        nothing is absent."""
+        report comes in the watch's event (no read after it). The host's liveness (its
+        key, its store) is checked when it said nothing for `_HOST_CHECK_S`; past
+        `timeout` and a margin for its own wait, a host that said nothing is absent."""
         host_key = self.root + "groups/" + quorum.host
-        self.requests += 1
-        host_doc = self.client.get(host_key)
-        addr = None if host_doc is None else tuple(host_doc.json()["store"])
+        quorum_key = self.root + "quorum"
+        entered_key = self.root + _ENTERED
         deadline = time.monotonic() + timeout + 2 * _REPROBE_S + _PROBE_S
+        addr: tuple[str, int] | None = None
         while True:
-            # The host's report, read only while the quorum stands (one small request,
-            # not the quorum document).
+            # The host's report and its key, read only while the quorum stands (small
+            # keys, not the quorum document).
             self.requests += 1
-            result = self.client.txn([Compare(self.root + "quorum", "mod", "==",
-                                              quorum.revision)],
-                                     [OpRange(self.root + _ENTERED)])
+            result = self.client.txn([Compare(quorum_key, "mod", "==", quorum.revision)],
+                                     [OpRange(entered_key), OpRange(host_key)])
             revision = result.revision
             self.last_revision = max(self.last_revision, revision)
             if not result.succeeded:
                 return Entry(replaced=True)
-            said = result.ranges[0][0] if result.ranges[0] else None
-            if said is not None:
-                doc = said.json()
-                if int(doc["id"]) == quorum.id:
-                    return Entry(absent=tuple(str(m) for m in doc["absent"]))
-            remaining = deadline - time.monotonic()
-            if (addr is None or remaining <= 0
-                    or _store_answers((str(addr[0]), int(addr[1])), _PROBE_S) is False
-                    or self.client.get(host_key) is None):
-                logger.warning("[replica %s] quorum %d: its host %s %s", self.group, quorum.id,
-                               quorum.host, "said nothing within the entry timeout"
-                               if remaining <= 0 else "is gone")
-                return Entry(absent=(quorum.host,))
-            self.client.wait_for_change(self.root + "quorum", revision,
-                                        min(remaining, _REPROBE_S))
+            # A range is a prefix: group "g1"'s range holds "g10"'s key too.
+            said, host = (next((kv for kv in r if kv.key == key), None)
+                          for r, key in zip(result.ranges, (entered_key, host_key),
+                                            strict=True))
+            if said is not None and int(said.json()["id"]) == quorum.id:
+                return Entry(absent=tuple(str(m) for m in said.json()["absent"]))
+            if host is None:
+                return self._host_gone(quorum, "is gone")
+            addr = tuple(host.json()["store"])  # type: ignore[assignment]
+            report: list[KeyValue | None] = []
+
+            def reported(kv: KeyValue | None,
+                         report: list[KeyValue | None] = report) -> bool:
+                if kv is not None and kv.key == entered_key:
+                    if int(kv.json()["id"]) != quorum.id:
+                        return False
+                elif kv is not None and kv.key != quorum_key:
+                    return False
+                report.append(kv)  # the report, or the quorum replaced: read again
+                return True
+
+            while True:
+                remaining = deadline - time.monotonic()
+                if remaining <= 0:
+                    return self._host_gone(quorum, "said nothing within the entry timeout")
+                if self.client.wait_for_change(quorum_key, revision,
+                                               min(remaining, _HOST_CHECK_S),
+                                               until=reported):
+                    if report and report[0] is not None and report[0].key == entered_key:
+                        self.last_revision = max(self.last_revision, report[0].mod_revision)
+                        return Entry(absent=tuple(str(m)
+                                                  for m in report[0].json()["absent"]))
+                    break  # replaced, or a broken watch: read again
+                assert addr is not None
+                if _store_answers((str(addr[0]), int(addr[1])), _PROBE_S) is False:
+                    return self._host_gone(quorum, "is gone")
+                self.requests += 1
+                if self.client.get(host_key) is None:
+                    return self._host_gone(quorum, "is gone")
+
+    def _host_gone(self, quorum: Quorum, why: str) -> Entry:
+        logger.warning("[replica %s] quorum %d: its host %s %s", self.group, quorum.id,
+                       quorum.host, why)
+        return Entry(absent=(quorum.host,))
 
     def vote(self, quorum: Quorum, step: int, ok: bool) -> bool:
         """Cast this group's vote for `(quorum, step)`. False: fenced out (this group's
