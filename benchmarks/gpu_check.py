@@ -35,7 +35,8 @@ from typing import Any
 
 ROOT = Path(__file__).resolve().parents[1]
 
-CUDA_TESTS = ["tests/ckpt/test_cuda.py", "tests/runtime/test_cuda.py"]
+CUDA_TESTS = ["tests/ckpt/test_cuda.py", "tests/runtime/test_cuda.py",
+              "tests/elastic/test_process_groups.py"]
 
 CUDA_MODEL = ["--model.vocab_size=4096", "--model.dim=512", "--model.n_layers=8",
               "--model.n_heads=8", "--model.mlp_hidden=2048", "--model.max_seq_len=256",

@@ -120,3 +120,18 @@ def test_the_default_factory_follows_the_state_device() -> None:
         assert isinstance(cuda, GlooGroups)
         with pytest.raises(RuntimeError, match="no NCCL"):
             NcclGroups(torch.device("cuda", 0))
+
+
+@pytest.mark.cuda
+@pytest.mark.skipif(not torch.cuda.is_available() or not dist.is_nccl_available(),
+                    reason="needs a GPU and a torch build with NCCL")
+def test_nccl_groups_build_reduce_on_the_device_and_abort() -> None:
+    """One GPU: a communicator of one rank (NCCL refuses two ranks on one device), built
+    eagerly, a reduction of a CUDA tensor waited on by the host, then aborted. The cross-
+    group sum on two GPUs waits for a machine that has them."""
+    groups = NcclGroups(torch.device("cuda", 0))
+    pg = groups.create(dist.HashStore(), 0, 1, timedelta(seconds=60))
+    t = torch.arange(1024, dtype=torch.float32, device="cuda")
+    groups.wait(pg.allreduce([t]), timedelta(seconds=60))
+    assert t.device.type == "cuda" and torch.equal(t.cpu(), torch.arange(1024.0))
+    groups.abort(pg)
