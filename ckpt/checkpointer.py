@@ -224,7 +224,9 @@ def save(state_dict: Mapping[str, Any], url: str | os.PathLike[str] | Store,
          config: dict[str, Any] | None = None, layout: dict[str, Any] | None = None,
          process_group: Any = None, options: SaveOptions | None = None,
          hooks: CommitHooks | None = None) -> SaveHandle:
-    """`Checkpointer.save` on the process's default checkpointer."""
+    """Save `state_dict` as one checkpoint at `url`; every rank of the group calls. Runs
+    on the process's default checkpointer: arguments, the returned `SaveHandle` and the
+    errors are `Checkpointer.save`'s (`help(relight.Checkpointer.save)`)."""
     return default_checkpointer().save(state_dict, url, async_save, step=step, config=config,
                                        layout=layout, process_group=process_group,
                                        options=options, hooks=hooks)
