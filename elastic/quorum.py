@@ -204,6 +204,44 @@ class Snapshot:
         return cls(groups, quorum, votes, revision, written, voted)
 
 
+class _LiveSnapshot:
+    """A `Snapshot` kept current from a watch's events, each of which carries its key and
+    value: a reader that waits for many writes takes them in one stream instead of
+    reading every key after each burst. A deleted key cannot be applied (its event names
+    no key): the view is `stale` then, and the reader reads again."""
+
+    def __init__(self, snap: Snapshot, root: str) -> None:
+        self.root = root
+        self.groups, self.written = dict(snap.groups), dict(snap.written)
+        self.votes = {at: dict(v) for at, v in snap.votes.items()}
+        self.voted = dict(snap.voted)
+        self.quorum, self.revision = snap.quorum, snap.revision
+        self.stale = False
+        self.quorum_changed = False
+
+    def apply(self, kv: KeyValue | None, quorum_id: int) -> str | None:
+        """Take one event in; the group whose vote in quorum `quorum_id` it is, if so."""
+        if kv is None:
+            self.stale = True
+            return None
+        self.revision = max(self.revision, kv.mod_revision)
+        one = Snapshot.parse([kv], self.root, kv.mod_revision)
+        self.groups.update(one.groups)
+        self.written.update(one.written)
+        if one.quorum is not None:
+            self.quorum, self.quorum_changed = one.quorum, True
+        for at, v in one.votes.items():
+            self.votes.setdefault(at, {}).update(v)
+            self.voted[at] = max(self.voted.get(at, 0), one.voted[at])
+            if at[0] == quorum_id:
+                return next(iter(v))
+        return None
+
+    def snapshot(self) -> Snapshot:
+        return Snapshot(self.groups, self.quorum, self.votes, self.revision, self.written,
+                        self.voted)
+
+
 def decide_votes(snap: Snapshot, quorum: Quorum, step: int) -> bool | None:
     """Whether `step` of `quorum` commits (True), is abandoned (False), or is still open
     (None), judged on one snapshot."""
@@ -272,11 +310,14 @@ _REPROBE_S = 0.1
 member is gone: a process that exits changes no key (its lease outlives it), so only a
 new probe of its store sees it."""
 
-_HOST_CHECK_S = 0.5
-"""How long a member waiting for the host's entry report lets the host say nothing
-before it checks that the host lives (its key, its store): every member checks, so at a
-thousand members a check every `_REPROBE_S` was ten thousand requests a second into
-etcd while the host counted; a host that died costs this much more."""
+def _host_check_s(members: int) -> float:
+    """How long a member waiting for the host's entry report lets the host say nothing
+    before it checks that the host lives (its key, its store): `_REPROBE_S` for a few
+    members, a millisecond per member beyond, so that the members' checks together cost
+    etcd about a thousand requests a second at any size (at a thousand members, a check
+    every `_REPROBE_S` was ten thousand a second while the host counted). A host that
+    died costs that much more."""
+    return max(_REPROBE_S, members * 1e-3)
 
 
 def _membership_change(kv: KeyValue | None) -> bool:
@@ -327,11 +368,13 @@ class QuorumClient:
         if deciders < 1:
             raise ValueError(f"QuorumClient.deciders must be >= 1, got {deciders}")
         self.deciders = deciders
-        self.follow_s = _FOLLOW_S if follow_s is None else follow_s
-        """How long a follower waits for the deciders' outcome (`_FOLLOW_S`)."""
         """How many members of a quorum decide its successor by reading every group's key
         (its first members: `Quorum.deciders`); the others follow the `quorum` key. More
         than one, so that a lost decider costs the followers nothing."""
+        if follow_s is not None and follow_s <= 0:
+            raise ValueError(f"QuorumClient.follow_s must be > 0, got {follow_s}")
+        self.follow_s = _FOLLOW_S if follow_s is None else follow_s
+        """How long a follower waits for the deciders' outcome (`_FOLLOW_S`)."""
         self._known: Quorum | None = None
         """The quorum the last `agree` returned."""
         self._last_quorum: int | None = None
@@ -552,7 +595,7 @@ class QuorumClient:
         `quorum` key: they take the successor the deciders proposed, or, when the
         deciders found that the quorum stands (a change that changed nothing, said in
         `quorum-checked`), the quorum itself. A follower that hears nothing within
-        `_FOLLOW_S` (after the failover grace, for a failed step), or finds itself left
+        `follow_s` (after the failover grace, for a failed step), or finds itself left
         out, decides for itself as a decider does. A thousand groups then cost etcd a few
         reads of every key per change, not one per group."""
         known = failed[0] if failed is not None else self._known
@@ -714,7 +757,7 @@ class QuorumClient:
                 self._wait_or_give_up("", snap, deadline, "not taken into a quorum")
                 continue
             if failed is not None and current is not None and current.id == failed[0].id:
-                members = self._survivors(failed[0], failed[1], snap, grace_s)
+                members, snap = self._survivors(failed[0], failed[1], snap, grace_s)
                 holders = [m for m in failed[0].healthy if m in snap.groups]
                 if holders and not set(members) & set(failed[0].healthy):
                     # Only groups without the state voted in time. They cannot go on
@@ -855,28 +898,56 @@ class QuorumClient:
         return Quorum(qid, tuple(sorted(members)), 0, healing, tuple(sorted(out.items())))
 
     def _survivors(self, quorum: Quorum, step: int, snap: Snapshot,
-                   grace_s: float | None = None) -> tuple[str, ...]:
+                   grace_s: float | None = None) -> tuple[tuple[str, ...], Snapshot]:
         """Members of `quorum` that voted in it within the grace (on `step`, or on the
         step after it: a member whose reduction of `step` completed applied it, and fails
-        at its next), and are alive. The
-        wait ends early once every member that has not voted is gone for certain
-        (`_gone`): a crashed or killed group costs its peers no grace, also when its
-        process dies or its agent restarts it while they wait (checked at every change
-        under the job and every `_REPROBE_S`). It ends at once when another survivor
-        has already replaced `quorum`: the caller's proposal then loses its CAS and it
-        takes the quorum that won."""
+        at its next), and are alive; and the snapshot they were found in (`snap` with
+        every change since, the votes waited for among them: whose vote names an earlier
+        step is judged on it). The wait ends early once every member that has not voted
+        is gone for certain (`_gone`): a crashed or killed group costs its peers no
+        grace, also when its process dies or its agent restarts it while they wait
+        (checked at every `_REPROBE_S` without a vote). It ends at once when another
+        survivor has already replaced `quorum`: the caller's proposal then loses its CAS
+        and it takes the quorum that won.
+
+        The votes after `snap` are taken from a watch's events (each carries the key):
+        at a thousand groups a read of every key per burst of votes cost a decider more
+        than the votes themselves. A deleted key is read again (an event names no key
+        then)."""
         grace_end = time.monotonic() + (self.failover_grace_s if grace_s is None else grace_s)
+        gone: set[str] = set()
+        """Silent members found gone (a process that is gone does not come back to vote
+        in this quorum: a restarted one asks to heal)."""
+        live = _LiveSnapshot(snap, self.root)
         while True:
+            snap = live.snapshot()
             voted = _voted_steps(snap, quorum)
             voters = [m for m in quorum.members if m in voted and m in snap.groups]
             remaining = grace_end - time.monotonic()
             silent = [m for m in quorum.members if m not in voters and m != self.group]
-            replaced = snap.quorum is None or snap.quorum.id != quorum.id
-            if replaced or remaining <= 0 or all(
-                    self._gone(snap, quorum, m, min(_PROBE_S, remaining)) for m in silent):
-                return tuple(sorted({*voters, self.group}))
-            self.client.wait_for_change(self.root, snap.revision, min(remaining, _REPROBE_S))
-            snap = self.snapshot()
+            for m in silent:
+                if m in gone:
+                    continue
+                if not self._gone(snap, quorum, m, min(_PROBE_S, max(remaining, 0.0))):
+                    break  # one that may live: the others are probed at the next wake
+                gone.add(m)
+            if (snap.quorum is None or snap.quorum.id != quorum.id or remaining <= 0
+                    or all(m in gone for m in silent)):
+                return tuple(sorted({*voters, self.group})), snap
+            waiting = set(silent) - gone
+
+            def wakes(kv: KeyValue | None, waiting: set[str] = waiting,
+                      live: _LiveSnapshot = live) -> bool:
+                """Take one event in; wake once the quorum changed, a key was deleted,
+                or every silent member not known gone voted."""
+                voter = live.apply(kv, quorum.id)
+                waiting.discard(voter or "")
+                return live.stale or live.quorum_changed or not waiting
+
+            self.client.wait_for_change(self.root, live.revision,
+                                        min(remaining, _REPROBE_S), until=wakes)
+            if live.stale:
+                live = _LiveSnapshot(self.snapshot(), self.root)
 
     def confirm(self, quorum: Quorum, timeout: float) -> Entry:
         """Enter `quorum` (a new one) and wait, up to `timeout`, until every member has
@@ -919,8 +990,8 @@ class QuorumClient:
         or `timeout`. One read of every key, then the entries are counted from a watch's
         events (each carries the member's document): at a thousand members a read of
         every key per burst of entries cost the host more than the entries themselves.
-        A member still waiting is probed (`_gone`) when no entry came for `_REPROBE_S`
-        (at most once per `_HOST_CHECK_S`), not while entries stream in."""
+        Members still waiting are probed (`_gone`) when no entry came for `_REPROBE_S`,
+        not while entries stream in (`_probe_some`)."""
         deadline = time.monotonic() + timeout
         quorum_key = self.root + "quorum"
         groups = self.root + "groups/"
@@ -933,7 +1004,7 @@ class QuorumClient:
             gone = tuple(m for m in quorum.members if m not in snap.groups)
             seen = snap.revision
             reread = False
-            probe_at = 0.0
+            probed: set[str] = set()
 
             def entered(kv: KeyValue | None, waiting: set[str] = waiting) -> bool:
                 """Count one event; True when the wait ends: all in, or a change that
@@ -972,26 +1043,43 @@ class QuorumClient:
                 if not self.client.wait_for_change(self.root, seen,
                                                    min(remaining, _REPROBE_S),
                                                    until=entered):
-                    # A lull: the members still waiting are slow, or gone. A round of
-                    # probes is a connection per waiting member: one per `_HOST_CHECK_S`.
-                    now = time.monotonic()
-                    if now >= probe_at:
-                        probe_at = now + _HOST_CHECK_S
-                        gone = tuple(m for m in sorted(waiting) if self._gone(
-                            snap, quorum, m, min(_PROBE_S, max(deadline - now, 0.0))))
+                    # A lull: the members still waiting are slow, or gone.
+                    gone = self._probe_some(snap, quorum, waiting, probed, deadline)
                 elif reread or waiting:
                     break  # or a broken watch: read again
+
+    def _probe_some(self, snap: Snapshot, quorum: Quorum, waiting: set[str],
+                    probed: set[str], deadline: float) -> tuple[str, ...]:
+        """The host's probes in a lull of the entries: the waiting members gone for
+        certain, among those probed within `_REPROBE_S` of wall time, the ones not
+        probed yet first (`probed`, updated). A round of a thousand probes on loaded
+        cores kept the host from the entries for seconds; in budgeted rounds the usual
+        case (one member missing at the end) is still found at the first lull."""
+        if waiting <= probed:
+            probed.clear()
+        order = sorted(waiting - probed)
+        stop = time.monotonic() + _REPROBE_S
+        gone = []
+        for m in order:
+            now = time.monotonic()
+            if now >= stop:
+                break
+            probed.add(m)
+            if self._gone(snap, quorum, m, min(_PROBE_S, max(deadline - now, 0.0))):
+                gone.append(m)
+        return tuple(gone)
 
     def _await_host(self, quorum: Quorum, timeout: float) -> Entry:
         """A member's part of `confirm`: follow the `quorum` and `entered` keys (one
         prefix) until the host says how entering went, or the quorum is replaced. The
         report comes in the watch's event (no read after it). The host's liveness (its
-        key, its store) is checked when it said nothing for `_HOST_CHECK_S`; past
+        key, its store) is checked when it said nothing for `_host_check_s`; past
         `timeout` and a margin for its own wait, a host that said nothing is absent."""
         host_key = self.root + "groups/" + quorum.host
         quorum_key = self.root + "quorum"
         entered_key = self.root + _ENTERED
         deadline = time.monotonic() + timeout + 2 * _REPROBE_S + _PROBE_S
+        check_s = _host_check_s(quorum.size)
         addr: tuple[str, int] | None = None
         while True:
             # The host's report and its key, read only while the quorum stands (small
@@ -1029,7 +1117,7 @@ class QuorumClient:
                 if remaining <= 0:
                     return self._host_gone(quorum, "said nothing within the entry timeout")
                 if self.client.wait_for_change(quorum_key, revision,
-                                               min(remaining, _HOST_CHECK_S),
+                                               min(remaining, check_s),
                                                until=reported):
                     if report and report[0] is not None and report[0].key == entered_key:
                         self.last_revision = max(self.last_revision, report[0].mod_revision)

@@ -88,10 +88,16 @@ from relight.elastic.regions import (
     plan_sum,
     sum_regions,
 )
+from relight.errors import RelightError
 
 logger = logging.getLogger(__name__)
 
-__all__ = ["ReplicaManager", "ReplicaSettings", "StepStats"]
+__all__ = ["ReplicaManager", "ReplicaSettings", "ReplicaSettingsError", "StepStats"]
+
+
+class ReplicaSettingsError(RelightError, ValueError):
+    """A `ReplicaSettings` field out of its range (the message names the field and what
+    it must be)."""
 
 
 @dataclass(frozen=True, kw_only=True, slots=True)
@@ -134,15 +140,29 @@ class ReplicaSettings:
     to heal from. One that does not answer in time counts as alive (the group heals;
     if the member is gone, its lease ends and the group restores from storage)."""
 
+    quorum_deciders: int = 3
+    """At a membership change, how many of a quorum's members (its first ones holding the
+    state) read every group's key and decide the next quorum; the others follow what
+    they write (docs/design/heal-membership-at-scale.md). More than one, so that a lost
+    decider costs the followers nothing; a quorum of this many groups or fewer has no
+    followers."""
+    follow_timeout_s: float = 5.0
+    """How long a follower waits for the deciders' outcome (after the failover grace, for
+    a failed step) before it reads every group's key and decides itself: the deciders
+    need a read of every key and a compare-and-swap (a second at a thousand groups on a
+    loaded etcd); a wait that ends too early costs that read on every follower."""
+
     def __post_init__(self) -> None:
-        if self.min_groups < 1:
-            raise ValueError("ReplicaSettings.min_groups must be >= 1")
-        if self.max_heal_tries < 1:
-            raise ValueError("ReplicaSettings.max_heal_tries must be >= 1")
+        for name in ("min_groups", "max_heal_tries", "quorum_deciders"):
+            value = getattr(self, name)
+            if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+                raise ReplicaSettingsError(
+                    f"ReplicaSettings.{name} must be an integer >= 1, got {value!r}")
         for name in ("lease_ttl", "collective_timeout_s", "quorum_timeout_s",
-                     "failover_grace_s", "probe_timeout_s"):
+                     "failover_grace_s", "probe_timeout_s", "follow_timeout_s"):
             if getattr(self, name) <= 0:
-                raise ValueError(f"ReplicaSettings.{name} must be > 0")
+                raise ReplicaSettingsError(
+                    f"ReplicaSettings.{name} must be > 0, got {getattr(self, name)!r}")
 
 
 @dataclass(slots=True)
@@ -317,7 +337,9 @@ class ReplicaManager:
                                               settings.group,
                                               lease_ttl=settings.lease_ttl,
                                               timeout=settings.quorum_timeout_s,
-                                              failover_grace_s=settings.failover_grace_s)
+                                              failover_grace_s=settings.failover_grace_s,
+                                              deciders=settings.quorum_deciders,
+                                              follow_s=settings.follow_timeout_s)
             if heal is None:
                 heal = self.quorum_client.training_elsewhere(settings.probe_timeout_s)
         heal = bool(self._link.share({"heal": heal} if self.local_rank == 0 else None)["heal"])

@@ -26,7 +26,7 @@ from relight.elastic.etcd_client import EtcdClient, EtcdSettings
 from relight.elastic.kv import KeyValueClient
 from relight.elastic.memory_kv import MemoryEtcd
 from relight.elastic.quorum import Quorum, QuorumClient, QuorumError
-from relight.elastic.replica import ReplicaManager, ReplicaSettings
+from relight.elastic.replica import ReplicaManager, ReplicaSettings, ReplicaSettingsError
 
 pytestmark = [pytest.mark.etcd]
 
@@ -393,6 +393,30 @@ def _fail_step(q: Quorum, *voters: QuorumClient) -> None:
         assert g.vote(q, 0, ok=False)
 
 
+def test_a_survivor_whose_vote_comes_late_and_names_an_earlier_step_heals(kv) -> None:
+    """a and c applied step 0 and failed at step 1; b failed at step 0 and votes after a
+    began deciding. a's proposal names b healing: it is judged on the votes a waited
+    for, not on the read it began with."""
+    _, a, b, c, q0 = _three_groups(kv, grace=600.0, c_store=_live_store())
+    assert a.vote(q0, 1, ok=False) and c.vote(q0, 1, ok=False)
+    first_read = threading.Event()
+    read = a.snapshot
+
+    def snapshot():
+        snap = read()
+        first_read.set()
+        return snap
+
+    a.snapshot = snapshot  # type: ignore[method-assign]
+    got: list = []
+    t = _run(lambda: a.agree(failed=(q0, 1))[0], got)
+    assert first_read.wait(60)
+    assert b.vote(q0, 0, ok=False)
+    t.join(60)
+    assert got and got[0].members == ("a", "b", "c"), got
+    assert got[0].healing == ("b",), got
+
+
 def test_survivors_skip_the_grace_for_a_member_whose_process_is_gone(kv) -> None:
     # c is killed during step 0: its key lives on under its lease, its store refuses.
     # The grace is longer than this test may run: a survivor that waited it fails here.
@@ -741,3 +765,18 @@ def test_followers_decide_alone_when_every_decider_is_lost(kv) -> None:
     assert got["g1"] == got["g2"] and got["g1"].members == ("g1", "g2")
     # They waited the grace and the follow wait once, not a lease or a quorum timeout.
     assert time.monotonic() - t0 < 30
+
+
+def test_replica_settings_choose_the_deciders_and_the_follow_timeout() -> None:
+    settings = ReplicaSettings(job=f"rules-{uuid.uuid4().hex[:8]}", group="a",
+                               quorum_deciders=5, follow_timeout_s=2.5)
+    mgr = _Backend(None).manager(settings, heal=False)
+    try:
+        assert mgr.quorum_client is not None
+        assert (mgr.quorum_client.deciders, mgr.quorum_client.follow_s) == (5, 2.5)
+    finally:
+        mgr.close()
+    for bad in ({"quorum_deciders": 0}, {"quorum_deciders": 1.5},
+                {"follow_timeout_s": 0.0}, {"follow_timeout_s": -1.0}):
+        with pytest.raises(ReplicaSettingsError, match=next(iter(bad))):
+            ReplicaSettings(job="j", group="a", **bad)
