@@ -377,6 +377,9 @@ class QuorumClient:
         """How long a follower waits for the deciders' outcome (`_FOLLOW_S`)."""
         self._known: Quorum | None = None
         """The quorum the last `agree` returned."""
+        self._judged_at: int | None = None
+        """The revision of the read of every key the last `agree` judged its quorum on
+        (None: it followed the deciders): `watch_membership` starts there."""
         self._last_quorum: int | None = None
         self._admit_before: int | None = None
         """The revision of the last vote of the step this group last saw commit: groups
@@ -492,27 +495,44 @@ class QuorumClient:
 
     def watch_membership(self, after_revision: int | None = None) -> None:
         """Watch the job's keys in the background from `after_revision` (default: the
-        newest snapshot read), setting `membership_changed` at the first change: a group
+        newest revision read), setting `membership_changed` at the first change: a group
         that registers (a joiner), leaves, is marked ready, or a new quorum. One watch
         request stays open (renewed every `lease_ttl`), off every step's path. A restart
         replaces the previous watch; an unreachable etcd counts as a change, so that the
-        next `agree` meets the error itself."""
+        next `agree` meets the error itself.
+
+        A group whose last `agree` read every key first checks what changed since that
+        read (`_changed_since_judged`): a group that registered after it, while the
+        members entered the new quorum, is a change, and every revision read since is
+        past those entries. A watch from that read itself would do the same, but etcd
+        delivers a watch from a past revision only at its next catch-up round (every
+        100 ms), late for a change that must ride the next step's reduction."""
         self.stop_watch()
         changed = self.membership_changed = threading.Event()
         stop = self._watch_stop = threading.Event()
         rev = self.last_revision if after_revision is None else after_revision
+        judged = (self._judged_at, self._known) if after_revision is None else (None, None)
         client = self.client.sibling(timeout=self.lease_ttl + 5.0)
         quorum_key = self.root + "quorum"
         held = self._known.revision if self._known is not None else None
 
         def change(kv: KeyValue | None) -> bool:
-            # The write of the quorum this group holds is no change to it: a decider
-            # that wrote it judged it on the read before that write, and watches from
-            # there.
+            # The write of the quorum this group holds is no change to it.
             return _membership_change(kv) and not (
                 kv is not None and kv.key == quorum_key and kv.mod_revision == held)
 
         def run() -> None:
+            nonlocal rev
+            if judged[0] is not None and judged[1] is not None:
+                self.watch_requests += 1
+                try:
+                    rev, hit = self._changed_since_judged(client, judged[0], judged[1])
+                except Exception as exc:  # noqa: BLE001 - agree reports it
+                    logger.debug("[replica %s] membership check failed: %s", self.group, exc)
+                    hit = True
+                if hit and not stop.is_set():
+                    changed.set()
+                    return
             while not stop.is_set():
                 self.watch_requests += 1
                 try:
@@ -527,6 +547,28 @@ class QuorumClient:
 
         threading.Thread(target=run, daemon=True,
                          name=f"relight-quorum-watch-{self.group}").start()
+
+    def _changed_since_judged(self, client: KeyValueClient, judged_at: int,
+                              held: Quorum) -> tuple[int, bool]:
+        """Whether the job's membership changed after revision `judged_at`, where this
+        group judged `held` on a read of every key, and the revision this was read at
+        (keys only): another quorum written, a member's key gone or created anew (its
+        agent restarted it), or a key of a group outside `held` written (a joiner).
+        Members' other writes since are their entries into `held`."""
+        kvs, revision = client.get_prefix(self.root, keys_only=True)
+        groups = self.root + "groups/"
+        present = set()
+        for kv in kvs:
+            if kv.key == self.root + "quorum":
+                if kv.mod_revision != held.revision:
+                    return revision, True
+            elif kv.key.startswith(groups):
+                name = kv.key[len(groups):]
+                present.add(name)
+                if (kv.mod_revision if name not in held.members
+                        else kv.create_revision) > judged_at:
+                    return revision, True
+        return revision, not present.issuperset(held.members)
 
     def stop_watch(self) -> None:
         """Stop the background watch (its open request ends within `lease_ttl`)."""
@@ -603,7 +645,7 @@ class QuorumClient:
             followed = self._follow(known, failed is not None,
                                     self.failover_grace_s if grace_s is None else grace_s)
             if followed is not None:
-                self._known = followed[0]
+                self._known, self._judged_at = followed[0], None
                 return followed
         quorum, snap = self._agree_full(failed=failed, absent=absent, min_groups=min_groups,
                                         grace_s=grace_s)
@@ -611,7 +653,7 @@ class QuorumClient:
                 and quorum.size > self.deciders
                 and self.group in quorum.deciders(self.deciders)):
             self._say_checked(quorum, snap.revision)
-        self._known = quorum
+        self._known, self._judged_at = quorum, snap.revision
         return quorum, snap
 
     def _follow(self, known: Quorum, failed: bool, grace_s: float

@@ -417,6 +417,43 @@ def test_a_survivor_whose_vote_comes_late_and_names_an_earlier_step_heals(kv) ->
     assert got[0].healing == ("b",), got
 
 
+def test_a_joiner_that_registers_while_the_members_enter_is_seen_by_a_watch(kv) -> None:
+    """j registers after the decider read every key to take c in and before the members
+    entered the new quorum: the membership watch the decider starts after entering says
+    so (it starts from the agreement's read, not from after the entries), so j is taken
+    in at the next step boundary instead of waiting for an unrelated change."""
+    job, (a, b), q0 = _followers(kv, 2)
+    c = _client(kv, job, "c")
+    c.join(_live_store(), ready=False, heal=True)
+    j = _client(kv, job, "j")
+    read = a.snapshot
+
+    def snapshot():
+        snap = read()
+        if j._lease is None:
+            j.join(_live_store(), ready=False, heal=True)
+        return snap
+
+    a.snapshot = snapshot  # type: ignore[method-assign]
+    got: list = []
+    t = _run(lambda: b.agree()[0], got)
+    q1, _ = a.agree()
+    t.join(60)
+    assert q1.members == ("c", "g0", "g1") and got == [q1], (q1, got)
+    entered: list = []
+    threads = [_run(lambda x=x: x.confirm(q1, timeout=30.0), entered) for x in (a, b, c)]
+    for t in threads:
+        t.join(60)
+    assert [e.complete for e in entered] == [True] * 3
+    for x in (a, b):
+        x.watch_membership()
+    try:
+        assert a.membership_changed.wait(10) or b.membership_changed.is_set()
+    finally:
+        for x in (a, b, c, j):
+            x.leave()
+
+
 def test_survivors_skip_the_grace_for_a_member_whose_process_is_gone(kv) -> None:
     # c is killed during step 0: its key lives on under its lease, its store refuses.
     # The grace is longer than this test may run: a survivor that waited it fails here.
