@@ -48,12 +48,14 @@ Pure decisions (`Quorum.from_snapshot`, `decide_votes`) are separate from the I/
 
 from __future__ import annotations
 
+import base64
 import dataclasses
 import json
 import logging
 import socket
 import threading
 import time
+import zlib
 from collections import deque
 from dataclasses import dataclass, field
 from typing import Any
@@ -78,6 +80,11 @@ __all__ = ["Entry", "Quorum", "QuorumClient", "QuorumError", "Snapshot", "decide
 class QuorumError(RelightError, RuntimeError):
     """The replica groups could not agree (etcd unreachable past the deadline, this
     group's lease lost, or no quorum within the timeout)."""
+
+
+_PLAIN_MEMBERS = 64
+"""Up to this many members a quorum document lists them as JSON (readable with etcdctl);
+beyond, compressed (`Quorum.to_json`)."""
 
 
 @dataclass(frozen=True, slots=True)
@@ -127,9 +134,28 @@ class Quorum:
         return any(g == group and snap.written.get(g) == rev for g, rev in self.out)
 
     def to_json(self) -> bytes:
-        return json.dumps({"id": self.id, "members": list(self.members),
-                           "healing": list(self.healing),
-                           "out": {g: rev for g, rev in self.out}}).encode()
+        doc: dict[str, Any] = {"id": self.id, "healing": list(self.healing),
+                               "out": {g: rev for g, rev in self.out}}
+        if len(self.members) > _PLAIN_MEMBERS:
+            # Every follower receives this document at every change: the names of a
+            # large quorum, compressed, are a fifth of their JSON list.
+            doc["members_z"] = base64.b64encode(
+                zlib.compress("\n".join(self.members).encode(), 9)).decode()
+        else:
+            doc["members"] = list(self.members)
+        return json.dumps(doc).encode()
+
+    @classmethod
+    def from_json(cls, doc: dict[str, Any], revision: int) -> Quorum:
+        """The quorum `to_json` wrote, read at `revision` (the key's `mod_revision`)."""
+        if "members_z" in doc:
+            members = tuple(zlib.decompress(base64.b64decode(doc["members_z"]))
+                            .decode().split("\n"))
+        else:
+            members = tuple(str(m) for m in doc["members"])
+        return cls(int(doc["id"]), members, revision,
+                   tuple(str(m) for m in doc.get("healing", [])),
+                   tuple((str(g), int(r)) for g, r in doc.get("out", {}).items()))
 
 
 @dataclass(frozen=True, slots=True)
@@ -187,18 +213,13 @@ class Snapshot:
                     groups[rel[len("groups/"):]] = kv.json()
                     written[rel[len("groups/"):]] = kv.mod_revision
                 elif rel == "quorum":
-                    doc = kv.json()
-                    quorum = Quorum(int(doc["id"]), tuple(str(m) for m in doc["members"]),
-                                    kv.mod_revision,
-                                    tuple(str(m) for m in doc.get("healing", [])),
-                                    tuple((str(g), int(r))
-                                          for g, r in doc.get("out", {}).items()))
+                    quorum = Quorum.from_json(kv.json(), kv.mod_revision)
                 elif rel.startswith("votes/"):
                     qid, step, group = rel[len("votes/"):].split("/", 2)
                     votes.setdefault((int(qid), int(step)), {})[group] = kv.value.decode()
                     at = (int(qid), int(step))
                     voted[at] = max(voted.get(at, 0), kv.mod_revision)
-            except (ValueError, KeyError, TypeError) as exc:
+            except (ValueError, KeyError, TypeError, zlib.error) as exc:
                 raise QuorumError(f"replica key {kv.key} holds no valid value ({exc}); "
                                   f"delete it or use a new job id") from None
         return cls(groups, quorum, votes, revision, written, voted)
@@ -378,8 +399,11 @@ class QuorumClient:
         self._known: Quorum | None = None
         """The quorum the last `agree` returned."""
         self._judged_at: int | None = None
-        """The revision of the read of every key the last `agree` judged its quorum on
-        (None: it followed the deciders): `watch_membership` starts there."""
+        """The revision of the read of every key the last `agree` judged its quorum on,
+        where this group wrote that quorum or decides its successor (else None):
+        `watch_membership` checks what changed since."""
+        self._wrote: int | None = None
+        """The id of the last quorum this group's compare-and-swap wrote."""
         self._last_quorum: int | None = None
         self._admit_before: int | None = None
         """The revision of the last vote of the step this group last saw commit: groups
@@ -501,8 +525,9 @@ class QuorumClient:
         replaces the previous watch; an unreachable etcd counts as a change, so that the
         next `agree` meets the error itself.
 
-        A group whose last `agree` read every key first checks what changed since that
-        read (`_changed_since_judged`): a group that registered after it, while the
+        A group whose last `agree` read every key, and that wrote the quorum or decides
+        its successor, first checks what changed since that read
+        (`_changed_since_judged`): a group that registered after it, while the
         members entered the new quorum, is a change, and every revision read since is
         past those entries. A watch from that read itself would do the same, but etcd
         delivers a watch from a past revision only at its next catch-up round (every
@@ -653,7 +678,11 @@ class QuorumClient:
                 and quorum.size > self.deciders
                 and self.group in quorum.deciders(self.deciders)):
             self._say_checked(quorum, snap.revision)
-        self._known, self._judged_at = quorum, snap.revision
+        # The window between this read and the members' entries is checked by the
+        # group that wrote the quorum (it read first) and its deciders, not by every
+        # member: at the first quorum every group reads every key.
+        checks = quorum.id == self._wrote or self.group in quorum.deciders(self.deciders)
+        self._known, self._judged_at = quorum, snap.revision if checks else None
         return quorum, snap
 
     def _follow(self, known: Quorum, failed: bool, grace_s: float
@@ -867,6 +896,7 @@ class QuorumClient:
             if result.succeeded:
                 logger.info("[replica %s] quorum %d: %s", self.group, proposal.id,
                             list(proposal.members))
+                self._wrote = proposal.id
                 if not judged_here:
                     # Judge the quorum just written on the snapshot it was decided from,
                     # not on a read of every key again: what changed since that read is
@@ -1012,8 +1042,8 @@ class QuorumClient:
         store refusing) or silent past the timeout is absent itself, decided by each
         member alike."""
         self._doc["at"] = quorum.id
-        self._publish()
         if quorum.host == self.group:
+            self._publish()
             entry = self._count_entries(quorum, timeout)
             if not entry.replaced:
                 outcome = json.dumps({"id": quorum.id, "absent": list(entry.absent)})
@@ -1112,8 +1142,9 @@ class QuorumClient:
         return tuple(gone)
 
     def _await_host(self, quorum: Quorum, timeout: float) -> Entry:
-        """A member's part of `confirm`: follow the `quorum` and `entered` keys (one
-        prefix) until the host says how entering went, or the quorum is replaced. The
+        """A member's part of `confirm`: enter (this group's key, written only while the
+        quorum stands), then follow the `quorum` and `entered` keys (one prefix) until
+        the host says how entering went, or the quorum is replaced. The
         report comes in the watch's event (no read after it). The host's liveness (its
         key, its store) is checked when it said nothing for `_host_check_s`; past
         `timeout` and a margin for its own wait, a host that said nothing is absent."""
@@ -1123,12 +1154,19 @@ class QuorumClient:
         deadline = time.monotonic() + timeout + 2 * _REPROBE_S + _PROBE_S
         check_s = _host_check_s(quorum.size)
         addr: tuple[str, int] | None = None
+        if self._lease is None:
+            raise QuorumError(f"replica group {self.group}: join() first")
+        # This member's entry goes in the first read's transaction: one request, and
+        # only while the quorum stands.
+        enter = [OpPut(self.root + "groups/" + self.group, json.dumps(self._doc),
+                       self._lease)]
         while True:
             # The host's report and its key, read only while the quorum stands (small
             # keys, not the quorum document).
             self.requests += 1
             result = self.client.txn([Compare(quorum_key, "mod", "==", quorum.revision)],
-                                     [OpRange(entered_key), OpRange(host_key)])
+                                     [*enter, OpRange(entered_key), OpRange(host_key)])
+            enter = []
             revision = result.revision
             self.last_revision = max(self.last_revision, revision)
             if not result.succeeded:
