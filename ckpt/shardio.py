@@ -346,13 +346,21 @@ def read_shard_region(store: Store, key: str, geo: ShardGeometry, region: tuple[
                       buffers: BufferPool | None = None) -> int:
     """Fill `out` (shape of `region`, the dtype stored) with `region` of the shard object
     at `key`. Returns the bytes fetched: the whole object in one get when every inner
-    chunk is needed, else the index and then only the inner chunks `region` overlaps
-    (adjacent ones in one ranged get). `cpu` (e.g. a lock shared by reader threads) is
-    held while fetched bytes are checked and copied, not while fetching. `expect`: the
-    crc32c the manifest records for each inner chunk (storage order), checked for every
-    chunk read (`ChecksumMismatchError` naming the chunk on a mismatch). `buffers`: where
-    the fetched bytes go (`Store.get_view`), reused by the reads that follow; without
-    it each fetch is a new `bytes`."""
+    chunk is needed, else only the inner chunks `region` overlaps (adjacent ones in one
+    ranged get), after the index that says where they are, unless `expect` binds them
+    (below). `cpu` (e.g. a lock shared by reader threads) is held while fetched bytes are
+    checked and copied, not while fetching. `expect`: the crc32c the manifest records for
+    each inner chunk (storage order), checked for every chunk read
+    (`ChecksumMismatchError` naming the chunk on a mismatch). `buffers`: where the fetched
+    bytes go (`Store.get_view`), reused by the reads that follow; without it each fetch
+    is a new `bytes`.
+
+    A partial read whose chunks `expect` records reads them where this module and
+    tensorstore put them (chunk `i` at `i * (chunk_bytes + 4)`) without the index: each
+    chunk's own crc32c and the manifest's record for its place bind it as the index
+    would, and the index read is a request waited for before any chunk's (on S3 a round
+    trip per object). A chunk found elsewhere (another writer's order, or damage) sends
+    the read through the index, which then says which."""
     if expect is not None and len(expect) != geo.n_chunks:
         raise CorruptCheckpointError(
             f"tensor {tensor!r}, object {url}/{key}: the manifest records {len(expect)} "
@@ -364,43 +372,67 @@ def read_shard_region(store: Store, key: str, geo: ShardGeometry, region: tuple[
     end = geo.object_bytes
     data_end = end - geo.index_bytes
     cells = geo.overlapping(region)
+    step = geo.chunk_bytes + 4
     whole = len(cells) == geo.n_stored
+    if not whole and expect is not None and all(expect[lin] is not None for lin, _ in cells):
+        try:
+            return _read_spans(store, key, geo, [(lin * step, lin, cell) for lin, cell in cells],
+                               None, region, out, url, tensor, cpu, expect, buffers)
+        except CorruptCheckpointError:
+            pass  # not at its canonical place: the index says where, or what is wrong
     taken: list[np.ndarray] = []
     if whole:
         blob = _get(store, key, 0, end, url, tensor, "the shard", buffers, taken)
         raw = blob[data_end:]
     else:
         raw = _get(store, key, data_end, end, url, tensor, "the shard index")
-    if crc32c_of(raw, 0, raw.size) != RESIDUE:
-        raise _damaged(url, key, tensor, "the shard index")
-    entries = raw[:-4].view("<u8").reshape(-1, 2)
+    try:
+        if crc32c_of(raw, 0, raw.size) != RESIDUE:
+            raise _damaged(url, key, tensor, "the shard index")
+        entries = raw[:-4].view("<u8").reshape(-1, 2)
+        spans: list[tuple[int, int, tuple[int, ...]]] = []
+        for lin, cell in cells:
+            off, _nb = _entry(entries, lin, cell,
+                              lambda o, n: n == step and o + n <= data_end, url, key, tensor)
+            spans.append((off, lin, cell))
+        return (end if whole else raw.size) + _read_spans(
+            store, key, geo, spans, blob if whole else None, region, out, url, tensor, cpu,
+            expect, buffers)
+    finally:
+        _give_back(buffers, taken)
+
+
+def _read_spans(store: Store, key: str, geo: ShardGeometry,
+                spans: list[tuple[int, int, tuple[int, ...]]], blob: np.ndarray | None,
+                region: tuple[slice, ...], out: np.ndarray, url: str, tensor: str,
+                cpu: AbstractContextManager[Any] | None, expect: list[int | None] | None,
+                buffers: BufferPool | None) -> int:
+    """Check and place the inner chunks at `spans` ((offset, storage position, cell)):
+    from `blob` (the whole object, already fetched), else fetched run by run (chunks
+    stored back to back in one ranged get). Returns the bytes fetched here."""
     step = geo.chunk_bytes + 4
-    spans: list[tuple[int, int, int, tuple[int, ...]]] = []
-    for lin, cell in cells:
-        off, nb = _entry(entries, lin, cell,
-                         lambda o, n: n == step and o + n <= data_end, url, key, tensor)
-        spans.append((off, nb, lin, cell))
-    fetched = end if whole else raw.size
+    fetched = 0
     i = 0
     while i < len(spans):
         j = i + 1  # a run of chunks stored back to back: one ranged get
         while j < len(spans) and spans[j][0] == spans[j - 1][0] + step:
             j += 1
-        lo, hi = spans[i][0], spans[j - 1][0] + step
-        if whole:
-            run, base = blob, 0
-        else:
-            run = _get(store, key, lo, hi, url, tensor, "an inner chunk", buffers, taken)
-            base = lo
-            fetched += hi - lo
-        with cpu or nullcontext():
-            for off, _nb, lin, cell in spans[i:j]:
-                _decode(run, off - base, geo, lin, cell, region, out, url, key, tensor,
-                        expect)
-        if not whole:
+        taken: list[np.ndarray] = []
+        try:
+            if blob is not None:
+                run, base = blob, 0
+            else:
+                lo, hi = spans[i][0], spans[j - 1][0] + step
+                run = _get(store, key, lo, hi, url, tensor, "an inner chunk", buffers, taken)
+                base = lo
+                fetched += hi - lo
+            with cpu or nullcontext():
+                for off, lin, cell in spans[i:j]:
+                    _decode(run, off - base, geo, lin, cell, region, out, url, key, tensor,
+                            expect)
+        finally:
             _give_back(buffers, taken)
         i = j
-    _give_back(buffers, taken)
     return fetched
 
 

@@ -67,6 +67,68 @@ def test_partial_read_fetches_only_overlapped_chunks(tmp_path) -> None:
     assert fetched == geo.index_bytes + geo.chunk_bytes + 4  # one of four inner chunks
 
 
+def _permuted(x: np.ndarray, geo: ShardGeometry, order: list[int]) -> bytes:
+    """A valid shard object of `x` whose inner chunks are stored in `order` (storage
+    positions), with an index that says so: what a writer of another chunk order writes."""
+    from relight.storage.checksum import crc32c
+
+    canon = encode_shard(x, geo)
+    step = geo.chunk_bytes + 4
+    data = b"".join(canon[lin * step: (lin + 1) * step] for lin in order)
+    index = np.empty((geo.n_chunks, 2), "<u8")
+    for at, lin in enumerate(order):
+        index[lin] = (at * step, step)
+    entries = index.tobytes()
+    return data + entries + crc32c(entries).to_bytes(4, "little")
+
+
+def test_partial_read_of_bound_chunks_skips_the_index(tmp_path) -> None:
+    """With the manifest's chunk crc32c (`expect`) a partial read fetches only the chunks
+    it needs, from where they are stored, not the index first; a chunk elsewhere (another
+    writer's order) is found through the index; a damaged chunk is still refused, naming
+    it; damage to the index alone does not stop a read that does not use it."""
+    from relight.ckpt.errors import ChecksumMismatchError
+
+    store = storage.open_store(tmp_path / "s")
+    geo = ShardGeometry((64, 64), (32, 32), 4)
+    x = np.arange(64 * 64, dtype=np.float32).reshape(64, 64)
+    crcs: list[int | None] = []
+    store.put("k", encode_shard(x, geo, crcs))
+    region = (slice(40, 50), slice(3, 23))
+    out = np.empty((10, 20), np.float32)
+    fetched = read_shard_region(store, "k", geo, region, out, url=store.url, tensor="t",
+                                expect=crcs)
+    np.testing.assert_array_equal(out, x[region])
+    assert fetched == geo.chunk_bytes + 4  # one of four inner chunks, no index
+
+    store.put("p", _permuted(x, geo, [3, 2, 1, 0]))
+    for reg in (region, (slice(0, 64), slice(32, 64)), (slice(0, 64), slice(0, 64))):
+        out = np.empty([r.stop - r.start for r in reg], np.float32)
+        read_shard_region(store, "p", geo, reg, out, url=store.url, tensor="t", expect=crcs)
+        np.testing.assert_array_equal(out, x[reg])
+
+    raw = bytearray(store.get("k"))
+    raw[-10] ^= 0x10  # the index
+    store.put("i", bytes(raw))
+    out = np.empty((10, 20), np.float32)
+    read_shard_region(store, "i", geo, region, out, url=store.url, tensor="t", expect=crcs)
+    np.testing.assert_array_equal(out, x[region])
+    with pytest.raises(ChecksumMismatchError, match="the shard index"):
+        read_shard_region(store, "i", geo, (slice(0, 64), slice(0, 64)),
+                          np.empty((64, 64), np.float32), url=store.url, tensor="t",
+                          expect=crcs)
+
+    step = geo.chunk_bytes + 4
+    raw = bytearray(store.get("k"))
+    raw[3 * step + 100] ^= 0x10  # data of inner chunk (1, 1), the one the region needs
+    store.put("d", bytes(raw))
+    with pytest.raises(ChecksumMismatchError, match=r"inner chunk \(1, 1\)") as e:
+        read_shard_region(store, "d", geo, (slice(40, 50), slice(40, 50)),
+                          np.empty((10, 10), np.float32), url=store.url, tensor="t",
+                          expect=crcs)
+    assert e.value.obj == "d"
+
+
 @pytest.fixture
 def saved(tmp_path) -> tuple[storage.Store, str, torch.Tensor]:
     store = storage.open_store(tmp_path / "c")
