@@ -104,6 +104,9 @@ class Quorum:
     """Live groups kept out, each with the revision its key had when it was: a group
     that was named in a quorum but never entered it. It is entitled again once it
     writes its key anew (it asks again), or never, if its key just expires."""
+    host_store: tuple[str, int] | None = field(default=None, compare=False)
+    """The address of the store `host` advertised when the quorum was decided: a
+    follower reaches the quorum's process groups without reading the host's key."""
 
     def rank(self, group: str) -> int:
         return self.members.index(group)
@@ -136,6 +139,8 @@ class Quorum:
     def to_json(self) -> bytes:
         doc: dict[str, Any] = {"id": self.id, "healing": list(self.healing),
                                "out": {g: rev for g, rev in self.out}}
+        if self.host_store is not None:
+            doc["host_store"] = list(self.host_store)
         if len(self.members) > _PLAIN_MEMBERS:
             # Every follower receives this document at every change: the names of a
             # large quorum, compressed, are a fifth of their JSON list.
@@ -153,9 +158,11 @@ class Quorum:
                             .decode().split("\n"))
         else:
             members = tuple(str(m) for m in doc["members"])
+        store = doc.get("host_store")
         return cls(int(doc["id"]), members, revision,
                    tuple(str(m) for m in doc.get("healing", [])),
-                   tuple((str(g), int(r)) for g, r in doc.get("out", {}).items()))
+                   tuple((str(g), int(r)) for g, r in doc.get("out", {}).items()),
+                   None if store is None else (str(store[0]), int(store[1])))
 
 
 @dataclass(frozen=True, slots=True)
@@ -756,7 +763,12 @@ class QuorumClient:
 
     def _with_host(self, quorum: Quorum, revision: int) -> Snapshot:
         """A snapshot of `quorum` and its host's key alone: what a follower needs to
-        reach the store the quorum's process groups meet on."""
+        reach the store the quorum's process groups meet on. The quorum document names
+        that store (`Quorum.host_store`): then no request (the host's liveness is
+        checked as the members enter)."""
+        if quorum.host_store is not None:
+            return Snapshot({quorum.host: {"store": list(quorum.host_store)}}, quorum, {},
+                            revision, {})
         self.requests += 1
         kv = self.client.get(self.root + "groups/" + quorum.host)
         groups = {} if kv is None else {quorum.host: kv.json()}
@@ -967,7 +979,10 @@ class QuorumClient:
         out = {g: rev for g, rev in (current.out if current else ())
                if snap.written.get(g) == rev}
         out.update({g: snap.written[g] for g in absent if g in snap.written})
-        return Quorum(qid, tuple(sorted(members)), 0, healing, tuple(sorted(out.items())))
+        quorum = Quorum(qid, tuple(sorted(members)), 0, healing, tuple(sorted(out.items())))
+        store = snap.groups.get(quorum.host, {}).get("store") if members else None
+        return quorum if store is None else dataclasses.replace(
+            quorum, host_store=(str(store[0]), int(store[1])))
 
     def _survivors(self, quorum: Quorum, step: int, snap: Snapshot,
                    grace_s: float | None = None) -> tuple[tuple[str, ...], Snapshot]:

@@ -820,17 +820,20 @@ def test_replica_settings_choose_the_deciders_and_the_follow_timeout() -> None:
 
 
 def test_a_large_quorum_document_is_compact_and_reads_back(kv) -> None:
+    """The quorum document every follower receives: the names compressed beyond 64
+    members, and the host's store, which a follower then need not read."""
     from relight.elastic.quorum import Snapshot
 
     client = kv.connect()
     root = f"{client.settings.prefix}/rules-{uuid.uuid4().hex[:8]}/replicas/"
     for n in (3, 1024):
-        q = Quorum(4, tuple(f"g{i:05d}" for i in range(n)), 0, ("g00001",), (("x", 5),))
+        q = Quorum(4, tuple(f"g{i:05d}" for i in range(n)), 0, ("g00001",), (("x", 5),),
+                   ("10.0.0.7", 29500))
         client.put(root + "quorum", q.to_json())
         kvs, revision = client.get_prefix(root)
         read = Snapshot.parse(kvs, root, revision).quorum
         assert read is not None
-        assert (read.id, read.members, read.healing, read.out) == (q.id, q.members,
-                                                                   q.healing, q.out)
+        assert (read.id, read.members, read.healing, read.out, read.host_store) == (
+            q.id, q.members, q.healing, q.out, q.host_store)
         # Every follower receives this document: about 2.5 bytes a member at 1,024.
         assert len(q.to_json()) < (200 if n == 3 else 3 * n)
