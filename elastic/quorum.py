@@ -302,8 +302,9 @@ def _behind(quorum: Quorum, members: tuple[str, ...], snap: Snapshot) -> tuple[s
     member that held the state (a joiner's own step counter proves nothing). They must
     take the state of one that applied more before anyone trains again."""
     voted = _voted_steps(snap, quorum)
+    asking = set(snap.healing)  # once: a property over every group
     holders = [voted[m] for m in members
-               if m in voted and m not in quorum.healing and m not in snap.healing]
+               if m in voted and m not in quorum.healing and m not in asking]
     if not holders:
         return ()
     top = max(holders)
@@ -516,8 +517,9 @@ class QuorumClient:
         within `probe_s` (a host unreachable, a process frozen) proves nothing."""
         if group not in snap.groups:
             return True
-        if group in snap.healing and group not in quorum.healing:
-            return True
+        doc = snap.groups[group]
+        if not doc.get("ready") and doc.get("heal") and group not in quorum.healing:
+            return True  # asks to heal (`Snapshot.healing`), named healthy
         return _store_answers(self.store_of(snap, group), probe_s) is False
 
     def store_of(self, snap: Snapshot, group: str) -> tuple[str, int]:
@@ -888,9 +890,10 @@ class QuorumClient:
                 # restarted group still listed in the quorum it fell out of holds no state.
                 # A quorum of joiners only is left once one of them holds the state
                 # (restored from storage): the next one names it healthy.
+                asking = set(snap.healing)
                 if current is not None and current.members == entitled and all(
-                        g in current.healing for g in entitled if g in snap.healing) and (
-                        current.healthy or all(g in snap.healing for g in entitled)):
+                        g in current.healing for g in entitled if g in asking) and (
+                        current.healthy or all(g in asking for g in entitled)):
                     self._last_quorum = current.id
                     return current, snap
                 if current is None and len(entitled) < min_groups:
@@ -964,16 +967,18 @@ class QuorumClient:
             return not current.kept_out(snap, g) and (
                 admit_before is None or snap.written.get(g, 0) < admit_before)
 
-        ready = [g for g in snap.ready if g in current.members
+        members = set(current.members)  # a tuple: a thousand lookups in it add up
+        ready = [g for g in snap.ready if g in members
                  or (snap.groups[g].get("since", -1) >= current.id and asked_in_time(g))]
-        joiners = [g for g in snap.healing if g in current.members or asked_in_time(g)]
+        joiners = [g for g in snap.healing if g in members or asked_in_time(g)]
         return tuple(sorted({*ready, *joiners}))
 
     @staticmethod
     def _proposal(qid: int, members: tuple[str, ...], snap: Snapshot,
                   current: Quorum | None, absent: tuple[str, ...] = (),
                   behind: tuple[str, ...] = ()) -> Quorum:
-        healing = tuple(m for m in members if m in snap.healing or m in behind)
+        asking, behind_set = set(snap.healing), set(behind)
+        healing = tuple(m for m in members if m in asking or m in behind_set)
         # Who stays out: the current quorum's list, less groups that asked again or are
         # gone, plus the newly absent (at their key's revision now).
         out = {g: rev for g, rev in (current.out if current else ())
@@ -1009,7 +1014,7 @@ class QuorumClient:
         while True:
             snap = live.snapshot()
             voted = _voted_steps(snap, quorum)
-            voters = [m for m in quorum.members if m in voted and m in snap.groups]
+            voters = {m for m in quorum.members if m in voted and m in snap.groups}
             remaining = grace_end - time.monotonic()
             silent = [m for m in quorum.members if m not in voters and m != self.group]
             for m in silent:
