@@ -27,8 +27,12 @@ the steps and what a membership change costs. Per size, one round:
 
 The clients run as threads of `--procs` worker processes (8; groups dealt round-robin),
 on the same cores as the three etcd members:
-on a machine of 2 cores the settle times at large N include the simulator's own CPU. The
-server-side counts do not depend on it.
+on a machine of 2 cores the settle times at large N include the simulator's own CPU
+(reported as `clients_cpu_s`, the worker processes' CPU over the change). The
+server-side counts do not depend on it. Per change, `phases` says when the first,
+median and last group of each role in the new quorum (its host, its other deciders, its
+followers) voted or saw the change, took the new quorum, and entered it (seconds from
+the change): where a settle time goes.
 
 Beside it, torchft's lighthouse protocol computed from its code: a heartbeat every 100 ms
 per group and one quorum request per group per step to one lighthouse process, whose

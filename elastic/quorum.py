@@ -339,6 +339,7 @@ _REPROBE_S = 0.1
 member is gone: a process that exits changes no key (its lease outlives it), so only a
 new probe of its store sees it."""
 
+
 def _host_check_s(members: int) -> float:
     """How long a member waiting for the host's entry report lets the host say nothing
     before it checks that the host lives (its key, its store): `_REPROBE_S` for a few
