@@ -399,12 +399,26 @@ def shared_parts(shared: list[str], own: list[str]) -> dict[str, Any]:
     from relight.ckpt.comm import Comm
 
     rank = dist.get_rank()
-    got = Comm(None, 60).allgather_shared(shared[rank].encode(), own[rank].encode())
+    comm = Comm(None, 60)
+    calls = {"all_gather": 0, "broadcast": 0}
+
+    def counted(name: str) -> Any:
+        real = getattr(comm, f"_{name}")
+
+        def call(*a: Any) -> Any:
+            calls[name] += 1
+            return real(*a)
+        return call
+
+    comm._all_gather = counted("all_gather")  # type: ignore[method-assign]
+    comm._broadcast = counted("broadcast")  # type: ignore[method-assign]
+    got = comm.allgather_shared(shared[rank].encode(), own[rank].encode())
     by_text: dict[bytes, set[int]] = {}
     for s, _ in got:
         by_text.setdefault(s, set()).add(id(s))
     return {"got": [[s.decode(), o.decode()] for s, o in got],
-            "one_object_per_text": all(len(ids) == 1 for ids in by_text.values())}
+            "one_object_per_text": all(len(ids) == 1 for ids in by_text.values()),
+            "calls": calls}
 
 
 @contextlib.contextmanager

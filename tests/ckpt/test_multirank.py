@@ -323,3 +323,18 @@ def test_shared_parts_reach_every_rank_once_each(pool) -> None:
     for r in res:
         assert r["got"] == [list(p) for p in zip(shared, own, strict=True)]
         assert r["one_object_per_text"]
+        # an own part over INLINE_BYTES takes a second all-gather; each non-empty text
+        # some rank lacks is broadcast once
+        assert r["calls"] == {"all_gather": 2, "broadcast": 2}
+
+
+def test_a_text_every_rank_holds_crosses_as_its_digest_alone(pool) -> None:
+    """A load's agreement on one mesh: every rank sends the same grid text and a short
+    part of its own: one all-gather, no broadcast."""
+    shared = ["mesh-text" * 500] * 4
+    own = ['{"err":null,"needs":[]}', "", "z" * 90, "w"]
+    res = pool.run("tests.ckpt.cases:shared_parts", shared=shared, own=own, timeout=60)
+    for r in res:
+        assert r["got"] == [list(p) for p in zip(shared, own, strict=True)]
+        assert r["one_object_per_text"]
+        assert r["calls"] == {"all_gather": 1, "broadcast": 0}
