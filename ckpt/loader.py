@@ -29,7 +29,7 @@ from relight.ckpt.errors import (
 from relight.ckpt.flatten import FlatState, flatten_state, name_of, set_value
 from relight.ckpt.format import dtype_name, numel
 from relight.ckpt.layout import Piece, local_pieces, local_view, mesh_grid
-from relight.ckpt.manifest import Manifest, chunk_objects, read_manifest
+from relight.ckpt.manifest import Manifest, read_manifest
 from relight.ckpt.plan import (
     GridNeed,
     LoadPlan,
@@ -119,7 +119,6 @@ def load(
     missing: list[str] = []
     try:
         m = read_manifest(store)
-        _fetch_crcs_ahead(store, m)
         shapes_bad: list[tuple[str, str]] = []
         dtypes_bad: list[tuple[str, str]] = []
         for name, ref in sorted(flat.tensors.items()):
@@ -264,19 +263,6 @@ def load(
         obj.load_state_dict(sub)
     return LoadInfo(store.url, m.step, m.config, nbytes, needed, missing=missing,
                     unexpected=unexpected)
-
-
-def _fetch_crcs_ahead(store: Store, m: Manifest) -> None:
-    """Start reading the chunk crc32c table (one object, whole when small) on a read
-    thread, while the ranks agree on who reads what: the first region read needs it, and
-    on a cold cache it is a read from the device that would otherwise wait for the
-    agreement and hold up every read behind it. Its failure is raised by the read that
-    needs the table, which fetches it again."""
-    if m.crc_table is None:
-        return
-    first = next(chunk_objects(m), None)
-    if first is not None:
-        read_pools().pool(store).submit(m.chunk_crcs, first[0])
 
 
 def _raise_first(comm: Comm, error: BaseException | None,
