@@ -57,6 +57,7 @@ import threading
 import time
 import zlib
 from collections import deque
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -556,28 +557,32 @@ class QuorumClient:
             return _membership_change(kv) and not (
                 kv is not None and kv.key == quorum_key and kv.mod_revision == held)
 
-        def run() -> None:
+        def noticed(what: str, ask: Callable[[], bool]) -> bool:
+            """One request; a change it saw (or its failure) set, unless stopped."""
+            self.watch_requests += 1
+            try:
+                hit = ask()
+            except Exception as exc:  # noqa: BLE001 - agree reports it
+                logger.debug("[replica %s] membership %s failed: %s", self.group, what, exc)
+                hit = True
+            if hit and not stop.is_set():
+                changed.set()
+                return True
+            return False
+
+        def check_since_judged() -> bool:
             nonlocal rev
-            if judged[0] is not None and judged[1] is not None:
-                self.watch_requests += 1
-                try:
-                    rev, hit = self._changed_since_judged(client, judged[0], judged[1])
-                except Exception as exc:  # noqa: BLE001 - agree reports it
-                    logger.debug("[replica %s] membership check failed: %s", self.group, exc)
-                    hit = True
-                if hit and not stop.is_set():
-                    changed.set()
-                    return
+            assert judged[0] is not None and judged[1] is not None
+            rev, hit = self._changed_since_judged(client, judged[0], judged[1])
+            return hit
+
+        def run() -> None:
+            if (judged[0] is not None and judged[1] is not None
+                    and noticed("check", check_since_judged)):
+                return
             while not stop.is_set():
-                self.watch_requests += 1
-                try:
-                    hit = client.wait_for_change(self.root, rev, self.lease_ttl,
-                                                 until=change)
-                except Exception as exc:  # noqa: BLE001 - agree reports it
-                    logger.debug("[replica %s] membership watch failed: %s", self.group, exc)
-                    hit = True
-                if hit and not stop.is_set():
-                    changed.set()
+                if noticed("watch", lambda: client.wait_for_change(
+                        self.root, rev, self.lease_ttl, until=change)):
                     return
 
         threading.Thread(target=run, daemon=True,
