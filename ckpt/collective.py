@@ -31,7 +31,7 @@ from relight.ckpt.errors import CheckpointError, CorruptCheckpointError
 from relight.storage import StorageError
 
 __all__ = ["RemoteError", "all_or_raise", "coordinator_outcome", "encode_error",
-           "gather_or_raise", "raise_if_any", "rebuild_error"]
+           "gather_or_raise", "raise_gathered", "raise_if_any", "rebuild_error"]
 
 RemoteError = dict[str, str]
 """A failure as it crosses ranks: {"type": class name, "msg": str(exception)}."""
@@ -77,12 +77,22 @@ def all_or_raise(comm: Comm, error: BaseException | None, payload: Any = None,
     gathered = comm.allgather_json(
         {"err": encode_error(error) if error is not None else None,
          "data": payload if error is None else None}, what)
+    raise_gathered(comm, error, [g["err"] for g in gathered], url=url, remote=remote)
+    return [g["data"] for g in gathered]
+
+
+def raise_gathered(comm: Comm, error: BaseException | None,
+                   errors: list[RemoteError | None], *, url: str | None = None,
+                   remote: Callable[[Mapping[int, RemoteError]], BaseException] | None = None,
+                   ) -> None:
+    """After a collective that carried every rank's failure (`errors`, in group order):
+    raise `error` on the rank that has one; on the others, when any rank failed,
+    `remote(failures)` (default: the first failure rebuilt as its own type)."""
     if error is not None:
         raise error
-    failures = {r: g["err"] for r, g in zip(comm.ranks, gathered, strict=True) if g["err"]}
+    failures = {r: e for r, e in zip(comm.ranks, errors, strict=True) if e}
     if failures:
         raise (remote or _first_rebuilt(url))(failures)
-    return [g["data"] for g in gathered]
 
 
 def raise_if_any(comm: Comm, error: BaseException | None,

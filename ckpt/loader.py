@@ -17,7 +17,7 @@ from typing import Any
 
 import torch
 
-from relight.ckpt.collective import RemoteError, all_or_raise, encode_error, rebuild_error
+from relight.ckpt.collective import all_or_raise, encode_error, raise_gathered
 from relight.ckpt.comm import Comm, parse_json_list
 from relight.ckpt.errors import (
     CheckpointError,
@@ -179,7 +179,7 @@ def load(
     shared = comm.allgather_shared(
         grid_needs_json(grid_needs, wanted) if error is None else b"", own, what)
     gathered = parse_json_list([o for _, o in shared])
-    _raise_first(comm, error, [g["err"] for g in gathered], store.url)
+    raise_gathered(comm, error, [g["err"] for g in gathered], url=store.url)
     assert m is not None
     grids = parse_grid_needs([text for text, _ in shared], comm.ranks)
     all_wanted = set().union(*(set(w) for _, w, _ in grids))
@@ -263,18 +263,6 @@ def load(
         obj.load_state_dict(sub)
     return LoadInfo(store.url, m.step, m.config, nbytes, needed, missing=missing,
                     unexpected=unexpected)
-
-
-def _raise_first(comm: Comm, error: BaseException | None,
-                 errors: list[RemoteError | None], url: str) -> None:
-    """After a collective that carried every rank's failure (`errors`, in group order):
-    raise `error` on the rank that has one and the first rank's failure, as its own type
-    (`rebuild_error`), on the others, as `all_or_raise` does."""
-    if error is not None:
-        raise error
-    for rank, e in zip(comm.ranks, errors, strict=True):
-        if e:
-            raise rebuild_error(e, rank, url)
 
 
 FEW = 5
