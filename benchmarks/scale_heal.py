@@ -204,9 +204,7 @@ class _Group:
         """The process is gone: nothing listens on its store; its lease lives on."""
         self.acceptor.remove(self.listener)
         self.listener.close()
-        self.client.stop_watch()
-        if self.client._keeper is not None:
-            self.client._keeper.stop()
+        self.client.detach()
 
     def close(self) -> None:
         self.client.leave()

@@ -57,7 +57,7 @@ import threading
 import time
 import zlib
 from collections import deque
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -70,6 +70,7 @@ from relight.elastic.etcd_client import (
     OpPut,
     OpRange,
 )
+from relight.elastic.key_feed import KeyFeed
 from relight.elastic.kv import KeyValueClient
 from relight.errors import RelightError
 
@@ -341,6 +342,14 @@ member is gone: a process that exits changes no key (its lease outlives it), so 
 new probe of its store sees it."""
 
 
+_FEED_RENEW_TTLS = 3
+"""The quorum feed's watch is renewed every this many lease TTLs: a request per group
+every 30 s by default, on no step's path. What a renewal bounds (a stream gone silent
+without breaking) every waiter on the feed bounds itself too: a follower decides alone
+after `follow_s`, a member waiting for the host's report reads it when it checks the
+host."""
+
+
 def _host_check_s(members: int) -> float:
     """How long a member waiting for the host's entry report lets the host say nothing
     before it checks that the host lives (its key, its store): `_REPROBE_S` for a few
@@ -375,6 +384,11 @@ def _store_answers(addr: tuple[str, int], timeout: float) -> bool | None:
         return False
     except OSError:
         return None
+
+
+def _entry_said(report: KeyValue) -> Entry:
+    """How entering went, as the host's `quorum-entered` report says."""
+    return Entry(absent=tuple(str(m) for m in report.json()["absent"]))
 
 
 class QuorumClient:
@@ -440,6 +454,8 @@ class QuorumClient:
         """Set by the background watch (`watch_membership`) when a key under the job's
         root changed after the revision it was started at."""
         self._watch_stop: threading.Event | None = None
+        self._feed: KeyFeed | None = None
+        """The `quorum` prefix's keys as one long watch keeps them (`_quorum_feed`)."""
         self.last_revision = 0
         """The etcd revision of the newest snapshot this client read."""
 
@@ -616,12 +632,21 @@ class QuorumClient:
             self._watch_stop.set()
             self._watch_stop = None
 
-    def leave(self) -> None:
+    def detach(self) -> None:
+        """Stop this group's background work (the membership watch, the quorum feed, the
+        lease's keepalives) and leave its lease to expire: what a process that dies
+        leaves behind in etcd (simulations and tests of a lost group)."""
         self.stop_watch()
-        self._take_prefetched()
+        if self._feed is not None:
+            self._feed.stop()
+            self._feed = None
         if self._keeper is not None:
             self._keeper.stop()
             self._keeper = None
+
+    def leave(self) -> None:
+        self._take_prefetched()
+        self.detach()
         if self._lease is not None:
             self.client.lease_revoke(self._lease)
             self._lease = None
@@ -702,72 +727,66 @@ class QuorumClient:
 
     def _follow(self, known: Quorum, failed: bool, grace_s: float
                 ) -> tuple[Quorum, Snapshot] | None:
-        """A follower's `agree`: wait on the `quorum` prefix for the deciders' outcome
-        on `known` (a successor, or `quorum-checked` naming `known` at a revision after
-        the change this group's watch saw). None: decide for itself."""
+        """A follower's `agree`: wait on the `quorum` prefix (`_quorum_feed`: no request
+        of its own) for the deciders' outcome on `known`: a successor, or
+        `quorum-checked` naming `known` at a revision after the change this group's watch
+        saw. None: decide for itself."""
         if self.group not in known.members or self.group in known.deciders(self.deciders):
             return None
         since = self.last_revision
-        deadline = time.monotonic() + (grace_s if failed else 0.0) + self.follow_s
+        feed = self._quorum_feed()
         quorum_key, checked_key = self.root + "quorum", self.root + _CHECKED
+
+        def outcome(keys: Mapping[str, KeyValue]) -> KeyValue | None:
+            """The key that says the outcome, or None: nothing said yet. The feed may
+            lag `known` itself: only a write after it is a successor (a quorum key
+            deleted, as by a job's reset, is waited out to the deadline)."""
+            said = keys.get(quorum_key)
+            if said is not None and said.mod_revision > known.revision:
+                return said
+            report = keys.get(checked_key)
+            if not failed and report is not None and report.mod_revision > since:
+                return report
+            return None
+
+        deadline = time.monotonic() + (grace_s if failed else 0.0) + self.follow_s
         while True:
             self._check_lease()
-            # The keys' revisions first: the quorum document (every member's name) is
-            # read only once it changed, the deciders' report only once it was written;
-            # after this read both come in the watch's events, with their values.
-            self.requests += 1
-            kvs, revision = self.client.get_prefix(quorum_key, keys_only=True)
-            self.last_revision = max(self.last_revision, revision)
-            by_key = {kv.key: kv for kv in kvs}
-            if quorum_key not in by_key:
+            got = feed.wait(outcome, min(max(deadline - time.monotonic(), 0.0),
+                                         self.lease_ttl))
+            if got is None:
+                if time.monotonic() < deadline and feed.running:
+                    continue  # checks the lease again
+                logger.info("[replica %s] quorum %d: its deciders %s said nothing "
+                            "within %.1fs; deciding alone", self.group, known.id,
+                            list(known.deciders(self.deciders)), self.follow_s)
                 return None
-            said: KeyValue | None = None
-            if by_key[quorum_key].mod_revision != known.revision:
-                self.requests += 1
-                said = self.client.get(quorum_key)
-            elif (not failed and checked_key in by_key
-                  and by_key[checked_key].mod_revision > since):
-                self.requests += 1
-                said = self.client.get(checked_key)
-            while True:
-                if said is not None:
-                    self.last_revision = max(self.last_revision, said.mod_revision)
-                    revision = max(revision, said.mod_revision)
-                    if said.key == quorum_key:
-                        current = Snapshot.parse([said], self.root, revision).quorum
-                        if current is None or current.id <= known.id:
-                            return None
-                        if self.group not in current.members:
-                            return None  # left out: the full rules say why, or take it in
-                        self._last_quorum = current.id
-                        return current, self._with_host(current, revision)
-                    doc = said.json()
-                    if int(doc["id"]) == known.id and int(doc["rev"]) >= since:
-                        return known, self._with_host(known, revision)
-                    said = None  # a report on an earlier change: wait on, from after it
-                remaining = deadline - time.monotonic()
-                if remaining <= 0:
-                    logger.info("[replica %s] quorum %d: its deciders %s said nothing "
-                                "within %.1fs; deciding alone", self.group, known.id,
-                                list(known.deciders(self.deciders)), self.follow_s)
+            said = got
+            self.last_revision = max(self.last_revision, said.mod_revision)
+            revision = max(feed.revision, said.mod_revision)
+            if said.key == quorum_key:
+                current = Snapshot.parse([said], self.root, said.mod_revision).quorum
+                if current is None or current.id <= known.id:
                     return None
-                events: list[KeyValue | None] = []
+                if self.group not in current.members:
+                    return None  # left out: the full rules say why, or take it in
+                self._last_quorum = current.id
+                return current, self._with_host(current, revision)
+            doc = said.json()
+            if int(doc["id"]) == known.id and int(doc["rev"]) >= since:
+                return known, self._with_host(known, revision)
+            # A report on an earlier change: wait for one after it.
+            since = max(since, said.mod_revision)
 
-                def outcome(kv: KeyValue | None,
-                            events: list[KeyValue | None] = events) -> bool:
-                    if kv is not None and not (
-                            (kv.key == quorum_key and kv.mod_revision != known.revision)
-                            or (kv.key == checked_key and not failed)):
-                        return False  # the entry report of `known`, say
-                    events.append(kv)
-                    return True
-
-                if not self.client.wait_for_change(quorum_key, revision, remaining,
-                                                   until=outcome):
-                    continue
-                if not events or events[0] is None:
-                    break  # a broken watch or a key deleted: read again
-                said = events[0]
+    def _quorum_feed(self) -> KeyFeed:
+        """The `quorum` prefix's keys (the quorum, the deciders' and the host's reports)
+        followed by one long watch, started at this group's first wait on them: a
+        follower then waits on a change of membership without a request of its own."""
+        if self._feed is None or not self._feed.running:
+            self._feed = KeyFeed(self.client, self.root + "quorum",
+                                 renew_s=_FEED_RENEW_TTLS * self.lease_ttl,
+                                 name=f"relight-quorum-feed-{self.group}").start()
+        return self._feed
 
     def _with_host(self, quorum: Quorum, revision: int) -> Snapshot:
         """A snapshot of `quorum` and its host's key alone: what a follower needs to
@@ -1169,32 +1188,38 @@ class QuorumClient:
 
     def _await_host(self, quorum: Quorum, timeout: float) -> Entry:
         """A member's part of `confirm`: enter (this group's key, written only while the
-        quorum stands), then follow the `quorum` and `entered` keys (one prefix) until
-        the host says how entering went, or the quorum is replaced. The
-        report comes in the watch's event (no read after it). The host's liveness (its
-        key, its store) is checked when it said nothing for `_host_check_s`; past
-        `timeout` and a margin for its own wait, a host that said nothing is absent."""
+        quorum stands), then follow the `quorum` and `entered` keys (`_quorum_feed`: no
+        request of its own) until the host says how entering went, or the quorum is
+        replaced. The host's liveness (its key, its store) is checked when it said
+        nothing for `_host_check_s`; past `timeout` and a margin for its own wait, a
+        host that said nothing is absent."""
         host_key = self.root + "groups/" + quorum.host
         quorum_key = self.root + "quorum"
         entered_key = self.root + _ENTERED
         deadline = time.monotonic() + timeout + 2 * _REPROBE_S + _PROBE_S
         check_s = _host_check_s(quorum.size)
-        addr: tuple[str, int] | None = None
         if self._lease is None:
             raise QuorumError(f"replica group {self.group}: join() first")
-        # This member's entry goes in the first read's transaction: one request, and
-        # only while the quorum stands.
-        enter = [OpPut(self.root + "groups/" + self.group, json.dumps(self._doc),
-                       self._lease)]
-        while True:
-            # The host's report and its key, read only while the quorum stands (small
-            # keys, not the quorum document).
+        feed = self._quorum_feed()
+
+        def reported(keys: Mapping[str, KeyValue]) -> KeyValue | None:
+            """The host's report on `quorum`, or the quorum key written after it."""
+            said = keys.get(entered_key)
+            if said is not None and int(said.json()["id"]) == quorum.id:
+                return said
+            current = keys.get(quorum_key)
+            if current is not None and current.mod_revision > quorum.revision:
+                return current
+            return None
+
+        def read(ops: list[OpPut]) -> Entry | tuple[str, int]:
+            """One transaction, only while the quorum stands: `ops`, then the host's
+            report and its key (small keys, not the quorum document). How entering went
+            if that is known already, else the host's store."""
             self.requests += 1
             result = self.client.txn([Compare(quorum_key, "mod", "==", quorum.revision)],
-                                     [*enter, OpRange(entered_key), OpRange(host_key)])
-            enter = []
-            revision = result.revision
-            self.last_revision = max(self.last_revision, revision)
+                                     [*ops, OpRange(entered_key), OpRange(host_key)])
+            self.last_revision = max(self.last_revision, result.revision)
             if not result.succeeded:
                 return Entry(replaced=True)
             # A range is a prefix: group "g1"'s range holds "g10"'s key too.
@@ -1202,40 +1227,32 @@ class QuorumClient:
                           for r, key in zip(result.ranges, (entered_key, host_key),
                                             strict=True))
             if said is not None and int(said.json()["id"]) == quorum.id:
-                return Entry(absent=tuple(str(m) for m in said.json()["absent"]))
+                return _entry_said(said)
             if host is None:
                 return self._host_gone(quorum, "is gone")
-            addr = tuple(host.json()["store"])  # type: ignore[assignment]
-            report: list[KeyValue | None] = []
+            store = host.json()["store"]
+            return str(store[0]), int(store[1])
 
-            def reported(kv: KeyValue | None,
-                         report: list[KeyValue | None] = report) -> bool:
-                if kv is not None and kv.key == entered_key:
-                    if int(kv.json()["id"]) != quorum.id:
-                        return False
-                elif kv is not None and kv.key != quorum_key:
-                    return False
-                report.append(kv)  # the report, or the quorum replaced: read again
-                return True
-
-            while True:
-                remaining = deadline - time.monotonic()
-                if remaining <= 0:
-                    return self._host_gone(quorum, "said nothing within the entry timeout")
-                if self.client.wait_for_change(quorum_key, revision,
-                                               min(remaining, check_s),
-                                               until=reported):
-                    if report and report[0] is not None and report[0].key == entered_key:
-                        self.last_revision = max(self.last_revision, report[0].mod_revision)
-                        return Entry(absent=tuple(str(m)
-                                                  for m in report[0].json()["absent"]))
-                    break  # replaced, or a broken watch: read again
-                assert addr is not None
-                if _store_answers((str(addr[0]), int(addr[1])), _PROBE_S) is False:
+        # This member's entry goes in the first read's transaction: one request.
+        found = read([OpPut(self.root + "groups/" + self.group, json.dumps(self._doc),
+                            self._lease)])
+        while not isinstance(found, Entry):
+            remaining = deadline - time.monotonic()
+            if remaining <= 0:
+                return self._host_gone(quorum, "said nothing within the entry timeout")
+            got = feed.wait(reported, min(remaining, check_s))
+            if got is not None and got.key == entered_key:
+                self.last_revision = max(self.last_revision, got.mod_revision)
+                return _entry_said(got)
+            if got is None:
+                # The host said nothing for `check_s`: does it live? The read that
+                # follows also takes a report the feed missed (its stream gone silent
+                # with its etcd member).
+                feed = self._quorum_feed()  # a new one, if the old one stopped
+                if _store_answers(found, _PROBE_S) is False:
                     return self._host_gone(quorum, "is gone")
-                self.requests += 1
-                if self.client.get(host_key) is None:
-                    return self._host_gone(quorum, "is gone")
+            found = read([])  # or the quorum was replaced: the transaction says so
+        return found
 
     def _host_gone(self, quorum: Quorum, why: str) -> Entry:
         logger.warning("[replica %s] quorum %d: its host %s %s", self.group, quorum.id,
