@@ -20,7 +20,9 @@ systems (ABBA order over `--rounds`), and each figure is the median over rounds:
   reshard_load_s: the newest checkpoint into dp2 x tp2 (Shard(0), Shard(1)) DTensors;
 - bytes_written: bytes of the objects under the checkpoint prefix after the save;
 - bytes_read_reshard: bytes the ranks read during the reshard load, summed over ranks:
-  on files the /proc/self/io rchar delta (read()/pread() syscalls, page cache included);
+  on files the /proc/self/io rchar delta for DCP (read()/pread() syscalls, page cache
+  included) and Relight's store counter for Relight (its reads of cached pages map them:
+  rchar does not see them);
   on S3 the payload bytes fetched, counted in s3fs (DCP's fsspec reader, Relight's direct
   shard reads) and by tensorstore's own kvstore counters (Relight's tensorstore reads);
   Relight's chunk accounting is in "extra";
@@ -480,10 +482,14 @@ def _worker(rank: int, world: int, init: str, args: dict, out_q: Any) -> None:
             c0, s0 = _bytes_read_now(s3), newest.stats.snapshot()["bytes_read"]
             rec(system, "reshard_load_s",
                 timed(lambda: ckpt.load(tgt, newest), system, url + "-async"))
-            rec(system, "bytes_read_reshard", summed(_bytes_read_now(s3) - c0))
+            chunk_bytes = summed(newest.stats.snapshot()["bytes_read"] - s0)
+            # rchar counts read()/pread() only: Relight's mapped reads of cached pages
+            # would count as nothing; its store counts every byte it hands over.
+            rec(system, "bytes_read_reshard",
+                chunk_bytes if system == "relight" and not s3
+                else summed(_bytes_read_now(s3) - c0))
             check_reshard(tgt, r)
-            extra.setdefault("relight_reshard_chunk_bytes", []).append(
-                summed(newest.stats.snapshot()["bytes_read"] - s0))
+            extra.setdefault("relight_reshard_chunk_bytes", []).append(chunk_bytes)
             del tgt
             rep = make_state(mesh2, n, rows, [Replicate(), Shard(1)], [Replicate(), Replicate()],
                          False)

@@ -18,10 +18,9 @@ READ_THREADS = {"memory": 2, "direct": 8, "remote": 8}
 """Shard-read threads per process: a read from memory (`memory`) is a copy, CPU work on
 cores the ranks share; a read of files, around the page cache unless it holds the
 range (`direct`, `storage.direct_io`), and a request to S3 (`remote`) wait on the
-device or the network, so more in flight hide the latency. 4 ranks, 512 MiB around the
-cache, 8 loads of each kind alternated between 8 and 2 threads: resharded loads
-0.33-0.38 s with 8 against 0.31-0.49 s with 2; same-layout loads 0.26-0.59 s against
-0.27-0.38 s (one slow round with 8)."""
+device or the network, so more in flight hide the latency. On local files 2, 4 and 8
+threads measured alike (the device's speed moved more between passes than between
+settings); S3 needs them in flight. The measurements: docs/design/ckpt-load-path.md."""
 
 
 class ReadPools:

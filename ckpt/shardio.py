@@ -374,10 +374,12 @@ def read_shard_region(store: Store, key: str, geo: ShardGeometry, region: tuple[
     cells = geo.overlapping(region)
     step = geo.chunk_bytes + 4
     whole = len(cells) == geo.n_stored
+    fetched = [0]  # bytes fetched, a first try at the canonical places included
     if not whole and expect is not None and all(expect[lin] is not None for lin, _ in cells):
         try:
-            return _read_spans(store, key, geo, [(lin * step, lin, cell) for lin, cell in cells],
-                               None, region, out, url, tensor, cpu, expect, buffers)
+            _read_spans(store, key, geo, [(lin * step, lin, cell) for lin, cell in cells],
+                        None, region, out, url, tensor, cpu, expect, buffers, fetched)
+            return fetched[0]
         except CorruptCheckpointError:
             pass  # not at its canonical place: the index says where, or what is wrong
     taken: list[np.ndarray] = []
@@ -395,9 +397,10 @@ def read_shard_region(store: Store, key: str, geo: ShardGeometry, region: tuple[
             off, _nb = _entry(entries, lin, cell,
                               lambda o, n: n == step and o + n <= data_end, url, key, tensor)
             spans.append((off, lin, cell))
-        return (end if whole else raw.size) + _read_spans(
-            store, key, geo, spans, blob if whole else None, region, out, url, tensor, cpu,
-            expect, buffers)
+        fetched[0] += end if whole else raw.size
+        _read_spans(store, key, geo, spans, blob if whole else None, region, out, url, tensor,
+                    cpu, expect, buffers, fetched)
+        return fetched[0]
     finally:
         _give_back(buffers, taken)
 
@@ -406,12 +409,12 @@ def _read_spans(store: Store, key: str, geo: ShardGeometry,
                 spans: list[tuple[int, int, tuple[int, ...]]], blob: np.ndarray | None,
                 region: tuple[slice, ...], out: np.ndarray, url: str, tensor: str,
                 cpu: AbstractContextManager[Any] | None, expect: list[int | None] | None,
-                buffers: BufferPool | None) -> int:
+                buffers: BufferPool | None, fetched: list[int]) -> None:
     """Check and place the inner chunks at `spans` ((offset, storage position, cell)):
     from `blob` (the whole object, already fetched), else fetched run by run (chunks
-    stored back to back in one ranged get). Returns the bytes fetched here."""
+    stored back to back in one ranged get). Adds the bytes fetched here to `fetched[0]`
+    as each run arrives (so that a read that fails part-way still counts them)."""
     step = geo.chunk_bytes + 4
-    fetched = 0
     i = 0
     while i < len(spans):
         j = i + 1  # a run of chunks stored back to back: one ranged get
@@ -425,7 +428,7 @@ def _read_spans(store: Store, key: str, geo: ShardGeometry,
                 lo, hi = spans[i][0], spans[j - 1][0] + step
                 run = _get(store, key, lo, hi, url, tensor, "an inner chunk", buffers, taken)
                 base = lo
-                fetched += hi - lo
+                fetched[0] += hi - lo
             with cpu or nullcontext():
                 for off, lin, cell in spans[i:j]:
                     _decode(run, off - base, geo, lin, cell, region, out, url, key, tensor,
@@ -433,7 +436,6 @@ def _read_spans(store: Store, key: str, geo: ShardGeometry,
         finally:
             _give_back(buffers, taken)
         i = j
-    return fetched
 
 
 def _give_back(buffers: BufferPool | None, taken: list[np.ndarray]) -> None:
