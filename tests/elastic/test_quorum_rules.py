@@ -402,8 +402,8 @@ def test_a_survivor_whose_vote_comes_late_and_names_an_earlier_step_heals(kv) ->
     first_read = threading.Event()
     read = a.snapshot
 
-    def snapshot():
-        snap = read()
+    def snapshot(**kw):
+        snap = read(**kw)
         first_read.set()
         return snap
 
@@ -428,8 +428,8 @@ def test_a_joiner_that_registers_while_the_members_enter_is_seen_by_a_watch(kv) 
     j = _client(kv, job, "j")
     read = a.snapshot
 
-    def snapshot():
-        snap = read()
+    def snapshot(**kw):
+        snap = read(**kw)
         if j._lease is None:
             j.join(_live_store(), ready=False, heal=True)
         return snap
@@ -732,7 +732,7 @@ def _followers(kv: _Backend, n: int, stores: list[tuple[str, int]] | None = None
 
 
 def _reads_no_group_key(g: QuorumClient) -> None:
-    def refuse() -> None:
+    def refuse(**_kw) -> None:
         raise AssertionError(f"follower {g.group} read every group's key")
     g.snapshot = refuse  # type: ignore[method-assign]
 
