@@ -98,13 +98,17 @@ def raise_gathered(comm: Comm, error: BaseException | None,
 def raise_if_any(comm: Comm, error: BaseException | None,
                  what: str = "a checkpoint collective", *, url: str | None = None,
                  remote: Callable[[Mapping[int, RemoteError]], BaseException] | None = None,
-                 ) -> None:
+                 all_gather: bool = False) -> None:
     """`all_or_raise` without payloads, for a step that seldom fails: every rank's 1-byte
-    flag goes to the coordinator, which says whether any rank failed, and only then do
-    the errors' texts cross (`all_or_raise`)."""
-    verdict = comm.ask_coordinator(b"E" if error is not None else b"-", 1, _any_failed, 1,
-                                   what)
-    if verdict == b"E":
+    flag goes to the coordinator, which says whether any rank failed (a gather and a
+    broadcast), or with `all_gather` to every rank (one collective, n bytes received per
+    rank); only then do the errors' texts cross (`all_or_raise`)."""
+    flag = b"E" if error is not None else b"-"
+    if all_gather:
+        failed = _any_failed(comm.allgather_fixed(flag, 1, what)) == b"E"
+    else:
+        failed = comm.ask_coordinator(flag, 1, _any_failed, 1, what) == b"E"
+    if failed:
         all_or_raise(comm, error, None, what, url=url, remote=remote)
 
 

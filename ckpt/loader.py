@@ -17,7 +17,7 @@ from typing import Any
 
 import torch
 
-from relight.ckpt.collective import all_or_raise, encode_error, raise_gathered
+from relight.ckpt.collective import encode_error, raise_gathered, raise_if_any
 from relight.ckpt.comm import Comm, parse_json_list
 from relight.ckpt.errors import (
     CheckpointError,
@@ -223,12 +223,10 @@ def load(
         for _, r in readers:
             r.drain()
     read_pools().buffers.clear()  # the load's reads are done: no fetch memory kept
-    # Every rank's failure flag in one 1-byte all-gather; the errors' texts cross only
-    # when some rank failed.
-    reads = f"the reads of the load of {store.url}"
-    flags = comm.allgather_fixed(b"E" if error is not None else b"-", 1, reads)
-    if any(f[:1] == b"E" for f in flags):
-        all_or_raise(comm, error, None, reads, url=store.url)
+    # Every rank's failure flag in one 1-byte all-gather (one collective on the load's
+    # path, not two); the errors' texts cross only when some rank failed.
+    raise_if_any(comm, error, f"the reads of the load of {store.url}", url=store.url,
+                 all_gather=True)
 
     sends, recvs, copies = [], [], []
     for tag, task in mine:

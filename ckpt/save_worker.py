@@ -85,6 +85,13 @@ class SaveWorker:
     def is_worker(self) -> bool:
         return threading.current_thread() is self._thread
 
+    def running(self) -> tuple[threading.Thread, ...]:
+        """This worker's threads alive now (the save worker, the stager): none before
+        its first save or after `close`."""
+        with self._lock:
+            return tuple(t for t in (self._thread, self._stager)
+                         if t is not None and t.is_alive())
+
     def close(self, join_s: float = 0.0) -> None:
         """End both threads once the jobs handed over before have run, waiting up to
         `join_s` for each (at interpreter exit; an instance made on the side, in a test,

@@ -56,7 +56,8 @@ def save_threads() -> int:
 def train(mgr: ckpt.CheckpointManager, steps: range, state: dict) -> list[float]:
     """A loop that updates the state and saves every step; returns each save's stall."""
     stalls = []
-    others = save_threads() - (mgr.checkpointer.save_worker._thread is not None)
+    others = save_threads() - sum(t.name.startswith("ckpt-save-")
+                                  for t in mgr.checkpointer.save_worker.running())
     for step in steps:
         time.sleep(STEP_S)
         state["w"][0, 0] = float(step)  # this step's update, saved below
