@@ -35,9 +35,10 @@ _RETRY_MAX_S = 2.0
 class KeyFeed:
     """Every key under `prefix` (key -> `KeyValue`), current as of the newest event seen.
 
-    `wait(pick, timeout)` returns the first non-None `pick(keys)` over the states the feed
-    passes through (the current one first). Start with `start()`; `stop()` ends the
-    thread (its open request ends within `renew_s`)."""
+    `wait(pick, timeout)` returns the first non-None `pick(keys)`, checked on the keys as
+    they are now and again whenever they change (changes that arrive together are seen
+    together: a waiter sees the newest state, not every state in between). Start with
+    `start()`; `stop()` ends the thread (its open request ends within `renew_s`)."""
 
     def __init__(self, client: KeyValueClient, prefix: str, *, renew_s: float,
                  name: str) -> None:
