@@ -508,17 +508,27 @@ class EtcdClient:
 
     # -- waiting --------------------------------------------------------------
 
-    def wait_for_change(self, prefix: str, after_revision: int, timeout: float,
-                        until: Callable[[KeyValue | None], bool] | None = None) -> bool:
+    def wait_for_change(self, prefix: str, after_revision: int | None, timeout: float,
+                        until: Callable[[KeyValue | None], bool] | None = None, *,
+                        then: Callable[[], int | None] | None = None,
+                        idle_s: float | None = None) -> bool:
         """Block until a key under `prefix` changes after `after_revision`, or `timeout`.
 
         Returns True when something changed (or may have: a broken watch returns
         early so the caller re-reads), False on timeout. Never blocks past `timeout`.
         `until`: only changes it accepts count (`kv` is None for a delete), on one
         watch stream.
+
+        `after_revision` None: from now, and `then()` (a read, say) runs once the watch
+        is in place; changes at or before the revision it returns are skipped, and
+        None from it ends the wait at once (True: what it read is the change). A read
+        followed by a watch from its revision gets a change made between the two only
+        at etcd's next catch-up round of watches that start in the past (every 100 ms).
+        `idle_s`: the wait also ends (False) once no change came for that long, so that
+        a caller with work to do in a lull keeps one stream while changes flow.
         """
         return self._watch(prefix, True, after_revision, timeout,
-                           until or (lambda _kv: True))[0] != "timeout"
+                           until or (lambda _kv: True), then, idle_s)[0] != "timeout"
 
     def wait_for_event(self, key: str, after_revision: int, timeout: float,
                        until: Callable[[KeyValue | None], bool]) -> tuple[bool, KeyValue | None]:
@@ -531,15 +541,23 @@ class EtcdClient:
         outcome, kv = self._watch(key, False, after_revision, timeout, until)
         return outcome == "event", kv
 
-    def _watch(self, key: str, prefix: bool, after_revision: int, timeout: float,
+    def _watch(self, key: str, prefix: bool, after_revision: int | None, timeout: float,
                until: Callable[[KeyValue | None], bool],
+               then: Callable[[], int | None] | None = None, idle_s: float | None = None,
                ) -> tuple[Literal["event", "broken", "timeout"], KeyValue | None]:
         """The watch loop: `("event", kv)` for the first event `until` accepts,
-        `("broken", None)` when the stream ended early, `("timeout", None)`."""
+        `("broken", None)` when the stream ended early, `("timeout", None)` (also after
+        `idle_s` without a message). From now when `after_revision` is None, `then` run
+        once the watch is created (its errors are the caller's) and the changes up to
+        the revision it returns skipped (`("event", None)` at once when it returns
+        None)."""
         if timeout <= 0:
             return "timeout", None
         url = self.endpoint
-        create: dict[str, Any] = {"key": _b64(key), "start_revision": str(after_revision + 1)}
+        create: dict[str, Any] = {"key": _b64(key)}
+        if after_revision is not None:
+            create["start_revision"] = str(after_revision + 1)
+        seen = 0
         if prefix:
             create["range_end"] = _b64(_prefix_end(key))
         headers = {"Authorization": self._token} if self._token else None
@@ -547,11 +565,18 @@ class EtcdClient:
         try:
             for msg in self._http.stream(url, "/v3/watch", {"create_request": create},
                                          connect_timeout=min(timeout, self.settings.timeout),
-                                         deadline=deadline, headers=headers):
+                                         deadline=deadline, headers=headers, idle_s=idle_s):
                 result = msg.get("result", {})
                 if result.get("canceled") or result.get("compact_revision"):
                     return "broken", None
+                if result.get("created") and then is not None:
+                    read_at = then()
+                    if read_at is None:
+                        return "event", None
+                    seen = read_at
                 for event in result.get("events") or []:
+                    if seen and int(event["kv"].get("mod_revision", 0)) <= seen:
+                        continue  # in what `then` read
                     kv = None if event.get("type") == "DELETE" else _kv(event["kv"])
                     if until(kv):
                         return "event", kv

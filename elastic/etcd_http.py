@@ -145,11 +145,12 @@ class GatewayConnections:
 
     def stream(self, url: str, path: str, body: dict[str, Any], *, connect_timeout: float,
                deadline: float, headers: dict[str, str] | None = None,
-               ) -> Iterator[dict[str, Any]]:
+               idle_s: float | None = None) -> Iterator[dict[str, Any]]:
         """POST `body` and yield each JSON object of the streamed answer (one a line)
-        until `deadline` (a `time.monotonic()` value): then `TimeoutError`. A stream
-        the server ends raises `GatewayUnreachable`; an HTTP error status
-        `GatewayError`. The connection is closed when the caller stops."""
+        until `deadline` (a `time.monotonic()` value), or until no line came for
+        `idle_s`: then `TimeoutError`. A stream the server ends raises
+        `GatewayUnreachable`; an HTTP error status `GatewayError`. The connection is
+        closed when the caller stops (after a timeout it cannot be read on)."""
         conn = self._new_conn(url, connect_timeout)
         try:
             try:
@@ -167,7 +168,7 @@ class GatewayConnections:
                 if remaining <= 0:
                     raise TimeoutError(f"watch on {url}: deadline reached")
                 assert conn.sock is not None
-                conn.sock.settimeout(remaining)
+                conn.sock.settimeout(remaining if idle_s is None else min(remaining, idle_s))
                 try:
                     line = resp.readline()
                 except (OSError, http.client.HTTPException) as exc:

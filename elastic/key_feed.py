@@ -6,8 +6,9 @@ cost each of a thousand groups two requests per wait, and a watch started from a
 already past is delivered only at etcd's next catch-up round. `KeyFeed` holds one watch
 open instead (renewed every `renew_s`, resumed from the newest revision it saw) and wakes
 waiters as events arrive; a broken stream or a deleted key makes it read the prefix
-again. What it shows is never ahead of etcd and may lag it by the stream's delay: callers
-wait on it for a change, and fence what they write with a compare in etcd, as ever.
+again, once a new watch from that moment is in place. What it shows is never ahead of
+etcd and may lag it by the stream's delay: callers wait on it for a change, and fence
+what they write with a compare in etcd, as ever.
 """
 
 from __future__ import annotations
@@ -96,30 +97,39 @@ class KeyFeed:
         retry_s = _RETRY_FIRST_S
         resync = True
         while not self._stop.is_set():
-            if resync:
-                try:
-                    self.requests += 1
-                    kvs, revision = self._client.get_prefix(self.prefix)
-                except Exception as exc:  # noqa: BLE001 - waiters time out and read themselves
-                    logger.debug("%s: read of %s failed (%s); again in %.2fs", self._name,
-                                 self.prefix, exc, retry_s)
-                    self._stop.wait(retry_s)
-                    retry_s = min(2 * retry_s, _RETRY_MAX_S)
-                    continue
-                retry_s = _RETRY_FIRST_S
-                with self._cond:
-                    self._keys = {kv.key: kv for kv in kvs}
-                    self._revision = revision
-                    self._synced = True
-                    self._cond.notify_all()
             self.requests += 1
-            # True: a broken stream, or a delete (its event names no key): read again.
-            resync = self._client.wait_for_change(self.prefix, self._revision, self.renew_s,
-                                                  until=self._apply)
+            try:
+                # True: a broken stream, or a delete (its event names no key): read the
+                # prefix again. A (re)read runs once a watch from now is in place, so a
+                # change made while reading comes at once, not at etcd's next catch-up
+                # round; a renewal resumes from the newest revision seen.
+                broke = self._client.wait_for_change(
+                    self.prefix, None if resync else self._revision, self.renew_s,
+                    until=self._apply, then=self._read if resync else None)
+                resync = broke or not self._synced
+            except Exception as exc:  # noqa: BLE001 - waiters time out and read themselves
+                logger.debug("%s: read of %s failed (%s); again in %.2fs", self._name,
+                             self.prefix, exc, retry_s)
+                self._stop.wait(retry_s)
+                retry_s = min(2 * retry_s, _RETRY_MAX_S)
+                resync = True
+                continue
+            retry_s = _RETRY_FIRST_S
         try:
             self._client.close()
         except Exception:  # noqa: BLE001 - closing a connection of a stopped feed
             pass
+
+    def _read(self) -> int:
+        """Read every key under the prefix into the feed; the revision read at."""
+        self.requests += 1
+        kvs, revision = self._client.get_prefix(self.prefix)
+        with self._cond:
+            self._keys = {kv.key: kv for kv in kvs}
+            self._revision = revision
+            self._synced = True
+            self._cond.notify_all()
+        return revision
 
     def _apply(self, kv: KeyValue | None) -> bool:
         if kv is None:

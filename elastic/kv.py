@@ -59,8 +59,10 @@ class KeyValueClient(Protocol):
 
     def lease_revoke(self, lease_id: int) -> None: ...
 
-    def wait_for_change(self, prefix: str, after_revision: int, timeout: float,
-                        until: Callable[[KeyValue | None], bool] | None = None) -> bool: ...
+    def wait_for_change(self, prefix: str, after_revision: int | None, timeout: float,
+                        until: Callable[[KeyValue | None], bool] | None = None, *,
+                        then: Callable[[], int | None] | None = None,
+                        idle_s: float | None = None) -> bool: ...
 
     def wait_for_event(self, key: str, after_revision: int, timeout: float,
                        until: Callable[[KeyValue | None], bool],

@@ -313,24 +313,36 @@ class MemoryEtcdClient:
             if lease_id in s._leases:
                 s._drop_lease(lease_id)
 
-    def wait_for_change(self, prefix: str, after_revision: int, timeout: float,
-                        until: Callable[[KeyValue | None], bool] | None = None) -> bool:
+    def wait_for_change(self, prefix: str, after_revision: int | None, timeout: float,
+                        until: Callable[[KeyValue | None], bool] | None = None, *,
+                        then: Callable[[], int | None] | None = None,
+                        idle_s: float | None = None) -> bool:
         return self._watch(lambda k: k.startswith(prefix), after_revision, timeout,
-                           until or (lambda _kv: True))[0]
+                           until or (lambda _kv: True), then, idle_s)[0]
 
     def wait_for_event(self, key: str, after_revision: int, timeout: float,
                        until: Callable[[KeyValue | None], bool],
                        ) -> tuple[bool, KeyValue | None]:
         return self._watch(lambda k: k == key, after_revision, timeout, until)
 
-    def _watch(self, match: Callable[[str], bool], after: int, timeout: float,
-               until: Callable[[KeyValue | None], bool]) -> tuple[bool, KeyValue | None]:
+    def _watch(self, match: Callable[[str], bool], after: int | None, timeout: float,
+               until: Callable[[KeyValue | None], bool],
+               then: Callable[[], int | None] | None = None, idle_s: float | None = None,
+               ) -> tuple[bool, KeyValue | None]:
         if timeout <= 0:
             return False, None
         s = self.server
         deadline = time.monotonic() + timeout
         with s._cond:
             s._enter("watch")
+            if after is None:  # from now; `then` runs under the lock: nothing between
+                after = s.revision
+                if then is not None:
+                    read_at = then()
+                    if read_at is None:
+                        return True, None
+                    after = max(after, read_at)
+            quiet_until = None if idle_s is None else time.monotonic() + idle_s
             while True:
                 compacted, changes = s._changed_since(after, match)
                 if compacted:
@@ -340,11 +352,14 @@ class MemoryEtcdClient:
                         return True, kv
                 if changes:
                     after = s.revision
+                    if idle_s is not None:
+                        quiet_until = time.monotonic() + idle_s
                 if s._down:
                     return True, None  # a broken stream: the caller re-reads and errs
-                if time.monotonic() >= deadline:
+                end = deadline if quiet_until is None else min(deadline, quiet_until)
+                if time.monotonic() >= end:
                     return False, None
-                s._wait(deadline)
+                s._wait(end)
 
     def close(self) -> None:
         pass

@@ -242,12 +242,20 @@ class _LiveSnapshot:
 
     def __init__(self, snap: Snapshot, root: str) -> None:
         self.root = root
+        self.quorum_changed = False
+        self.reset(snap)
+
+    def reset(self, snap: Snapshot) -> None:
+        """Start over from `snap`, a newer read of every key (`quorum_changed` if its
+        quorum is not the one held)."""
+        held = getattr(self, "quorum", snap.quorum)
         self.groups, self.written = dict(snap.groups), dict(snap.written)
         self.votes = {at: dict(v) for at, v in snap.votes.items()}
         self.voted = dict(snap.voted)
         self.quorum, self.revision = snap.quorum, snap.revision
         self.stale = False
-        self.quorum_changed = False
+        self.quorum_changed = self.quorum_changed or (
+            (held.revision if held else None) != (snap.quorum.revision if snap.quorum else None))
 
     def apply(self, kv: KeyValue | None, quorum_id: int) -> str | None:
         """Take one event in; the group whose vote in quorum `quorum_id` it is, if so."""
@@ -348,6 +356,12 @@ every 30 s by default, on no step's path. What a renewal bounds (a stream gone s
 without breaking) every waiter on the feed bounds itself too: a follower decides alone
 after `follow_s`, a member waiting for the host's report reads it when it checks the
 host."""
+
+
+_STREAM_S = 1.0
+"""Longest a decider waiting for votes, or a host counting entries, keeps one watch open
+while changes flow: the members still silent are probed at every lull of `_REPROBE_S`,
+and at least this often whatever else the job's keys see."""
 
 
 def _host_check_s(members: int) -> float:
@@ -1044,6 +1058,7 @@ class QuorumClient:
         """Silent members found gone (a process that is gone does not come back to vote
         in this quorum: a restarted one asks to heal)."""
         live = _LiveSnapshot(snap, self.root)
+        first = True
         while True:
             snap = live.snapshot()
             voted = _voted_steps(snap, quorum)
@@ -1069,8 +1084,24 @@ class QuorumClient:
                 waiting.discard(voter or "")
                 return live.stale or live.quorum_changed or not waiting
 
-            self.client.wait_for_change(self.root, live.revision,
-                                        min(remaining, _REPROBE_S), until=wakes)
+            def read_again(waiting: set[str] = waiting, live: _LiveSnapshot = live
+                           ) -> int | None:
+                """The first wait's read of every key, once its watch is in place: the
+                votes cast since `snap` come in it, and the later ones at once, not at
+                etcd's next catch-up round of watches from a past revision. None:
+                nothing left to wait for."""
+                now = self.snapshot()
+                live.reset(now)
+                waiting.difference_update(_voted_steps(now, quorum))
+                return None if live.quorum_changed or not waiting else now.revision
+
+            # One stream while votes flow; it ends at a lull of `_REPROBE_S`, when the
+            # members still silent are probed again (and every `_STREAM_S` at most).
+            self.client.wait_for_change(self.root, None if first else live.revision,
+                                        min(max(remaining, 0.0), _STREAM_S), until=wakes,
+                                        then=read_again if first else None,
+                                        idle_s=_REPROBE_S)
+            first = False
             if live.stale:
                 live = _LiveSnapshot(self.snapshot(), self.root)
 
@@ -1165,9 +1196,11 @@ class QuorumClient:
                                    self.group, quorum.id, list(absent),
                                    "gone" if gone else f"not within {timeout:.0f}s")
                     return Entry(absent=absent)
+                # One stream while entries flow; it ends at a lull of `_REPROBE_S`
+                # (and every `_STREAM_S` at most).
                 if not self.client.wait_for_change(self.root, seen,
-                                                   min(remaining, _REPROBE_S),
-                                                   until=entered):
+                                                   min(remaining, _STREAM_S),
+                                                   until=entered, idle_s=_REPROBE_S):
                     # A lull: the members still waiting are slow, or gone.
                     gone = self._probe_some(snap, quorum, waiting, probed, deadline)
                 elif reread or waiting:

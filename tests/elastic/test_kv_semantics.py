@@ -116,6 +116,46 @@ def test_a_watch_returns_at_a_change_after_its_revision_and_not_before(
     assert hit and got is not None and got.value == b"2"
 
 
+def test_a_watch_from_now_skips_what_its_read_saw(kv: KeyValueClient, root: str) -> None:
+    """A watch from now runs `then` (the caller's read) once it is in place: a change
+    made before that read is in it and skipped, one made after arrives at once."""
+    seen: list[str] = []
+
+    def then() -> int:
+        kv.put(root + "a", "1")  # made while the caller reads: the read has it
+        _, revision = kv.get_prefix(root)
+        threading.Timer(0.05, lambda: kv.put(root + "b", "2")).start()
+        return revision
+
+    t0 = time.monotonic()
+    assert kv.wait_for_change(root, None, 30.0, until=lambda e: seen.append(
+        e.key if e is not None else "?") is None, then=then)
+    assert seen == [root + "b"] and time.monotonic() - t0 < 25.0
+
+
+def test_a_watch_with_an_idle_limit_ends_at_a_lull_not_while_changes_flow(
+        kv: KeyValueClient, root: str) -> None:
+    """Changes 0.1 s apart for 3 s keep a watch with a 2 s idle limit open (a margin of
+    20 for a loaded machine's pauses); it ends at the lull after them, long before its
+    timeout."""
+    rev = kv.put(root + "start", "0")
+    done = threading.Event()
+
+    def writes() -> None:
+        for i in range(30):
+            kv.put(root + "w", str(i))
+            time.sleep(0.1)
+        done.set()
+
+    seen: list[int] = []
+    threading.Thread(target=writes, daemon=True).start()
+    t0 = time.monotonic()
+    assert not kv.wait_for_change(root, rev, 60.0,
+                                  until=lambda e: seen.append(1) is None and False,
+                                  idle_s=2.0)
+    assert done.is_set() and len(seen) == 30 and time.monotonic() - t0 < 50.0
+
+
 def test_a_stopped_memory_etcd_is_unavailable_until_started() -> None:
     server = MemoryEtcd()
     kv = server.client()
