@@ -358,6 +358,10 @@ after `follow_s`, a member waiting for the host's report reads it when it checks
 host."""
 
 
+_PROBE_FEW = 8
+"""When this few members have yet to vote after a failed step, the survivors probe every
+one of them (a dead one is then found as soon as the others voted), not only the first."""
+
 _STREAM_S = 1.0
 """Longest a decider waiting for votes, or a host counting entries, keeps one watch open
 while changes flow: the members still silent are probed at every lull of `_REPROBE_S`,
@@ -1058,50 +1062,61 @@ class QuorumClient:
         """Silent members found gone (a process that is gone does not come back to vote
         in this quorum: a restarted one asks to heal)."""
         live = _LiveSnapshot(snap, self.root)
-        first = True
+        read_first = True
         while True:
             snap = live.snapshot()
             voted = _voted_steps(snap, quorum)
             voters = {m for m in quorum.members if m in voted and m in snap.groups}
             remaining = grace_end - time.monotonic()
             silent = [m for m in quorum.members if m not in voters and m != self.group]
+            # Probed in order until one may live (the others at the next wake); every
+            # one of the last few, so that a dead member among them is found at once.
+            few = sum(m not in gone for m in silent) <= _PROBE_FEW
             for m in silent:
                 if m in gone:
                     continue
                 if not self._gone(snap, quorum, m, min(_PROBE_S, max(remaining, 0.0))):
-                    break  # one that may live: the others are probed at the next wake
+                    if few:
+                        continue
+                    break
                 gone.add(m)
             if (snap.quorum is None or snap.quorum.id != quorum.id or remaining <= 0
                     or all(m in gone for m in silent)):
                 return tuple(sorted({*voters, self.group})), snap
             waiting = set(silent) - gone
 
+            def enough(waiting: set[str] = waiting, live: _LiveSnapshot = live,
+                       few: bool = few) -> bool:
+                """Wake: the quorum changed, a key was deleted, every silent member not
+                known gone voted, or those left are few and not all probed yet."""
+                return (live.stale or live.quorum_changed or not waiting
+                        or (not few and len(waiting) <= _PROBE_FEW))
+
             def wakes(kv: KeyValue | None, waiting: set[str] = waiting,
                       live: _LiveSnapshot = live) -> bool:
-                """Take one event in; wake once the quorum changed, a key was deleted,
-                or every silent member not known gone voted."""
                 voter = live.apply(kv, quorum.id)
                 waiting.discard(voter or "")
-                return live.stale or live.quorum_changed or not waiting
+                return enough()
 
             def read_again(waiting: set[str] = waiting, live: _LiveSnapshot = live
                            ) -> int | None:
-                """The first wait's read of every key, once its watch is in place: the
-                votes cast since `snap` come in it, and the later ones at once, not at
-                etcd's next catch-up round of watches from a past revision. None:
-                nothing left to wait for."""
+                """A read of every key once the wait's watch is in place: the votes cast
+                since the last read come in it, and the later ones at once, not at
+                etcd's next catch-up round of watches from a past revision. None: wake
+                at once."""
                 now = self.snapshot()
                 live.reset(now)
                 waiting.difference_update(_voted_steps(now, quorum))
-                return None if live.quorum_changed or not waiting else now.revision
+                return None if enough() else now.revision
 
             # One stream while votes flow; it ends at a lull of `_REPROBE_S`, when the
             # members still silent are probed again (and every `_STREAM_S` at most).
-            self.client.wait_for_change(self.root, None if first else live.revision,
-                                        min(max(remaining, 0.0), _STREAM_S), until=wakes,
-                                        then=read_again if first else None,
-                                        idle_s=_REPROBE_S)
-            first = False
+            # After a wake by a vote the next stream starts from now, with a read.
+            woke = self.client.wait_for_change(
+                self.root, None if read_first else live.revision,
+                min(max(remaining, 0.0), _STREAM_S), until=wakes,
+                then=read_again if read_first else None, idle_s=_REPROBE_S)
+            read_first = woke and not live.stale
             if live.stale:
                 live = _LiveSnapshot(self.snapshot(), self.root)
 
@@ -1143,51 +1158,68 @@ class QuorumClient:
 
     def _count_entries(self, quorum: Quorum, timeout: float) -> Entry:
         """The host's part of `confirm`: wait until every member entered, one is gone,
-        or `timeout`. One read of every key, then the entries are counted from a watch's
-        events (each carries the member's document): at a thousand members a read of
-        every key per burst of entries cost the host more than the entries themselves.
-        Members still waiting are probed (`_gone`) when no entry came for `_REPROBE_S`,
-        not while entries stream in (`_probe_some`)."""
+        or `timeout`. One read of every group's key, made once a watch from now is in
+        place (entries made meanwhile then come at once, not at etcd's next catch-up
+        round), then the entries are counted from the watch's events (each carries the
+        member's document): at a thousand members a read of every key per burst of
+        entries cost the host more than the entries themselves. Members still waiting
+        are probed (`_gone`) when no entry came for `_REPROBE_S`, not while entries
+        stream in (`_probe_some`)."""
         deadline = time.monotonic() + timeout
         quorum_key = self.root + "quorum"
         groups = self.root + "groups/"
-        while True:
+        waiting: set[str] = set()
+        probed: set[str] = set()
+        snap: Snapshot | None = None
+        gone: tuple[str, ...] = ()
+        seen = 0
+        reread = True  # read every group's key at the next wait
+
+        def read() -> int | None:
+            """The read the counting starts from; None: no need to wait."""
+            nonlocal snap, gone, seen
             snap = self.snapshot(votes=False)
-            if snap.quorum is None or snap.quorum.revision != quorum.revision:
-                return Entry(replaced=True)
-            waiting = {m for m in quorum.members
-                       if m in snap.groups and snap.groups[m].get("at") != quorum.id}
+            waiting.clear()
+            waiting.update(m for m in quorum.members
+                           if m in snap.groups and snap.groups[m].get("at") != quorum.id)
             gone = tuple(m for m in quorum.members if m not in snap.groups)
+            probed.clear()
             seen = snap.revision
-            reread = False
-            probed: set[str] = set()
+            stands = snap.quorum is not None and snap.quorum.revision == quorum.revision
+            return snap.revision if stands and waiting and not gone else None
 
-            def entered(kv: KeyValue | None, waiting: set[str] = waiting) -> bool:
-                """Count one event; True when the wait ends: all in, or a change that
-                needs a read (the quorum replaced, a key deleted, a member's key written
-                without its entry: a restart)."""
-                nonlocal seen, reread
-                if kv is None:
+        def entered(kv: KeyValue | None) -> bool:
+            """Count one event; True when the wait ends: all in, or a change that
+            needs a read (the quorum replaced, a key deleted, a member's key written
+            without its entry: a restart)."""
+            nonlocal seen, reread
+            if kv is None:
+                reread = True
+                return True
+            seen = max(seen, kv.mod_revision)
+            if kv.key == quorum_key:
+                reread = True
+                return True
+            name = kv.key[len(groups):] if kv.key.startswith(groups) else None
+            if name in waiting:
+                try:
+                    at = json.loads(kv.value).get("at")
+                except (ValueError, AttributeError):
+                    at = None
+                if at != quorum.id:
                     reread = True
                     return True
-                seen = max(seen, kv.mod_revision)
-                if kv.key == quorum_key:
-                    reread = True
-                    return True
-                name = kv.key[len(groups):] if kv.key.startswith(groups) else None
-                if name in waiting:
-                    try:
-                        at = json.loads(kv.value).get("at")
-                    except (ValueError, AttributeError):
-                        at = None
-                    if at != quorum.id:
-                        reread = True
-                        return True
-                    waiting.discard(name)
-                return not waiting
+                waiting.discard(name)
+            return not waiting
 
-            while True:
-                remaining = deadline - time.monotonic()
+        while True:
+            remaining = deadline - time.monotonic()
+            if reread and remaining <= 0:
+                read()  # a last look before giving up
+                reread = False
+            if not reread and snap is not None:
+                if snap.quorum is None or snap.quorum.revision != quorum.revision:
+                    return Entry(replaced=True)
                 if not gone and not waiting:
                     return Entry()
                 if gone or remaining <= 0:
@@ -1196,15 +1228,19 @@ class QuorumClient:
                                    self.group, quorum.id, list(absent),
                                    "gone" if gone else f"not within {timeout:.0f}s")
                     return Entry(absent=absent)
-                # One stream while entries flow; it ends at a lull of `_REPROBE_S`
-                # (and every `_STREAM_S` at most).
-                if not self.client.wait_for_change(self.root, seen,
-                                                   min(remaining, _STREAM_S),
-                                                   until=entered, idle_s=_REPROBE_S):
-                    # A lull: the members still waiting are slow, or gone.
-                    gone = self._probe_some(snap, quorum, waiting, probed, deadline)
-                elif reread or waiting:
-                    break  # or a broken watch: read again
+            fresh, reread = reread, False
+            # One stream while entries flow; it ends at a lull of `_REPROBE_S` (and
+            # every `_STREAM_S` at most).
+            woke = self.client.wait_for_change(
+                self.root, None if fresh else seen, min(remaining, _STREAM_S),
+                until=entered, then=read if fresh else None, idle_s=_REPROBE_S)
+            if fresh and snap is None:
+                reread = True  # the watch broke before its read: again
+            elif not woke and snap is not None and waiting:
+                # A lull: the members still waiting are slow, or gone.
+                gone = self._probe_some(snap, quorum, waiting, probed, deadline)
+            elif woke and not reread and waiting and not fresh:
+                reread = True  # a broken watch: read again
 
     def _probe_some(self, snap: Snapshot, quorum: Quorum, waiting: set[str],
                     probed: set[str], deadline: float) -> tuple[str, ...]:
