@@ -837,3 +837,20 @@ def test_a_large_quorum_document_is_compact_and_reads_back(kv) -> None:
             q.id, q.members, q.healing, q.out, q.host_store)
         # Every follower receives this document: about 2.5 bytes a member at 1,024.
         assert len(q.to_json()) < (200 if n == 3 else 3 * n)
+
+
+def test_survivors_find_every_dead_member_among_many_silent_ones(kv) -> None:
+    """Of 12 members, 3 are killed (their stores refuse) and the others vote one by one
+    after the decider began deciding, with a grace no test waits out: the decider finds
+    the dead ones by probing (in order while many are silent, every one once few are)
+    and re-forms with the nine that voted."""
+    stores = [_live_store() for _ in range(9)] + [_closed_address() for _ in range(3)]
+    _, groups, q0 = _followers(kv, 12, stores)
+    _fail_step(q0, groups[0])
+    got: list = []
+    t = _run(lambda: groups[0].agree(failed=(q0, 0), grace_s=600.0)[0], got)
+    for g in groups[1:9]:
+        time.sleep(0.02)
+        _fail_step(q0, g)
+    t.join(60)
+    assert got and got[0].members == tuple(f"g{i}" for i in range(9)), got
