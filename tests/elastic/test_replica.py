@@ -177,7 +177,8 @@ def test_survivors_keep_training_through_a_lost_group(etcd_cluster, tmp_path) ->
         assert len(digests) == 1, (s, digests)
     # Every sample of every step consumed exactly once, whatever the number of groups:
     # the committed update of step s summed the shares its quorum's members reduced
-    # (logged before each vote, so a member killed or frozen after voting counts too).
+    # (logged before each reduction, so a member killed or frozen during or after it
+    # counts too).
     for s in range(steps):
         committed = [e for g in groups for e in _steps(tmp_path, g) if e["step"] == s]
         assert len({e["quorum"] for e in committed}) == 1, (s, committed)

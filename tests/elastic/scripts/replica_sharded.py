@@ -105,11 +105,12 @@ def main() -> None:
             total += grad_of(w, i)
         dist.all_reduce(total)  # the group's sum over its ranks' samples
         grad = total[shard].clone()
-        # Summed across groups: every sample of the global batch once.
-        mgr.allreduce([sharded(grad) if a.dtensor else grad], weight=1.0)
-        # Logged before the vote: a group killed after voting still accounts for its share.
+        # Logged before the reduction (as in replica_train.py): a group killed while its
+        # peers' reduction completes still accounts for its share.
         event(a.out, ev="reduced", group=a.group, rank=rank, step=step, quorum=q.id,
               samples=mine)
+        # Summed across groups: every sample of the global batch once.
+        mgr.allreduce([sharded(grad) if a.dtensor else grad], weight=1.0)
         time.sleep(a.step_sleep)
         if mgr.should_commit(step):
             w_local.sub_(LR * grad / BATCH_R)

@@ -80,9 +80,12 @@ def main() -> None:
         for i in mine:
             total += grad_of(w, i)
         time.sleep(a.step_sleep)  # the forward/backward a real step would take
-        mgr.allreduce([total])
-        # Logged before the vote: a group killed after voting still accounts for its share.
+        # Logged before the reduction: a group killed while its peers' reduction completes
+        # (with its share in the sum) still accounts for its share. A reduction that
+        # fails everywhere is redone in the next quorum, and the checks count only the
+        # quorum that committed the step.
         event(a.out, ev="reduced", group=a.group, step=step, quorum=q.id, samples=mine)
+        mgr.allreduce([total])
         if step == a.die_before_apply_at:
             os._exit(9)  # killed between the reduction and the apply
         if mgr.should_commit(step):
