@@ -569,7 +569,7 @@ class EtcdClient:
                 result = msg.get("result", {})
                 if result.get("canceled") or result.get("compact_revision"):
                     return "broken", None
-                if result.get("created") and then is not None:
+                if result.get("created") and then is not None and after_revision is None:
                     read_at = then()
                     if read_at is None:
                         return "event", None

@@ -59,7 +59,7 @@ import zlib
 from collections import deque
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, TypeGuard
 
 from relight.elastic.etcd_client import (
     Compare,
@@ -242,13 +242,14 @@ class _LiveSnapshot:
 
     def __init__(self, snap: Snapshot, root: str) -> None:
         self.root = root
+        self.quorum = snap.quorum
         self.quorum_changed = False
         self.reset(snap)
 
     def reset(self, snap: Snapshot) -> None:
         """Start over from `snap`, a newer read of every key (`quorum_changed` if its
         quorum is not the one held)."""
-        held = getattr(self, "quorum", snap.quorum)
+        held = self.quorum
         self.groups, self.written = dict(snap.groups), dict(snap.written)
         self.votes = {at: dict(v) for at, v in snap.votes.items()}
         self.voted = dict(snap.voted)
@@ -402,6 +403,11 @@ def _store_answers(addr: tuple[str, int], timeout: float) -> bool | None:
         return False
     except OSError:
         return None
+
+
+def _reports_on(report: KeyValue | None, quorum: Quorum) -> TypeGuard[KeyValue]:
+    """Whether `report` (the `quorum-entered` key) is the host's report on `quorum`."""
+    return report is not None and int(report.json()["id"]) == quorum.id
 
 
 def _entry_said(report: KeyValue) -> Entry:
@@ -778,16 +784,15 @@ class QuorumClient:
         deadline = time.monotonic() + (grace_s if failed else 0.0) + self.follow_s
         while True:
             self._check_lease()
-            got = feed.wait(outcome, min(max(deadline - time.monotonic(), 0.0),
-                                         self.lease_ttl))
-            if got is None:
+            said = feed.wait(outcome, min(max(deadline - time.monotonic(), 0.0),
+                                          self.lease_ttl))
+            if said is None:
                 if time.monotonic() < deadline and feed.running:
                     continue  # checks the lease again
                 logger.info("[replica %s] quorum %d: its deciders %s said nothing "
                             "within %.1fs; deciding alone", self.group, known.id,
                             list(known.deciders(self.deciders)), self.follow_s)
                 return None
-            said = got
             self.last_revision = max(self.last_revision, said.mod_revision)
             revision = max(feed.revision, said.mod_revision)
             if said.key == quorum_key:
@@ -1282,7 +1287,7 @@ class QuorumClient:
         def reported(keys: Mapping[str, KeyValue]) -> KeyValue | None:
             """The host's report on `quorum`, or the quorum key written after it."""
             said = keys.get(entered_key)
-            if said is not None and int(said.json()["id"]) == quorum.id:
+            if _reports_on(said, quorum):
                 return said
             current = keys.get(quorum_key)
             if current is not None and current.mod_revision > quorum.revision:
@@ -1303,7 +1308,7 @@ class QuorumClient:
             said, host = (next((kv for kv in r if kv.key == key), None)
                           for r, key in zip(result.ranges, (entered_key, host_key),
                                             strict=True))
-            if said is not None and int(said.json()["id"]) == quorum.id:
+            if _reports_on(said, quorum):
                 return _entry_said(said)
             if host is None:
                 return self._host_gone(quorum, "is gone")
