@@ -183,4 +183,6 @@ def test_warming_the_s3_sdk_leaves_nothing_running(monkeypatch) -> None:
     monkeypatch.setenv("AWS_ENDPOINT_URL", "http://127.0.0.1:9")  # nothing listens there
     before = {t.ident for t in threading.enumerate()}
     assert warm_s3_sdk() is True
-    assert {t.ident for t in threading.enumerate()} == before
+    # No thread started by it lives on; a thread of an earlier test may have ended
+    # meanwhile, so the set may shrink.
+    assert {t.ident for t in threading.enumerate()} <= before
