@@ -28,8 +28,11 @@ the steps and what a membership change costs. Per size, one round:
 The clients run as threads of `--procs` worker processes (8; groups dealt round-robin),
 on the same cores as the three etcd members:
 on a machine of 2 cores the settle times at large N include the simulator's own CPU
-(reported as `clients_cpu_s`, the worker processes' CPU over the change). The
-server-side counts do not depend on it. Per change, `phases` says when the first,
+(reported as `clients_cpu_s`, the worker processes' CPU over the change), and
+`cores_busy` says how much of the machine the change kept busy: (etcd's CPU + the
+clients' CPU) / (cores x the change's window). Near 1, the settle time is what the
+machine's cores can do, not a wait in the protocol. The server-side counts do not
+depend on it. Per change, `phases` says when the first,
 median and last group of each role in the new quorum (its host, its other deciders, its
 followers) voted or saw the change, took the new quorum, and entered it (seconds from
 the change): where a settle time goes.
@@ -119,6 +122,12 @@ def _scrape(endpoints: list[str]) -> dict[str, float]:
             elif base == _COUNTERS[2]:
                 out["bytes_out"] += float(value)
     return out
+
+
+def _cores_busy(change: dict[str, float], clients_cpu_s: float) -> float:
+    """The share of the machine's cores that etcd and the clients kept busy over a
+    change's window (`_Probe.delta`)."""
+    return (change["cpu_s"] + clients_cpu_s) / ((os.cpu_count() or 1) * change["wall_s"])
 
 
 def _cpu_s(pids: list[int]) -> float:
@@ -485,13 +494,15 @@ def _one_size(pool: _Pool, endpoints: list[str], pids: list[int], n: int,
         failed = pool.call(used, "fail_over", first, dead, 1.0 + 2 * cfg.step_s, timeout,
                            timeout=timeout)
         lost = probe.delta()
+        clients_cpu = _cpu_s(pool.pids) - clients_cpu0
         done = [t for d, _, _ in failed for t in d]
         errors = [e for _, errs, _ in failed for e in errs]
         row["lost"] = {"settle_s": max(done) - t0 if len(done) == n - 1 else None,
                        "requests_per_group": lost["requests"] / (n - 1),
                        "bytes_per_group": (lost["bytes_in"] + lost["bytes_out"]) / (n - 1),
                        "etcd_cpu_s": lost["cpu_s"],
-                       "clients_cpu_s": _cpu_s(pool.pids) - clients_cpu0,
+                       "clients_cpu_s": clients_cpu,
+                       "cores_busy": _cores_busy(lost, clients_cpu),
                        "phases": _phases([m for _, _, ms in failed for m in ms], t0),
                        "errors": errors[:3]}
         if errors or len(done) < n - 1:
@@ -504,13 +515,15 @@ def _one_size(pool: _Pool, endpoints: list[str], pids: list[int], n: int,
                           False, timeout=timeout)
         taken = pool.call(used, "take_in", joiner, timeout, timeout=timeout)
         joined = probe.delta()
+        clients_cpu = _cpu_s(pool.pids) - clients_cpu0
         done = [t for d, _, _ in taken for t in d]
         errors = [e for _, errs, _ in taken for e in errs]
         row["joined"] = {"settle_s": max(done) - t0 if len(done) == n else None,
                          "requests_per_group": joined["requests"] / n,
                          "bytes_per_group": (joined["bytes_in"] + joined["bytes_out"]) / n,
                          "etcd_cpu_s": joined["cpu_s"],
-                         "clients_cpu_s": _cpu_s(pool.pids) - clients_cpu0,
+                         "clients_cpu_s": clients_cpu,
+                         "cores_busy": _cores_busy(joined, clients_cpu),
                          "phases": _phases([m for _, _, ms in taken for m in ms], t0),
                          "errors": errors[:3]}
         return row

@@ -27,6 +27,10 @@ def test_a_small_fleet_loses_a_group_and_takes_a_joiner_in() -> None:
     assert row["lost"]["settle_s"] is not None and row["lost"]["errors"] == []
     assert row["joined"]["settle_s"] is not None and row["joined"]["errors"] == []
     assert row["lost"]["requests_per_group"] > 0 and row["joined"]["bytes_per_group"] > 0
+    # Some of the machine was busy in each change, and no more than all of it (a share
+    # above 1 would mean the CPU and the window were read over different spans).
+    for change in ("lost", "joined"):
+        assert 0 < row[change]["cores_busy"] <= 1.05, row[change]
 
 
 def test_the_lighthouse_model_counts_heartbeats_and_quorum_requests() -> None:
