@@ -25,7 +25,8 @@ systems (ABBA order over `--rounds`), and each figure is the median over rounds:
   rchar does not see them);
   on S3 the payload bytes fetched, counted in s3fs (DCP's fsspec reader, Relight's direct
   shard reads) and by tensorstore's own kvstore counters (Relight's tensorstore reads);
-  Relight's chunk accounting is in "extra";
+  Relight's chunk accounting is in "extra" (`relight_reshard_chunk_bytes`, and
+  `relight_reshard_reads`: the requests its store made for them, summed over ranks);
 - peak_rss_mb: extra host memory: the largest rise of a rank's RSS during any timed
   phase of that system (targets are allocated before a phase starts), sampled every 5 ms;
 - on files, `--condition kept` (the default) leaves every system's earlier rounds on
@@ -479,10 +480,12 @@ def _worker(rank: int, world: int, init: str, args: dict, out_q: Any) -> None:
                 / max(1.0, summed(after["bytes_read"] - before["bytes_read"])))
             del same
             tgt = make_state(mesh2, n, rows, [Shard(0), Shard(1)], [Shard(0), Replicate()], False)
-            c0, s0 = _bytes_read_now(s3), newest.stats.snapshot()["bytes_read"]
+            c0, s0 = _bytes_read_now(s3), newest.stats.snapshot()
             rec(system, "reshard_load_s",
                 timed(lambda: ckpt.load(tgt, newest), system, url + "-async"))
-            chunk_bytes = summed(newest.stats.snapshot()["bytes_read"] - s0)
+            s1 = newest.stats.snapshot()
+            chunk_bytes = summed(s1["bytes_read"] - s0["bytes_read"])
+            extra.setdefault("relight_reshard_reads", []).append(summed(s1["reads"] - s0["reads"]))
             # rchar counts read()/pread() only: Relight's mapped reads of cached pages
             # would count as nothing; its store counts every byte it hands over.
             rec(system, "bytes_read_reshard",

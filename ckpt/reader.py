@@ -175,7 +175,7 @@ class RegionReader:
         fut = reads.pool(self.store).submit(
             read_shard_region, self.store, key, geo, src, view, url=self.store.url,
             tensor=self.name, cpu=reads.decode_lock, expect=self.m.chunk_crcs(key),
-            compression=comp, buffers=reads.buffers)
+            compression=comp, buffers=reads.buffers, gap_bytes=reads.gap_bytes(self.store))
         self.parts.append((fut, dst, None, key))
 
     def _ts(self, src: Any, dst: tuple[slice, ...], obj: str) -> None:

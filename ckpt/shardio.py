@@ -343,7 +343,7 @@ def read_shard_region(store: Store, key: str, geo: ShardGeometry, region: tuple[
                       cpu: AbstractContextManager[Any] | None = None,
                       expect: list[int | None] | None = None,
                       compression: str | None = None,
-                      buffers: BufferPool | None = None) -> int:
+                      buffers: BufferPool | None = None, gap_bytes: int = 0) -> int:
     """Fill `out` (shape of `region`, the dtype stored) with `region` of the shard object
     at `key`. Returns the bytes fetched: the whole object in one get when every inner
     chunk is needed, else only the inner chunks `region` overlaps (adjacent ones in one
@@ -353,7 +353,9 @@ def read_shard_region(store: Store, key: str, geo: ShardGeometry, region: tuple[
     each inner chunk (storage order), checked for every chunk read
     (`ChecksumMismatchError` naming the chunk on a mismatch). `buffers`: where the fetched
     bytes go (`Store.get_view`), reused by the reads that follow; without it each fetch
-    is a new `bytes`.
+    is a new `bytes`. `gap_bytes`: needed chunks at most this far apart come in one
+    ranged get, the bytes between them fetched and dropped (where a request costs more
+    than moving that many bytes: `ckpt.read_pools.READ_GAP_BYTES`).
 
     A partial read whose chunks `expect` records reads them where this module and
     tensorstore put them (chunk `i` at `i * (chunk_bytes + 4)`) without the index: each
@@ -378,7 +380,8 @@ def read_shard_region(store: Store, key: str, geo: ShardGeometry, region: tuple[
     if not whole and expect is not None and all(expect[lin] is not None for lin, _ in cells):
         try:
             _read_spans(store, key, geo, [(lin * step, lin, cell) for lin, cell in cells],
-                        None, region, out, url, tensor, cpu, expect, buffers, fetched)
+                        None, region, out, url, tensor, cpu, expect, buffers, fetched,
+                        gap_bytes)
             return fetched[0]
         except CorruptCheckpointError:
             pass  # not at its canonical place: the index says where, or what is wrong
@@ -399,7 +402,7 @@ def read_shard_region(store: Store, key: str, geo: ShardGeometry, region: tuple[
             spans.append((off, lin, cell))
         fetched[0] += end if whole else raw.size
         _read_spans(store, key, geo, spans, blob if whole else None, region, out, url, tensor,
-                    cpu, expect, buffers, fetched)
+                    cpu, expect, buffers, fetched, gap_bytes)
         return fetched[0]
     finally:
         _give_back(buffers, taken)
@@ -409,16 +412,17 @@ def _read_spans(store: Store, key: str, geo: ShardGeometry,
                 spans: list[tuple[int, int, tuple[int, ...]]], blob: np.ndarray | None,
                 region: tuple[slice, ...], out: np.ndarray, url: str, tensor: str,
                 cpu: AbstractContextManager[Any] | None, expect: list[int | None] | None,
-                buffers: BufferPool | None, fetched: list[int]) -> None:
+                buffers: BufferPool | None, fetched: list[int], gap_bytes: int = 0) -> None:
     """Check and place the inner chunks at `spans` ((offset, storage position, cell)):
     from `blob` (the whole object, already fetched), else fetched run by run (chunks
-    stored back to back in one ranged get). Adds the bytes fetched here to `fetched[0]`
-    as each run arrives (so that a read that fails part-way still counts them)."""
+    stored back to back, or at most `gap_bytes` apart, in one ranged get). Adds the
+    bytes fetched here to `fetched[0]` as each run arrives (so that a read that fails
+    part-way still counts them)."""
     step = geo.chunk_bytes + 4
     i = 0
     while i < len(spans):
-        j = i + 1  # a run of chunks stored back to back: one ranged get
-        while j < len(spans) and spans[j][0] == spans[j - 1][0] + step:
+        j = i + 1  # a run of chunks close enough to share one ranged get
+        while j < len(spans) and 0 <= spans[j][0] - (spans[j - 1][0] + step) <= gap_bytes:
             j += 1
         taken: list[np.ndarray] = []
         try:

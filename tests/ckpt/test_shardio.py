@@ -67,6 +67,34 @@ def test_partial_read_fetches_only_overlapped_chunks(tmp_path) -> None:
     assert fetched == geo.index_bytes + geo.chunk_bytes + 4  # one of four inner chunks
 
 
+def test_chunks_a_small_gap_apart_come_in_one_ranged_get(tmp_path) -> None:
+    """A column half of a 2 x 2 tiled shard (a tp reshard) needs tiles 0 and 2: two
+    ranged gets, or, where a request costs more than a tile's bytes (`gap_bytes`, as on
+    S3), one get over tiles 0-2 whose middle tile is fetched and dropped."""
+    store = storage.open_store(tmp_path / "g")
+    geo = ShardGeometry((64, 64), (32, 32), 4)
+    x = np.arange(64 * 64, dtype=np.float32).reshape(64, 64)
+    crcs: list[int | None] = []
+    store.put("k", encode_shard(x, geo, crcs))
+    half = (slice(0, 64), slice(0, 32))
+    tile = geo.chunk_bytes + 4
+    for gap, gets, fetched_bytes in ((0, 2, 2 * tile), (tile - 1, 2, 2 * tile),
+                                     (tile, 1, 3 * tile), (4 << 20, 1, 3 * tile)):
+        out = np.zeros((64, 32), np.float32)
+        reads = store.stats.reads
+        fetched = read_shard_region(store, "k", geo, half, out, url=store.url, tensor="t",
+                                    expect=crcs, gap_bytes=gap)
+        np.testing.assert_array_equal(out, x[half])
+        assert (store.stats.reads - reads, fetched) == (gets, fetched_bytes), gap
+    # Through the index (no checksums to bind the chunks' places) the same.
+    out = np.zeros((64, 32), np.float32)
+    reads = store.stats.reads
+    fetched = read_shard_region(store, "k", geo, half, out, url=store.url, tensor="t",
+                                gap_bytes=tile)
+    np.testing.assert_array_equal(out, x[half])
+    assert (store.stats.reads - reads, fetched) == (2, geo.index_bytes + 3 * tile)
+
+
 def _permuted(x: np.ndarray, geo: ShardGeometry, order: list[int]) -> bytes:
     """A valid shard object of `x` whose inner chunks are stored in `order` (storage
     positions), with an index that says so: what a writer of another chunk order writes."""
