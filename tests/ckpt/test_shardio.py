@@ -67,15 +67,23 @@ def test_partial_read_fetches_only_overlapped_chunks(tmp_path) -> None:
     assert fetched == geo.index_bytes + geo.chunk_bytes + 4  # one of four inner chunks
 
 
-def test_chunks_a_small_gap_apart_come_in_one_ranged_get(tmp_path) -> None:
-    """A column half of a 2 x 2 tiled shard (a tp reshard) needs tiles 0 and 2: two
-    ranged gets, or, where a request costs more than a tile's bytes (`gap_bytes`, as on
-    S3), one get over tiles 0-2 whose middle tile is fetched and dropped."""
-    store = storage.open_store(tmp_path / "g")
+def _tiled_shard(tmp_path) -> tuple[storage.Store, ShardGeometry, np.ndarray,
+                                    list[int | None]]:
+    """A 64 x 64 float32 shard of 2 x 2 inner chunks stored at "k", and its chunks'
+    crc32c."""
+    store = storage.open_store(tmp_path / "s")
     geo = ShardGeometry((64, 64), (32, 32), 4)
     x = np.arange(64 * 64, dtype=np.float32).reshape(64, 64)
     crcs: list[int | None] = []
     store.put("k", encode_shard(x, geo, crcs))
+    return store, geo, x, crcs
+
+
+def test_chunks_a_small_gap_apart_come_in_one_ranged_get(tmp_path) -> None:
+    """A column half of a 2 x 2 tiled shard (a tp reshard) needs tiles 0 and 2: two
+    ranged gets, or, where a request costs more than a tile's bytes (`gap_bytes`, as on
+    S3), one get over tiles 0-2 whose middle tile is fetched and dropped."""
+    store, geo, x, crcs = _tiled_shard(tmp_path)
     half = (slice(0, 64), slice(0, 32))
     tile = geo.chunk_bytes + 4
     for gap, gets, fetched_bytes in ((0, 2, 2 * tile), (tile - 1, 2, 2 * tile),
@@ -117,11 +125,7 @@ def test_partial_read_of_bound_chunks_skips_the_index(tmp_path) -> None:
     it; damage to the index alone does not stop a read that does not use it."""
     from relight.ckpt.errors import ChecksumMismatchError
 
-    store = storage.open_store(tmp_path / "s")
-    geo = ShardGeometry((64, 64), (32, 32), 4)
-    x = np.arange(64 * 64, dtype=np.float32).reshape(64, 64)
-    crcs: list[int | None] = []
-    store.put("k", encode_shard(x, geo, crcs))
+    store, geo, x, crcs = _tiled_shard(tmp_path)
     region = (slice(40, 50), slice(3, 23))
     out = np.empty((10, 20), np.float32)
     fetched = read_shard_region(store, "k", geo, region, out, url=store.url, tensor="t",
