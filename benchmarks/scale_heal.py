@@ -15,7 +15,8 @@ the steps and what a membership change costs. Per size, one round:
    etcd requests and bytes per group per step at `--step-s` steps, and the etcd
    members' CPU per step, from the servers' own counters (`/metrics`:
    `grpc_server_started_total`, `etcd_network_client_grpc_{received,sent}_bytes_total`;
-   `/proc/<pid>/stat` for CPU);
+   `/proc/<pid>/stat` for CPU), and the worker processes' CPU per step (what a change's
+   window holds of the standing load);
 3. a lost group: the last group's process dies (its store stops listening; its lease
    lives on, as after a kill); every survivor's reduction fails, it votes the failure and
    agrees again: settle time from the failure to the last survivor entering the new
@@ -476,13 +477,16 @@ def _one_size(pool: _Pool, endpoints: list[str], pids: list[int], n: int,
             return row
         # 2. happy path
         probe = _Probe(endpoints, pids)
+        clients_cpu0 = _cpu_s(pool.pids)
         time.sleep(cfg.quiet_s)
         quiet = probe.delta()
+        clients_cpu = _cpu_s(pool.pids) - clients_cpu0
         steps = quiet["wall_s"] / cfg.step_s
         row["quiet"] = {
             "requests_per_group_step": quiet["requests"] / n / steps,
             "bytes_per_group_step": (quiet["bytes_in"] + quiet["bytes_out"]) / n / steps,
             "etcd_cpu_per_step_s": quiet["cpu_s"] / steps,
+            "clients_cpu_per_step_s": clients_cpu / steps,
             "server_requests_per_s": quiet["requests"] / quiet["wall_s"],
             "window_s": quiet["wall_s"]}
         # 3. a lost group

@@ -24,6 +24,7 @@ def test_a_small_fleet_loses_a_group_and_takes_a_joiner_in() -> None:
     # A standing quorum: leases kept alive, watches open; etcd served some requests.
     assert row["quiet"]["requests_per_group_step"] > 0
     assert row["quiet"]["bytes_per_group_step"] > 0
+    assert row["quiet"]["clients_cpu_per_step_s"] >= 0
     # The lost group's survivors and the joiner's quorum settled, every member in.
     assert row["lost"]["settle_s"] is not None and row["lost"]["errors"] == []
     assert row["joined"]["settle_s"] is not None and row["joined"]["errors"] == []
