@@ -125,10 +125,11 @@ def _scrape(endpoints: list[str]) -> dict[str, float]:
     return out
 
 
-def _cores_busy(change: dict[str, float], clients_cpu_s: float) -> float:
+def _cores_busy(change: dict[str, float]) -> float:
     """The share of the machine's cores that etcd and the clients kept busy over a
     change's window (`_Probe.delta`)."""
-    return (change["cpu_s"] + clients_cpu_s) / ((os.cpu_count() or 1) * change["wall_s"])
+    return (change["cpu_s"] + change["clients_cpu_s"]) / ((os.cpu_count() or 1)
+                                                           * change["wall_s"])
 
 
 def _cpu_s(pids: list[int]) -> float:
@@ -141,16 +142,19 @@ def _cpu_s(pids: list[int]) -> float:
 
 
 class _Probe:
-    """Server counters and CPU between two points."""
+    """Server counters, the etcd members' CPU (`pids`) and the worker processes' CPU
+    (`clients`) between two points."""
 
-    def __init__(self, endpoints: list[str], pids: list[int]) -> None:
-        self.endpoints, self.pids = endpoints, pids
-        self.t0, self.c0, self.cpu0 = time.monotonic(), _scrape(endpoints), _cpu_s(pids)
+    def __init__(self, endpoints: list[str], pids: list[int], clients: list[int]) -> None:
+        self.endpoints, self.pids, self.clients = endpoints, pids, clients
+        self.t0, self.c0 = time.monotonic(), _scrape(endpoints)
+        self.cpu0, self.clients_cpu0 = _cpu_s(pids), _cpu_s(clients)
 
     def delta(self) -> dict[str, float]:
-        c1, cpu1 = _scrape(self.endpoints), _cpu_s(self.pids)
+        c1, cpu1, clients_cpu1 = _scrape(self.endpoints), _cpu_s(self.pids), _cpu_s(self.clients)
         out = {k: c1[k] - self.c0[k] for k in c1}
         out["cpu_s"] = cpu1 - self.cpu0
+        out["clients_cpu_s"] = clients_cpu1 - self.clients_cpu0
         out["wall_s"] = time.monotonic() - self.t0
         return out
 
@@ -476,58 +480,52 @@ def _one_size(pool: _Pool, endpoints: list[str], pids: list[int], n: int,
             row["errors"] = errors[:3]
             return row
         # 2. happy path
-        probe = _Probe(endpoints, pids)
-        clients_cpu0 = _cpu_s(pool.pids)
+        probe = _Probe(endpoints, pids, pool.pids)
         time.sleep(cfg.quiet_s)
         quiet = probe.delta()
-        clients_cpu = _cpu_s(pool.pids) - clients_cpu0
         steps = quiet["wall_s"] / cfg.step_s
         row["quiet"] = {
             "requests_per_group_step": quiet["requests"] / n / steps,
             "bytes_per_group_step": (quiet["bytes_in"] + quiet["bytes_out"]) / n / steps,
             "etcd_cpu_per_step_s": quiet["cpu_s"] / steps,
-            "clients_cpu_per_step_s": clients_cpu / steps,
+            "clients_cpu_per_step_s": quiet["clients_cpu_s"] / steps,
             "server_requests_per_s": quiet["requests"] / quiet["wall_s"],
             "window_s": quiet["wall_s"]}
         # 3. a lost group
         dead = names[-1]
         pool.call([owner[dead]], "die", dead, timeout=timeout)
-        probe = _Probe(endpoints, pids)
-        clients_cpu0 = _cpu_s(pool.pids)
+        probe = _Probe(endpoints, pids, pool.pids)
         t0 = time.monotonic()
         failed = pool.call(used, "fail_over", first, dead, 1.0 + 2 * cfg.step_s, timeout,
                            timeout=timeout)
         lost = probe.delta()
-        clients_cpu = _cpu_s(pool.pids) - clients_cpu0
         done = [t for d, _, _ in failed for t in d]
         errors = [e for _, errs, _ in failed for e in errs]
         row["lost"] = {"settle_s": max(done) - t0 if len(done) == n - 1 else None,
                        "requests_per_group": lost["requests"] / (n - 1),
                        "bytes_per_group": (lost["bytes_in"] + lost["bytes_out"]) / (n - 1),
                        "etcd_cpu_s": lost["cpu_s"],
-                       "clients_cpu_s": clients_cpu,
-                       "cores_busy": _cores_busy(lost, clients_cpu),
+                       "clients_cpu_s": lost["clients_cpu_s"],
+                       "cores_busy": _cores_busy(lost),
                        "phases": _phases([m for _, _, ms in failed for m in ms], t0),
                        "errors": errors[:3]}
         if errors or len(done) < n - 1:
             return row
         # 4. a joiner
         joiner = f"j{n:05d}"
-        probe = _Probe(endpoints, pids)
-        clients_cpu0 = _cpu_s(pool.pids)
+        probe = _Probe(endpoints, pids, pool.pids)
         (t0,) = pool.call([used[0]], "build", endpoints, job, [joiner], cfg.lease_ttl_s,
                           False, timeout=timeout)
         taken = pool.call(used, "take_in", joiner, timeout, timeout=timeout)
         joined = probe.delta()
-        clients_cpu = _cpu_s(pool.pids) - clients_cpu0
         done = [t for d, _, _ in taken for t in d]
         errors = [e for _, errs, _ in taken for e in errs]
         row["joined"] = {"settle_s": max(done) - t0 if len(done) == n else None,
                          "requests_per_group": joined["requests"] / n,
                          "bytes_per_group": (joined["bytes_in"] + joined["bytes_out"]) / n,
                          "etcd_cpu_s": joined["cpu_s"],
-                         "clients_cpu_s": clients_cpu,
-                         "cores_busy": _cores_busy(joined, clients_cpu),
+                         "clients_cpu_s": joined["clients_cpu_s"],
+                         "cores_busy": _cores_busy(joined),
                          "phases": _phases([m for _, _, ms in taken for m in ms], t0),
                          "errors": errors[:3]}
         return row

@@ -44,5 +44,7 @@ def test_the_lighthouse_model_counts_heartbeats_and_quorum_requests() -> None:
 def test_cores_busy_is_the_cpu_of_a_change_over_the_machines_cores(monkeypatch) -> None:
     monkeypatch.setattr(scale_heal.os, "cpu_count", lambda: 2)
     # etcd 1.5 CPU-s and the clients 1.5 over 2 s on 2 cores: three quarters busy.
-    assert scale_heal._cores_busy({"cpu_s": 1.5, "wall_s": 2.0}, 1.5) == pytest.approx(0.75)
-    assert scale_heal._cores_busy({"cpu_s": 2.0, "wall_s": 1.0}, 0.0) == pytest.approx(1.0)
+    assert scale_heal._cores_busy({"cpu_s": 1.5, "clients_cpu_s": 1.5, "wall_s": 2.0}
+                                  ) == pytest.approx(0.75)
+    assert scale_heal._cores_busy({"cpu_s": 2.0, "clients_cpu_s": 0.0, "wall_s": 1.0}
+                                  ) == pytest.approx(1.0)
