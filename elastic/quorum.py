@@ -19,10 +19,13 @@ group therefore trains step `s` in the same quorum. Before building a new quorum
 process group, each member enters it (`at` in its key) and waits for the others
 (`confirm`; the quorum's host counts the entries and says the outcome in
 `quorum-entered`): a quorum replaced meanwhile is dropped at once instead of after a
-collective timeout. Cross-group collectives of quorum `n`
-run on a process group built from a fresh store prefix (`quorum/{n}/`), so a group that
-still holds quorum `n - 1` can never meet a newer quorum's collectives (the fence on the
-data path).
+collective timeout. After a failed step a survivor's `fail` vote is its entry into the
+successor (only one quorum can follow the failed one, and a survivor takes it whatever
+changed meanwhile): when every member of the successor voted `fail`, the quorum document
+says it is entered (`Quorum.entered`) and nobody writes an entry or counts. Cross-group
+collectives of quorum `n` run on a process group built from a fresh store prefix
+(`quorum/{n}/`), so a group that still holds quorum `n - 1` can never meet a newer
+quorum's collectives (the fence on the data path).
 
 **Steps.** In a standing quorum a step's outcome comes from its cross-group reduction
 (`elastic.replica`): etcd sees no request between two steps. Each member watches the job's
@@ -109,6 +112,9 @@ class Quorum:
     host_store: tuple[str, int] | None = field(default=None, compare=False)
     """The address of the store `host` advertised when the quorum was decided: a
     follower reaches the quorum's process groups without reading the host's key."""
+    entered: bool = field(default=False, compare=False)
+    """Every member entered it with its `fail` vote in the quorum it follows
+    (`QuorumClient.vote`): nobody writes an entry or waits for the host's count."""
 
     def rank(self, group: str) -> int:
         return self.members.index(group)
@@ -143,6 +149,8 @@ class Quorum:
                                "out": {g: rev for g, rev in self.out}}
         if self.host_store is not None:
             doc["host_store"] = list(self.host_store)
+        if self.entered:
+            doc["entered"] = True
         if len(self.members) > _PLAIN_MEMBERS:
             # Every follower receives this document at every change: the names of a
             # large quorum, compressed, are a fifth of their JSON list.
@@ -164,7 +172,8 @@ class Quorum:
         return cls(int(doc["id"]), members, revision,
                    tuple(str(m) for m in doc.get("healing", [])),
                    tuple((str(g), int(r)) for g, r in doc.get("out", {}).items()),
-                   None if store is None else (str(store[0]), int(store[1])))
+                   None if store is None else (str(store[0]), int(store[1])),
+                   bool(doc.get("entered", False)))
 
 
 @dataclass(frozen=True, slots=True)
@@ -405,6 +414,15 @@ def _store_answers(addr: tuple[str, int], timeout: float) -> bool | None:
         return None
 
 
+def _entered_by_vote(proposal: Quorum, current: Quorum, snap: Snapshot) -> bool:
+    """Whether every member of `proposal`, the successor of `current`, entered it with a
+    `fail` vote in `current` (`QuorumClient.vote`), as `snap` shows: then how entering
+    went is known as the quorum is proposed."""
+    failed = {m for (qid, _), votes in snap.votes.items() if qid == current.id
+              for m, v in votes.items() if v == "fail"}
+    return proposal.size > 1 and all(m in failed for m in proposal.members)
+
+
 def _reports_on(report: KeyValue | None, quorum: Quorum) -> TypeGuard[KeyValue]:
     """Whether `report` (the `quorum-entered` key) is the host's report on `quorum`."""
     return report is not None and int(report.json()["id"]) == quorum.id
@@ -463,6 +481,12 @@ class QuorumClient:
         self._keeper: LeaseKeeper | None = None
         self._doc: dict[str, Any] = {}
         self._my_votes: deque[str] = deque()
+        self._entered_ahead: int | None = None
+        """The quorum this group entered with its `fail` vote (`vote`): the failed
+        quorum's successor, before anyone proposed it."""
+        self._owes_change = False
+        """The quorum `agree` returns was taken as entered with the vote while the read
+        showed a change to act on: the membership watch says so at once."""
         self._after_vote: tuple[int, int, Snapshot] | None = None
         """`(quorum id, step, snapshot)`: everything under the root as this group's vote
         left it, read in the vote's own transaction; `decide` starts from it."""
@@ -737,25 +761,35 @@ class QuorumClient:
         `follow_s` (after the failover grace, for a failed step), or finds itself left
         out, decides for itself as a decider does. A thousand groups then cost etcd a few
         reads of every key per change, not one per group."""
-        known = failed[0] if failed is not None else self._known
-        if absent is None and known is not None:
-            followed = self._follow(known, failed is not None,
-                                    self.failover_grace_s if grace_s is None else grace_s)
-            if followed is not None:
-                self._known, self._judged_at = followed[0], None
-                return followed
-        quorum, snap = self._agree_full(failed=failed, absent=absent, min_groups=min_groups,
-                                        grace_s=grace_s)
-        if (failed is None and known is not None and quorum.id == known.id
-                and quorum.size > self.deciders
-                and self.group in quorum.deciders(self.deciders)):
-            self._say_checked(quorum, snap.revision)
-        # The window between this read and the members' entries is checked by the
-        # group that wrote the quorum (it read first) and its deciders, not by every
-        # member: at the first quorum every group reads every key.
-        checks = quorum.id == self._wrote or self.group in quorum.deciders(self.deciders)
-        self._known, self._judged_at = quorum, snap.revision if checks else None
-        return quorum, snap
+        try:
+            known = failed[0] if failed is not None else self._known
+            if absent is None and known is not None:
+                followed = self._follow(known, failed is not None,
+                                        self.failover_grace_s if grace_s is None else grace_s)
+                if followed is not None:
+                    self._known, self._judged_at = followed[0], None
+                    return followed
+            quorum, snap = self._agree_full(failed=failed, absent=absent, min_groups=min_groups,
+                                            grace_s=grace_s)
+            if (failed is None and known is not None and quorum.id == known.id
+                    and quorum.size > self.deciders
+                    and self.group in quorum.deciders(self.deciders)):
+                self._say_checked(quorum, snap.revision)
+            # The window between this read and the members' entries is checked by the
+            # group that wrote the quorum (it read first) and its deciders, not by every
+            # member: at the first quorum every group reads every key.
+            checks = quorum.id == self._wrote or self.group in quorum.deciders(self.deciders)
+            judged_at: int | None = snap.revision if checks else None
+            if self._owes_change:
+                # Taken as entered with the vote although the read shows a change (a joiner
+                # that asked meanwhile): the membership watch says it at once (every key is
+                # newer than revision 0), so the members take it in at the next boundary.
+                judged_at, self._owes_change = 0, False
+            self._known, self._judged_at = quorum, judged_at
+            return quorum, snap
+        finally:
+            # A `fail` vote's entry holds for the agreement right after it, not later.
+            self._entered_ahead = None
 
     def _follow(self, known: Quorum, failed: bool, grace_s: float
                 ) -> tuple[Quorum, Snapshot] | None:
@@ -941,6 +975,16 @@ class QuorumClient:
                                               f"{live[0]} restored no state from storage")
                         continue
                     # Every member that holds the state is gone: re-form without them.
+                if (current is not None and current.id == self._entered_ahead
+                        and self.group in current.members and current.healthy):
+                    # This group entered `current` with its vote: its host may have
+                    # counted it in already, and the others build the quorum's process
+                    # group with it. A change seen now waits for the next step boundary
+                    # (a member found gone while they enter re-forms the quorum at once).
+                    self._last_quorum = current.id
+                    self._owes_change = self._entitled(current, snap,
+                                                       self._admit_before) != current.members
+                    return current, snap
                 entitled = self._entitled(current, snap, self._admit_before)
                 # A group asking to heal enters only a quorum that names it as healing: a
                 # restarted group still listed in the quorum it fell out of holds no state.
@@ -960,6 +1004,10 @@ class QuorumClient:
                                           current)
             self.requests += 1
             quorum_key = self.root + "quorum"
+            if current is not None and _entered_by_vote(proposal, current, snap):
+                # Every member entered this successor with its vote: the quorum says so,
+                # and nobody writes an entry or waits for a count.
+                proposal = dataclasses.replace(proposal, entered=True)
             result = self.client.txn(
                 [Compare(quorum_key, "mod", "==", current.revision if current else 0)],
                 [OpPut(quorum_key, proposal.to_json())], [OpRange(quorum_key)])
@@ -1144,8 +1192,15 @@ class QuorumClient:
         membership costs each of them a constant number of small requests, not a read
         of every group's key per entry. A host that is gone (its key deleted or its
         store refusing) or silent past the timeout is absent itself, decided by each
-        member alike."""
+        member alike.
+
+        A quorum whose members all entered it with their `fail` votes
+        (`Quorum.entered`) is complete at once, with no request: a member that died
+        after its vote fails the process group's build instead (`collective_timeout_s`),
+        and the next quorum forms without it."""
         self._doc["at"] = quorum.id
+        if quorum.entered:
+            return Entry()  # every member entered with its vote
         if quorum.host == self.group:
             self._publish()
             entry = self._count_entries(quorum, timeout)
@@ -1343,7 +1398,11 @@ class QuorumClient:
 
     def vote(self, quorum: Quorum, step: int, ok: bool) -> bool:
         """Cast this group's vote for `(quorum, step)`. False: fenced out (this group's
-        key is gone or the quorum was replaced), so the step must be abandoned here."""
+        key is gone or the quorum was replaced), so the step must be abandoned here.
+
+        A `fail` vote also enters this group into `quorum`'s successor, before anyone
+        proposed it: the group must `agree(failed=...)` next, and takes that successor
+        if it names it (a change seen meanwhile is taken at the next step boundary)."""
         key = f"{self.root}votes/{quorum.id}/{step}/{self.group}"
         cond = [Compare(self.root + "groups/" + self.group, "version", ">", 0),
                 Compare(self.root + "quorum", "mod", "==", quorum.revision)]
@@ -1366,6 +1425,8 @@ class QuorumClient:
             return False
         if result.succeeded:
             self._my_votes.append(key)
+            if not ok:
+                self._entered_ahead = quorum.id + 1
             if ok:
                 self._after_vote = (quorum.id, step,
                                     Snapshot.parse(list(result.ranges[0]), self.root,

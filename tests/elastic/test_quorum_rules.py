@@ -440,6 +440,7 @@ def test_a_joiner_that_registers_while_the_members_enter_is_seen_by_a_watch(kv) 
     q1, _ = a.agree()
     t.join(60)
     assert q1.members == ("c", "g0", "g1") and got == [q1], (q1, got)
+    assert not q1.entered  # the joiner did not vote: every member enters and is counted
     entered: list = []
     threads = [_run(lambda x=x: x.confirm(q1, timeout=30.0), entered) for x in (a, b, c)]
     for t in threads:
@@ -789,6 +790,87 @@ def test_followers_take_the_survivors_quorum_after_a_failed_step(kv) -> None:
     assert got["g0"] == got["g1"] and got["g0"].members == ("g0", "g1")
 
 
+def test_survivors_enter_the_successor_with_their_votes(kv) -> None:
+    """Every survivor's `fail` vote enters it into the failed quorum's successor: the
+    decider writes that quorum saying so, and no member writes an entry or waits for
+    the host to count (at a thousand groups, a raft write and a watch event per member)."""
+    stores = [_live_store(), _live_store(), _live_store(), _closed_address()]  # g3 killed
+    _, groups, q0 = _followers(kv, 4, stores)
+    survivors = groups[:3]
+    _fail_step(q0, *survivors)
+    got: dict[str, Quorum] = {}
+    threads = [_run(lambda g=g: got.setdefault(g.group, g.agree(failed=(q0, 0))[0]), [])
+               for g in survivors]
+    for t in threads:
+        t.join(60)
+    q1 = got["g0"]
+    assert got["g1"] == q1 == got["g2"] and q1.members == ("g0", "g1", "g2") and q1.entered
+    reader = kv.connect()
+    root = survivors[0].root
+    keys_before = {kv.key: kv.mod_revision for kv in reader.get_prefix(root)[0]}
+    requests_before = [g.requests for g in survivors]
+    # One after the other: were any member to wait for another's entry, this would hang.
+    assert all(g.confirm(q1, timeout=30.0).complete for g in survivors)
+    assert [g.requests for g in survivors] == requests_before
+    assert {kv.key: kv.mod_revision for kv in reader.get_prefix(root)[0]} == keys_before
+    for g in groups:
+        g.leave()
+
+
+def test_a_survivor_takes_the_successor_it_entered_though_a_joiner_came(kv) -> None:
+    """b entered the successor with its vote; a joiner registers before b agrees. b takes
+    the successor a wrote instead of replacing it (a and the host count on b), and its
+    membership watch says the joiner at once, so the joiner comes in at the next step
+    boundary."""
+    job, a, b, c, q0 = _three_groups(kv, grace=600.0, c_store=_closed_address())
+    _fail_step(q0, a, b)
+    q1, _ = a.agree(failed=(q0, 0))
+    assert q1.members == ("a", "b") and q1.entered
+    j = _client(kv, job, "j")
+    j.join(_live_store(), ready=False, heal=True)
+    taken, _ = b.agree(failed=(q0, 0))
+    assert taken == q1, f"b replaced the quorum it entered with its vote: {taken}"
+    assert a.confirm(q1, timeout=30.0).complete and b.confirm(q1, timeout=30.0).complete
+    b.watch_membership()
+    try:
+        assert b.membership_changed.wait(30), "the joiner waits for an unrelated change"
+        got: dict[str, Quorum] = {}
+        threads = [_run(lambda g=g: got.setdefault(g.group, g.agree()[0]), [])
+                   for g in (a, b, j)]
+        for t in threads:
+            t.join(60)
+        assert len(got) == 3 and len(set(got.values())) == 1, got
+        q2 = got["j"]
+        assert q2.members == ("a", "b", "j") and q2.healing == ("j",) and not q2.entered
+    finally:
+        for x in (a, b, c, j):
+            x.leave()
+
+
+def test_a_vote_enters_only_the_quorum_right_after_it(kv) -> None:
+    """a survives alone (a quorum of one is never entered); a joiner that registers
+    later is taken in at a's next agreement: the vote's entry held only for the
+    agreement right after the vote."""
+    job, a, b, c, q0 = _three_groups(kv, grace=600.0, c_store=_closed_address())
+    b.detach()
+    b.client.delete(b.root + "groups/b")  # b's lease ended: only a is left
+    _fail_step(q0, a)
+    q1, _ = a.agree(failed=(q0, 0))
+    assert q1.members == ("a",) and not q1.entered
+    j = _client(kv, job, "j")
+    j.join(_live_store(), ready=False, heal=True)
+    try:
+        got: list = []
+        t = _run(lambda: j.agree()[0], got)
+        q2, _ = a.agree()
+        t.join(60)
+        assert q2.members == ("a", "j") and q2.healing == ("j",), q2
+        assert got == [q2]
+    finally:
+        for x in (a, c, j):
+            x.leave()
+
+
 def test_followers_decide_alone_when_every_decider_is_lost(kv) -> None:
     stores = [_closed_address(), _live_store(), _live_store()]  # g0, the decider, is killed
     _, (a, b, c), q0 = _followers(kv, 3, stores, follow_s=0.5)
@@ -828,13 +910,13 @@ def test_a_large_quorum_document_is_compact_and_reads_back(kv) -> None:
     root = f"{client.settings.prefix}/rules-{uuid.uuid4().hex[:8]}/replicas/"
     for n in (3, 1024):
         q = Quorum(4, tuple(f"g{i:05d}" for i in range(n)), 0, ("g00001",), (("x", 5),),
-                   ("10.0.0.7", 29500))
+                   ("10.0.0.7", 29500), entered=n > 3)
         client.put(root + "quorum", q.to_json())
         kvs, revision = client.get_prefix(root)
         read = Snapshot.parse(kvs, root, revision).quorum
         assert read is not None
-        assert (read.id, read.members, read.healing, read.out, read.host_store) == (
-            q.id, q.members, q.healing, q.out, q.host_store)
+        assert (read.id, read.members, read.healing, read.out, read.host_store,
+                read.entered) == (q.id, q.members, q.healing, q.out, q.host_store, q.entered)
         # Every follower receives this document: about 2.5 bytes a member at 1,024.
         assert len(q.to_json()) < (200 if n == 3 else 3 * n)
 
