@@ -977,10 +977,11 @@ class QuorumClient:
                     # Every member that holds the state is gone: re-form without them.
                 if (current is not None and current.id == self._entered_ahead
                         and self.group in current.members and current.healthy):
-                    # This group entered `current` with its vote: its host may have
-                    # counted it in already, and the others build the quorum's process
-                    # group with it. A change seen now waits for the next step boundary
-                    # (a member found gone while they enter re-forms the quorum at once).
+                    # This group entered `current` with its vote: the quorum may say so
+                    # (`Quorum.entered`), and the others then build its process group
+                    # with this group. A change seen now waits for the next step
+                    # boundary; a member gone fails the build, and the next quorum
+                    # forms without it.
                     self._last_quorum = current.id
                     self._owes_change = self._entitled(current, snap,
                                                        self._admit_before) != current.members
@@ -1425,12 +1426,12 @@ class QuorumClient:
             return False
         if result.succeeded:
             self._my_votes.append(key)
-            if not ok:
-                self._entered_ahead = quorum.id + 1
             if ok:
                 self._after_vote = (quorum.id, step,
                                     Snapshot.parse(list(result.ranges[0]), self.root,
                                                    result.revision))
+            else:
+                self._entered_ahead = quorum.id + 1
         return result.succeeded
 
     def decide(self, quorum: Quorum, step: int) -> bool:
